@@ -8,6 +8,4 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-pytest_plugins = [
-    p.stem and f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtures_*.py"))
-]
+pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtures_*.py"))]

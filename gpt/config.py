@@ -1,0 +1,280 @@
+"""One configuration object for the model, the data, the schedule and the run, plus named presets.
+
+Presets fill the fields left as ``None``; anything passed explicitly wins. ``validate(world_size)``
+catches impossible combinations before anything is submitted, with a message naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# GPT-3 paper schedule in samples of 2048 tokens (as Megatron's GPT-3 examples use it):
+# 300B training tokens, 260B decay tokens, 375M warmup tokens.
+_GPT3_SCHEDULE = {"train_samples": 146_484_375, "lr_decay_samples": 126_953_125, "lr_warmup_samples": 183_105}
+
+
+def _gpt3(layers: int, hidden: int, heads: int, lr: float, batch: int) -> dict[str, Any]:
+    return {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": 2048,
+            "micro_batch_size": 1, "global_batch_size": batch, "lr": lr, "min_lr": lr / 10, **_GPT3_SCHEDULE}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough to train a few hundred iterations on two CPU cores in a minute or two.
+    "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
+             "micro_batch_size": 8, "global_batch_size": 16, "lr": 2e-3, "min_lr": 2e-4,
+             "train_iters": 300, "lr_warmup_iters": 30},
+    # GPT-3 paper, Table 2.1 (1.3B with 16 heads as Megatron and NeMo use it; 13B with 5120 hidden).
+    "gpt3-125m": _gpt3(12, 768, 12, 6e-4, 256),
+    "gpt3-350m": _gpt3(24, 1024, 16, 3e-4, 256),
+    "gpt3-760m": _gpt3(24, 1536, 16, 2.5e-4, 256),
+    "gpt3-1.3b": _gpt3(24, 2048, 16, 2e-4, 512),
+    "gpt3-2.7b": _gpt3(32, 2560, 32, 1.6e-4, 512),
+    "gpt3-6.7b": _gpt3(32, 4096, 32, 1.2e-4, 1024),
+    "gpt3-13b": _gpt3(40, 5120, 40, 1e-4, 1024),
+    "gpt3-175b": _gpt3(96, 12288, 96, 0.6e-4, 1536),
+    # Megatron-LM's scaling table (heads, hidden, layers, batch).
+    "gpt-1.7b": _gpt3(24, 2304, 24, 2e-4, 512),
+    "gpt-3.6b": _gpt3(30, 3072, 32, 1.6e-4, 512),
+    "gpt-7.5b": _gpt3(36, 4096, 32, 1.2e-4, 512),
+    "gpt-18.4b": _gpt3(40, 6144, 48, 1e-4, 1024),
+    "gpt-39.1b": _gpt3(48, 8192, 64, 0.8e-4, 1536),
+    "gpt-76.1b": _gpt3(60, 10240, 80, 0.6e-4, 1792),
+    "gpt-145.6b": _gpt3(80, 12288, 96, 0.6e-4, 2304),
+    "gpt-310.1b": _gpt3(96, 16384, 128, 0.6e-4, 2160),
+}
+
+_SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
+_SCHEDULE_SAMPLES = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
+_CHOICES = {
+    "lr_decay_style": ("cosine", "linear", "constant"),
+    "data_parallel_mode": ("fsdp", "ddp"),
+    "device": ("auto", "cpu", "cuda", "neuron"),
+    "precision": ("fp32", "bf16", "fp16"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and what to change."""
+
+
+@dataclass
+class Config:
+    model: str = "tiny"
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    seq_length: int | None = None
+    max_position_embeddings: int | None = None
+    vocab_size: int = 50257
+    data_index: str | None = None
+    mock_data: bool = False
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    train_iters: int | None = None
+    train_samples: int | None = None
+    lr: float | None = None
+    min_lr: float | None = None
+    lr_warmup_iters: int | None = None
+    lr_warmup_samples: int | None = None
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    tensor_parallel: int = 1
+    data_parallel_mode: str = "ddp"
+    device: str = "auto"
+    precision: str = "bf16"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    compile_cache_dir: str | None = None
+    precompile: bool = False
+    precompile_iters: int = 3
+    run_dir: str = "runs/default"
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    save_interval: int = 100
+    keep_last: int = 2
+    benchmark: bool = False
+    peak_flops: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ConfigError(f"model={self.model!r} is not a preset; choose one of {', '.join(PRESETS)}")
+        preset = PRESETS[self.model]
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "micro_batch_size", "global_batch_size", "lr", "min_lr"):
+            if getattr(self, name) is None:
+                setattr(self, name, preset[name])
+        self._fill_schedule(preset)
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    def _fill_schedule(self, preset: dict[str, Any]) -> None:
+        """Take the preset's schedule whole when none is given; otherwise only its warmup of the same kind."""
+        given = [n for n in _SCHEDULE_ITERS + _SCHEDULE_SAMPLES if getattr(self, n) is not None]
+        if not given:
+            for n in _SCHEDULE_ITERS + _SCHEDULE_SAMPLES:
+                if n in preset:
+                    setattr(self, n, preset[n])
+        else:
+            for kind in (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES):
+                if getattr(self, kind[0]) is not None and getattr(self, kind[1]) is None and kind[1] in preset:
+                    setattr(self, kind[1], preset[kind[1]])
+        if self.lr_warmup_iters is None and self.train_iters is not None:
+            self.lr_warmup_iters = 0
+        if self.lr_warmup_samples is None and self.train_samples is not None:
+            self.lr_warmup_samples = 0
+        if self.lr_decay_iters is None and self.train_iters is not None:
+            self.lr_decay_iters = self.train_iters
+        if self.lr_decay_samples is None and self.train_samples is not None:
+            self.lr_decay_samples = self.train_samples
+
+    # -- construction and serialisation ------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> Config:
+        return cls.from_dict({"model": name, **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Config:
+        data = read_config_file(path)
+        try:
+            return cls.from_dict(data)
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{path}: {e}") from e
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    # -- derived values ----------------------------------------------------------------------
+    def padded_vocab_size(self, tp: int | None = None) -> int:
+        """Vocabulary padded like Megatron: a multiple of 128 x tensor-parallel size."""
+        multiple = 128 * (self.tensor_parallel if tp is None else tp)
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def total_iters(self) -> int:
+        if self.train_iters is not None:
+            return self.train_iters
+        return self.train_samples // self.global_batch_size
+
+    def num_samples(self) -> dict[str, int]:
+        """Samples each split must provide, by Megatron's formula."""
+        g = self.global_batch_size
+        iters = self.total_iters
+        eval_runs = iters // self.eval_interval + 1
+        train = self.train_samples if self.train_samples is not None else iters * g
+        return {"train": train, "valid": eval_runs * self.eval_iters * g, "test": self.eval_iters * g}
+
+    # -- validation --------------------------------------------------------------------------
+    def validate(self, world_size: int = 1) -> None:
+        """Raise ConfigError for a combination that cannot run on ``world_size`` ranks."""
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+                     "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "log_interval",
+                     "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a positive integer")
+        if world_size < 1:
+            raise ConfigError(f"world size {world_size} must be at least 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                              f"{self.num_attention_heads}; change one so that heads divide the hidden size")
+        if self.num_attention_heads % self.tensor_parallel:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
+                              f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count")
+        if world_size % self.tensor_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel}; "
+                              f"use a number of ranks that is a multiple of it")
+        dp = world_size // self.tensor_parallel
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+                              f"{self.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
+                              f"of {self.micro_batch_size * dp}")
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(f"seq_length={self.seq_length} is longer than max_position_embeddings="
+                              f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ConfigError("set exactly one of train_iters and train_samples "
+                              f"(got train_iters={self.train_iters}, train_samples={self.train_samples})")
+        own, other = (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES) if self.train_iters is not None else (_SCHEDULE_SAMPLES, _SCHEDULE_ITERS)
+        for name in other[1:]:
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
+                                  f"or schedule by {other[0]}")
+        total, warmup, decay = (getattr(self, n) for n in own)
+        if total < 1:
+            raise ConfigError(f"{own[0]}={total}: must be at least 1" +
+                              (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is _SCHEDULE_SAMPLES else ""))
+        if self.train_samples is not None and self.train_samples < self.global_batch_size:
+            raise ConfigError(f"train_samples={self.train_samples} is less than one global batch ({self.global_batch_size}); raise it")
+        if warmup < 0 or decay < 1:
+            raise ConfigError(f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1")
+        if warmup > decay:
+            raise ConfigError(f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}")
+        if self.data_index is None and not self.mock_data:
+            raise ConfigError("no training data: set data_index to an index manifest (tasks.index) or mock_data=True")
+        if self.data_index is not None and self.mock_data:
+            raise ConfigError("both data_index and mock_data are set; keep one")
+        if self.data_index is not None and not Path(self.data_index).is_file():
+            raise ConfigError(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
+        if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1:
+            raise ConfigError("data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on more than one "
+                              "data-parallel rank; use data_parallel_mode='fsdp'")
+        if self.device == "neuron" and (self.tensor_parallel > 1 or self.data_parallel_mode == "fsdp"):
+            raise ConfigError("device='neuron' supports data parallel only: set tensor_parallel=1 and data_parallel_mode='ddp'")
+        if self.precompile and not self.compile_cache_dir:
+            raise ConfigError("precompile=True needs compile_cache_dir, where the compiled graphs are stored")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ConfigError("clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)")
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping of Config fields in a JSON file, or YAML when the name ends in .yaml/.yml (needs PyYAML)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e})") from e
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # only YAML configs need it
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except ImportError as e:
+        raise ConfigError(f"{path}: reading YAML needs PyYAML (pip install PyYAML); or use a .json file") from e
+    except Exception as e:  # the parsers' own messages carry the line number
+        raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config fields at the top level")
+    return data

@@ -1,0 +1,352 @@
+"""Token datasets: Megatron's MMIDIDX ``.bin/.idx`` pair, the GPT sample dataset and a mock one.
+
+``.idx`` layout (little-endian): 9-byte magic ``MMIDIDX\\x00\\x00``; ``<Q`` version (1); ``<B`` dtype
+code; ``<Q`` sequence count N; ``<Q`` document-index count D; int32[N] sequence lengths;
+int64[N] byte offsets of each sequence in ``.bin``; int64[D] document indices (first 0, last N).
+``.bin`` holds the token arrays back to back in that dtype. Files written here load in
+Megatron-LM / NeMo unchanged, and theirs load here.
+
+The GPT dataset reads the ``.npy`` indices that ``tasks.index`` builds (document, sample and
+shuffle indices, plus blending indices when several prefixes are weighted) through a JSON
+manifest; every array is memory-mapped, so every rank shares one copy in the page cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")
+
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+_CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+
+
+class IndexFormatError(ValueError):
+    """A ``.bin/.idx`` pair that is truncated, corrupt or inconsistent."""
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """The token dtype Megatron picks: uint16 below 65,500 entries, int32 otherwise."""
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def _dtype_code(dtype: np.dtype | type) -> int:
+    try:
+        return _CODE_OF[np.dtype(dtype)]
+    except KeyError:
+        raise ValueError(
+            f"dtype {np.dtype(dtype)} has no MMIDIDX code; use one of "
+            f"{sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())}"
+        ) from None
+
+
+class MMapIndexedDataset:
+    """Read-only view of ``<prefix>.bin/.idx``: memory-mapped, never copied.
+
+    ``sizes`` (int32), ``pointers`` (int64 byte offsets) and ``document_indices`` (int64) are views
+    into the mapped ``.idx``; ``self[i]`` and ``get`` return views into the mapped ``.bin``.
+    """
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = str(prefix)
+        self.idx_path = self.prefix + ".idx"
+        self.bin_path = self.prefix + ".bin"
+        for path in (self.idx_path, self.bin_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: not found (expected the pair {self.prefix}.bin/.idx)")
+        idx_size = os.path.getsize(self.idx_path)
+        if idx_size < _HEADER.size:
+            raise IndexFormatError(
+                f"{self.idx_path}: truncated: {idx_size} bytes, shorter than the {_HEADER.size}-byte header"
+            )
+        with open(self.idx_path, "rb") as f:
+            magic, version, code, n, d = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != MAGIC:
+            raise IndexFormatError(f"{self.idx_path}: bad magic {magic!r}, expected {MAGIC!r}: not an MMIDIDX index")
+        if version != VERSION:
+            raise IndexFormatError(f"{self.idx_path}: unsupported version {version}, expected {VERSION}")
+        if code not in DTYPE_CODES:
+            raise IndexFormatError(f"{self.idx_path}: unknown dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = _HEADER.size + 12 * n + 8 * d
+        if idx_size != expected:
+            raise IndexFormatError(
+                f"{self.idx_path}: {idx_size} bytes, but the header's {n} sequences and {d} document "
+                f"indices need {expected}: the file is truncated or corrupt"
+            )
+        self._idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        self.sizes = np.frombuffer(self._idx, dtype=np.int32, count=n, offset=_HEADER.size)
+        self.pointers = np.frombuffer(self._idx, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
+        self.document_indices = np.frombuffer(self._idx, dtype=np.int64, count=d, offset=_HEADER.size + 12 * n)
+        if d == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
+            raise IndexFormatError(
+                f"{self.idx_path}: document indices must start at 0 and end at the sequence count {n}; "
+                f"found {d} entries" + (f" from {self.document_indices[0]} to {self.document_indices[-1]}" if d else "")
+            )
+        bin_size = os.path.getsize(self.bin_path)
+        tokens = int(self.sizes.sum(dtype=np.int64))
+        if n and int(self.sizes.min()) < 0:
+            raise IndexFormatError(f"{self.idx_path}: negative sequence length")
+        if tokens * self.dtype.itemsize != bin_size:
+            raise IndexFormatError(
+                f"{self.bin_path}: {bin_size} bytes, but {self.idx_path} lists {tokens} tokens of "
+                f"{self.dtype} ({tokens * self.dtype.itemsize} bytes): the pair is truncated or mismatched"
+            )
+        if n and (self.pointers[0] != 0 or int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize != bin_size):
+            raise IndexFormatError(f"{self.idx_path}: sequence offsets do not match the sequence lengths")
+        self._bin = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sizes.sum(dtype=np.int64))
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``i`` as a view into the mapped ``.bin``."""
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"{self.bin_path}: sequence {i} has {size} tokens; [{offset}, {offset + length}) is out of range")
+        start = int(self.pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+
+def write_index(path: str | os.PathLike, sizes: np.ndarray, document_indices: np.ndarray, dtype: np.dtype | type) -> None:
+    """Write an ``.idx`` for sequences of ``sizes`` tokens stored back to back in ``.bin``."""
+    dtype = np.dtype(dtype)
+    sizes = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+    pointers *= dtype.itemsize
+    document_indices = np.asarray(document_indices, dtype=np.int64)
+    with open(path, "wb") as f:
+        f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(dtype), len(sizes), len(document_indices)))
+        f.write(sizes.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(document_indices.astype("<i8").tobytes())
+
+
+class IndexedDatasetWriter:
+    """Writes ``<prefix>.bin/.idx`` under temporary names and renames them on ``finalize``.
+
+    Use as a context manager: an exception (or interrupt) removes the temporary files, so no
+    partial pair ever appears under the final name.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        self._code = _dtype_code(self.dtype)
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        suffix = f".tmp-{os.getpid()}"
+        self._bin_tmp = self.prefix + ".bin" + suffix
+        self._idx_tmp = self.prefix + ".idx" + suffix
+        self._bin = open(self._bin_tmp, "wb")
+        self._sizes: list[np.ndarray] = []
+        self._doc_ends: list[np.ndarray] = []  # sequence count after each document
+        self._sequences = 0
+        self._tokens = 0
+
+    def add_document(self, tokens: np.ndarray | list[int]) -> None:
+        """Append one document made of one sequence."""
+        arr = np.asarray(tokens)
+        self.add_documents(arr, np.array([arr.size], dtype=np.int64))
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append ``len(lengths)`` documents whose tokens lie back to back in ``tokens``."""
+        tokens = np.asarray(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"lengths add up to {int(lengths.sum())} but {tokens.size} tokens were given")
+        if tokens.dtype != self.dtype:
+            if tokens.size and self.dtype.kind in "iu":
+                info = np.iinfo(self.dtype)
+                lo, hi = int(tokens.min()), int(tokens.max())
+                if lo < info.min or hi > info.max:
+                    raise ValueError(f"{self.prefix}: token ids [{lo}, {hi}] do not fit {self.dtype}; choose a wider dtype")
+            tokens = tokens.astype(self.dtype)
+        self._bin.write(np.ascontiguousarray(tokens).data)
+        self._sizes.append(lengths.astype(np.int32))
+        self._doc_ends.append(self._sequences + np.arange(1, len(lengths) + 1, dtype=np.int64))
+        self._sequences += len(lengths)
+        self._tokens += tokens.size
+
+    def add_index(self, prefix: str | os.PathLike) -> None:
+        """Append every sequence and document of another pair (Megatron's ``add_index``)."""
+        other = MMapIndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"{other.idx_path}: dtype {other.dtype} differs from the output's {self.dtype}; merge only pairs of one dtype")
+        self._sizes.append(np.array(other.sizes, dtype=np.int32))
+        self._doc_ends.append(self._sequences + np.asarray(other.document_indices[1:], dtype=np.int64))
+        self._sequences += len(other)
+        self._tokens += other.num_tokens
+        with open(other.bin_path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                self._bin.write(chunk)
+
+    def finalize(self) -> None:
+        """Write the ``.idx`` and move both files to their final names."""
+        self._bin.close()
+        sizes = np.concatenate(self._sizes) if self._sizes else np.empty(0, np.int32)
+        doc_idx = np.concatenate([np.zeros(1, np.int64), *self._doc_ends])
+        write_index(self._idx_tmp, sizes, doc_idx, self.dtype)
+        os.replace(self._bin_tmp, self.prefix + ".bin")
+        os.replace(self._idx_tmp, self.prefix + ".idx")
+
+    def abort(self) -> None:
+        """Drop the temporary files."""
+        self._bin.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            if os.path.exists(path):
+                os.remove(path)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def num_documents(self) -> int:
+        return sum(len(d) for d in self._doc_ends)
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def merge(prefixes: list[str], out_prefix: str) -> None:
+    """Concatenate several ``.bin/.idx`` pairs of one dtype into ``out_prefix``."""
+    if not prefixes:
+        raise ValueError("merge: no input prefixes given")
+    dtype = MMapIndexedDataset(prefixes[0]).dtype
+    with IndexedDatasetWriter(out_prefix, dtype) as writer:
+        for prefix in prefixes:
+            writer.add_index(prefix)
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+class _SplitPart:
+    """One prefix's samples within a split: the document, sample and shuffle indices over its tokens."""
+
+    def __init__(self, entry: dict, root: Path, seq_length: int, add_extra_token: int) -> None:
+        self.data = MMapIndexedDataset(entry["prefix"])
+        self.document_index = _load_npy(root / entry["document_index"])
+        self.sample_index = _load_npy(root / entry["sample_index"])
+        self.shuffle_index = _load_npy(root / entry["shuffle_index"])
+        self.length = seq_length + add_extra_token
+        self.add_extra_token = add_extra_token
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def sample(self, i: int) -> np.ndarray:
+        j = int(self.shuffle_index[i])
+        doc_beg, off_beg = (int(x) for x in self.sample_index[j])
+        doc_end, off_end = (int(x) for x in self.sample_index[j + 1])
+        docs = self.document_index
+        if doc_beg == doc_end:
+            out = self.data.get(int(docs[doc_beg]), off_beg, off_end - off_beg + self.add_extra_token)
+            return out.astype(np.int64)
+        pieces = [self.data.get(int(docs[doc_beg]), off_beg)]
+        pieces += [self.data.get(int(docs[k])) for k in range(doc_beg + 1, doc_end)]
+        pieces.append(self.data.get(int(docs[doc_end]), 0, off_end + self.add_extra_token))
+        return np.concatenate(pieces).astype(np.int64)
+
+
+class GPTDataset:
+    """Samples of ``seq_length + 1`` tokens in the order fixed by the indices ``tasks.index`` built.
+
+    The order depends only on the indices (seed, split, sequence length, sample counts), never on
+    the number of ranks reading them. A split that received no documents or samples has length 0.
+    """
+
+    def __init__(self, parts: list[_SplitPart], seq_length: int, num_samples: int,
+                 dataset_index: np.ndarray | None = None, dataset_sample_index: np.ndarray | None = None) -> None:
+        self.parts = parts
+        self.seq_length = seq_length
+        self.num_samples = num_samples
+        self.dataset_index = dataset_index
+        self.dataset_sample_index = dataset_sample_index
+
+    @classmethod
+    def from_index(cls, manifest_path: str | os.PathLike, split: str) -> "GPTDataset":
+        manifest_path = Path(manifest_path)
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{manifest_path}: cannot read the index manifest ({e}); build it with `python -m tasks.index`") from e
+        splits = manifest.get("splits", {})
+        if split not in splits:
+            raise ValueError(f"{manifest_path}: no split {split!r}; it holds {sorted(splits)}")
+        entry = splits[split]
+        seq_length = int(manifest["seq_length"])
+        add_extra = int(manifest.get("add_extra_token", 1))
+        root = manifest_path.parent
+        parts = [_SplitPart(p, root, seq_length, add_extra) for p in entry["datasets"]]
+        if entry.get("blend"):
+            dataset_index = _load_npy(root / entry["blend"]["dataset_index"])
+            dataset_sample_index = _load_npy(root / entry["blend"]["dataset_sample_index"])
+            return cls(parts, seq_length, len(dataset_index), dataset_index, dataset_sample_index)
+        return cls(parts, seq_length, len(parts[0]) if parts else 0)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for a dataset of {self.num_samples} samples")
+        if self.dataset_index is None:
+            return self.parts[0].sample(i)
+        return self.parts[int(self.dataset_index[i])].sample(int(self.dataset_sample_index[i]))
+
+
+class MockGPTDataset:
+    """Random tokens, no files: sample ``i`` depends only on ``(seed, i)``."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234) -> None:
+        self.num_samples = num_samples
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for a dataset of {self.num_samples} samples")
+        rng = np.random.default_rng([self.seed, i])
+        return rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)

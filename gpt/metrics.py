@@ -1,0 +1,99 @@
+"""Megatron's log line on stdout, metrics.jsonl and TensorBoard events, written by rank 0."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from gpt.config import Config
+
+
+def flops_per_token(config: Config, num_params: int) -> float:
+    """Training FLOPs per token: 6 x parameters plus attention's 12 x layers x hidden x sequence."""
+    return 6 * num_params + 12 * config.num_layers * config.hidden_size * config.seq_length
+
+
+def mfu(tokens_per_s: float, flops_token: float, peak_per_device: float | None, devices: int) -> float | None:
+    """Model FLOPs utilisation as a fraction, or None without a known peak."""
+    if not peak_per_device:
+        return None
+    return flops_token * tokens_per_s / (peak_per_device * devices)
+
+
+def train_line(*, iteration: int, total: int, consumed: int, elapsed_ms: float, lr: float, batch: int,
+               loss: float, loss_scale: float, grad_norm: float, skipped: int, nan: int,
+               tokens_per_s: float, mfu_value: float | None) -> str:
+    mfu_text = f"{100 * mfu_value:.2f}%" if mfu_value is not None else "n/a"
+    return (f" iteration {iteration:8d}/{total:8d} | consumed samples: {consumed:12d} | "
+            f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
+            f"global batch size: {batch:5d} | lm loss: {loss:.6E} | loss scale: {loss_scale:.1f} | "
+            f"grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} | "
+            f"number of nan iterations: {nan:3d} | tokens/s: {tokens_per_s:.1f} | MFU: {mfu_text} |")
+
+
+def valid_line(iteration: int, loss: float) -> str:
+    ppl = math.exp(min(20.0, loss))
+    return f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+
+
+class MetricsWriter:
+    """Appends one JSON object per iteration to metrics.jsonl and mirrors scalars to TensorBoard.
+
+    Disabled (writes nothing) on ranks other than 0 and in precompile runs.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, resume_iteration: int = 0) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            path = Path(run_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _truncate_after(path, resume_iteration)
+            self._file = open(path, "a")
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def train(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "train", **record, "time": time.time()})
+        step = record["iteration"]
+        for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "elapsed_ms"):
+            self._tb.add_scalar(f"train/{key}", record[key], step)
+        if record.get("mfu") is not None:
+            self._tb.add_scalar("train/mfu", record["mfu"], step)
+
+    def valid(self, iteration: int, consumed: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "valid", "iteration": iteration, "consumed_samples": consumed,
+                     "valid_loss": loss, "time": time.time()})
+        self._tb.add_scalar("valid/lm_loss", loss, iteration)
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self._file.write(json.dumps(obj) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            self._tb.close()
+
+
+def _truncate_after(path: Path, iteration: int) -> None:
+    """Drop records past the checkpoint a run resumes from: those iterations run again."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                kept.append(line + "\n")
+        except (ValueError, KeyError):
+            continue  # a line cut short when the previous run was killed
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)

@@ -1,0 +1,14 @@
+"""Builds the native index extension; everything else is declared in pyproject.toml."""
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+
+setup(
+    ext_modules=[
+        Pybind11Extension(
+            "native._native",
+            ["native/index.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ],
+)

@@ -1,0 +1,302 @@
+"""Index stage: the document, sample and shuffle indices of GPT datasets, as megatron-core builds them.
+
+For each split of each prefix: the split's documents repeated for enough epochs and shuffled with
+``numpy.random.RandomState(seed)``; the sample index over them (native C++); the shuffled sample
+order. Several weighted prefixes are blended greedily (native C++). Every array is written once as
+``.npy`` named by the md5 of its description, so a rebuild with the same inputs reads them back;
+``gpt.data.GPTDataset.from_index`` memory-maps them through the JSON manifest written here.
+
+``python -m tasks.index --data-path 0.3 A 0.7 B --seq-length 2048 --train-samples N ... --out-dir D``
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+
+from gpt.data import MMapIndexedDataset
+from native import build_blending_indices, build_sample_idx
+
+SPLITS = ("train", "valid", "test")
+ADD_EXTRA_TOKEN = 1
+# A final epoch that would contribute fewer than this share of an epoch's samples is shuffled
+# separately so its samples are not diluted into the full epochs (megatron-core's rule).
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+# Each blended component builds this much more than its share, as Megatron does, so that greedy
+# blending never runs past a component's end.
+BLEND_MARGIN = 1.005
+
+
+class IndexManifest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    path: str
+    seq_length: int
+    num_samples: dict[str, int]
+    digest: str
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` -> normalized train/valid/test weights."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"split={split!r}: expected up to three comma-separated numbers such as '969,30,1'") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split={split!r}: expected up to three non-negative numbers with a positive sum, such as '969,30,1'")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_bounds(weights: list[float], num_documents: int) -> list[int]:
+    """Document boundaries of the splits: rounded shares, the rounding excess taken off the end."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    return [bounds[0]] + [b - excess for b in bounds[1:]]
+
+
+def parse_data_path(data_path: list[tuple[float, str]] | list[str] | str) -> list[tuple[float | None, str]]:
+    """Megatron's ``--data-path``: ``[w1, p1, w2, p2, ...]``, ``[(w, p), ...]`` or ``[p1, p2, ...]``."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    items = list(data_path)
+    if not items:
+        raise ValueError("data_path: no dataset prefix given")
+    if all(isinstance(x, (tuple, list)) for x in items):
+        return [(float(w), str(p)) for w, p in items]
+
+    def is_number(x: object) -> bool:
+        try:
+            float(x)  # type: ignore[arg-type]
+            return True
+        except (TypeError, ValueError):
+            return False
+
+    if len(items) % 2 == 0 and all(is_number(x) for x in items[0::2]):
+        return [(float(w), str(p)) for w, p in zip(items[0::2], items[1::2])]
+    if any(is_number(x) for x in items):
+        raise ValueError(f"data_path={items!r}: give either only prefixes or weight/prefix pairs ('0.3 A 0.7 B')")
+    return [(None, str(p)) for p in items]
+
+
+def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
+    needed = num_samples * seq_length + ADD_EXTRA_TOKEN
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    if not separate_final_epoch or num_epochs == 1:
+        dtype = np.int32 if len(documents) == 0 or documents[-1] <= np.iinfo(np.int32).max else np.int64
+        index = np.tile(documents.astype(dtype), num_epochs)
+        rng.shuffle(index)
+        return index
+    first = build_document_index(documents, num_epochs - 1, rng, False)
+    last = build_document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def _md5(text: str) -> str:
+    return hashlib.md5(text.encode()).hexdigest()
+
+
+def _file_md5(path: str) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _build_part(data: MMapIndexedDataset, idx_md5: str, documents: tuple[int, int], split: str, split_str: str,
+                num_samples: int, seq_length: int, seed: int, out_dir: Path) -> tuple[dict, int]:
+    """Build (or find) one prefix's indices for one split; returns its manifest entry and sample count."""
+    description = json.dumps({
+        "class": "GPTDataset", "prefix": os.path.abspath(data.prefix), "idx_md5": idx_md5,
+        "split": split_str, "split_name": split, "documents": list(documents), "num_samples": num_samples,
+        "seq_length": seq_length, "seed": seed, "add_extra_token_to_sequence": ADD_EXTRA_TOKEN,
+        "drop_last_partial_sequence": True,
+    }, sort_keys=True)
+    key = _md5(description)
+    names = {k: f"{key}-GPTDataset-{split}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")}
+    entry = {"prefix": os.path.abspath(data.prefix), "description": description, **names}
+    desc_path = out_dir / f"{key}-GPTDataset-{split}-description.txt"
+    if all((out_dir / n).exists() for n in names.values()) and desc_path.exists():
+        return entry, len(np.load(out_dir / names["shuffle_index"], mmap_mode="r"))
+
+    docs = np.arange(documents[0], documents[1], dtype=np.int64)
+    sizes = np.asarray(data.sizes)
+    tokens_per_epoch = int(sizes[documents[0]:documents[1]].sum(dtype=np.int64))
+    if tokens_per_epoch <= ADD_EXTRA_TOKEN:
+        raise ValueError(f"{data.prefix}: split {split!r} holds {tokens_per_epoch} tokens, too few for one sample")
+    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
+    separate_final_epoch = False
+    if num_epochs > 1:
+        samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
+        samples_per_epoch = (tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
+        separate_final_epoch = num_samples - samples_sans_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(docs, num_epochs, rng, separate_final_epoch)
+    # Dense access through a shuffled order is faster on an in-memory copy than on the mmap.
+    sample_index = build_sample_idx(np.array(sizes), document_index, seq_length, num_epochs, tokens_per_epoch,
+                                    True, ADD_EXTRA_TOKEN)
+    total = sample_index.shape[0] - 1
+    if separate_final_epoch:
+        shuffle_index = build_shuffle_index(samples_sans_final, total, rng)
+    else:
+        shuffle_index = build_shuffle_index(total, total, rng)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _save_npy(out_dir / names["document_index"], document_index)
+    _save_npy(out_dir / names["sample_index"], sample_index)
+    _save_npy(out_dir / names["shuffle_index"], shuffle_index)
+    tmp = desc_path.with_name(desc_path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(description)
+    os.replace(tmp, desc_path)
+    return entry, len(shuffle_index)
+
+
+def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str = "969,30,1", seq_length: int,
+                  seed: int, num_samples: dict[str, int], out_dir: str) -> IndexManifest:
+    """Build every split's indices under ``out_dir`` and write the manifest ``GPTDataset`` reads.
+
+    ``num_samples`` maps train/valid/test to sample counts (missing = 0: the split is left empty).
+    Prefixes without weights are blended in proportion to their token counts.
+    """
+    if seq_length < 1:
+        raise ValueError(f"seq_length={seq_length}: must be >= 1")
+    unknown = set(num_samples) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"num_samples: unknown split(s) {sorted(unknown)}; use {list(SPLITS)}")
+    if any(int(v) < 0 for v in num_samples.values()):
+        raise ValueError(f"num_samples={num_samples}: counts must be >= 0")
+    weights_split = parse_split(split)
+    entries = parse_data_path(data_path)
+    datasets = [MMapIndexedDataset(p) for _, p in entries]
+    if entries[0][0] is None:
+        weights = [float(d.num_tokens) for d in datasets]
+    else:
+        weights = [w for w, _ in entries]
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"data_path: weights {weights} must all be positive; drop a prefix instead of weighting it 0")
+    weights = [w / sum(weights) for w in weights]
+    idx_md5s = [_file_md5(d.idx_path) for d in datasets]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    blended = len(datasets) > 1
+
+    splits: dict[str, dict] = {}
+    counts: dict[str, int] = {}
+    for s, name in enumerate(SPLITS):
+        target = int(num_samples.get(name, 0))
+        parts: list[dict] = []
+        bounds = [split_bounds(weights_split, len(d)) for d in datasets]
+        if target == 0 or any(b[s + 1] <= b[s] for b in bounds):
+            splits[name] = {"datasets": [], "blend": None, "num_samples": 0}
+            counts[name] = 0
+            continue
+        sizes = []
+        for d, md5, b, w in zip(datasets, idx_md5s, bounds, weights):
+            part_samples = math.ceil(math.ceil(target * w) * BLEND_MARGIN) if blended else target
+            entry, n = _build_part(d, md5, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out)
+            parts.append(entry)
+            sizes.append(n)
+        blend = None
+        if blended:
+            blend = _build_blend(parts, weights, sizes, target, name, out)
+        splits[name] = {"datasets": parts, "blend": blend, "num_samples": target if blended else sizes[0]}
+        counts[name] = target if blended else sizes[0]
+
+    manifest = {"version": 1, "seq_length": seq_length, "add_extra_token": ADD_EXTRA_TOKEN, "seed": seed,
+                "split": split, "splits": splits}
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    digest = _md5(text)
+    path = out / f"{digest}-index.json"
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=digest)
+
+
+def _build_blend(parts: list[dict], weights: list[float], sizes: list[int], target: int, split: str, out: Path) -> dict:
+    description = json.dumps({"class": "BlendedDataset", "weights": weights, "size": target,
+                              "datasets": [p["description"] for p in parts]}, sort_keys=True)
+    key = _md5(description)
+    names = {"dataset_index": f"{key}-BlendedDataset-{split}-dataset_index.npy",
+             "dataset_sample_index": f"{key}-BlendedDataset-{split}-dataset_sample_index.npy"}
+    if all((out / n).exists() for n in names.values()):
+        return names
+    dataset_index = np.zeros(target, dtype=np.int16)
+    dataset_sample_index = np.zeros(target, dtype=np.int64)
+    build_blending_indices(dataset_index, dataset_sample_index, np.asarray(weights, dtype=np.float64),
+                           len(weights), target, False)
+    for d, size in enumerate(sizes):
+        used = dataset_sample_index[dataset_index == d]
+        if used.size and int(used.max()) >= size:
+            raise ValueError(f"{parts[d]['prefix']}: split {split!r} needs {int(used.max()) + 1} samples but holds {size}")
+    _save_npy(out / names["dataset_index"], dataset_index)
+    _save_npy(out / names["dataset_sample_index"], dataset_sample_index)
+    return names
+
+
+def _index_cache_key(context, parameters: dict) -> str:
+    """Arguments plus the identity (size, mtime) of every .bin/.idx they name."""
+    entries = parse_data_path(parameters["data_path"])
+    stamps = []
+    for _, prefix in entries:
+        for ext in (".idx", ".bin"):
+            st = os.stat(prefix + ext)
+            stamps.append([os.path.abspath(prefix + ext), st.st_size, st.st_mtime_ns])
+    return "index-" + _md5(json.dumps([parameters, stamps], sort_keys=True, default=str))
+
+
+index_task = task(name="index", cache_key_fn=_index_cache_key, persist_result=True)(build_indices)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tasks.index", description=__doc__.split("\n")[0])
+    p.add_argument("--data-path", nargs="+", required=True, help="prefixes, or weight/prefix pairs: 0.3 A 0.7 B")
+    p.add_argument("--split", default="969,30,1")
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--train-samples", type=int, required=True)
+    p.add_argument("--valid-samples", type=int, default=0)
+    p.add_argument("--test-samples", type=int, default=0)
+    p.add_argument("--out-dir", required=True)
+    a = p.parse_args(argv)
+    start = time.perf_counter()
+    m = build_indices(a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
+                      num_samples={"train": a.train_samples, "valid": a.valid_samples, "test": a.test_samples},
+                      out_dir=a.out_dir)
+    print(json.dumps({**m.model_dump(), "seconds": round(time.perf_counter() - start, 3)}))
+
+
+if __name__ == "__main__":
+    main()

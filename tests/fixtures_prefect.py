@@ -1,0 +1,130 @@
+"""A real Prefect server (SQLite, its own PREFECT_HOME) for end-to-end tests.
+
+`prefect_server` starts `prefect server start` on a free loopback port once per test session and
+yields a `PrefectServer` whose `env` points subprocesses (the CLI, `deployments/serve.py`) at it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+
+@dataclass
+class PrefectServer:
+    url: str                      # UI root, e.g. http://127.0.0.1:4321
+    api_url: str                  # url + "/api"
+    home: Path                    # PREFECT_HOME of the server and of clients using `env`
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def cli(self, *args: str, timeout: float = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+        """Run `prefect ARGS` against this server; output captured as text."""
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args], env=self.env, cwd=cwd,
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+        "PREFECT_LOCAL_STORAGE_PATH": str(home / "storage"),
+    })
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    else:
+        env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"prefect server not healthy after {timeout}s; see {log}")
+
+
+def start_server(home: Path) -> tuple[PrefectServer, subprocess.Popen]:
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = home / "server.log"
+    env = prefect_env(home, None)
+    env["PREFECT_UI_API_URL"] = f"{url}/api"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    wait_healthy(f"{url}/api", proc, log)
+    return PrefectServer(url=url, api_url=f"{url}/api", home=home, log=log,
+                         env=prefect_env(home, f"{url}/api")), proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    server, proc = start_server(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        yield server
+    finally:
+        stop(proc)
+
+
+def screenshot(url: str, path: Path, *, wait_ms: int = 8000, size: str = "1400,1600") -> Path:
+    """Open `url` in headless Debian chromium and save a PNG screenshot to `path`."""
+    chromium = next((c for c in ("chromium", "chromium-browser", "google-chrome") if _which(c)), None)
+    if chromium is None:
+        raise RuntimeError("chromium not found: apt-get install chromium (scripts/install does)")
+    profile = path.parent / f".chromium-{path.stem}"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--disable-background-networking", "--no-first-run", "--hide-scrollbars",
+           f"--user-data-dir={profile}", f"--window-size={size}",
+           f"--virtual-time-budget={wait_ms}", f"--screenshot={path}", url]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    if not path.exists() or path.stat().st_size == 0:
+        raise RuntimeError(f"chromium wrote no screenshot for {url}: {' '.join(cmd)}")
+    return path
+
+
+def _which(name: str) -> str | None:
+    from shutil import which
+    return which(name)

@@ -1,0 +1,31 @@
+"""`slurm_cluster`: the real local SLURM cluster (scripts/local-slurm), started once per session.
+
+The cluster is left running at the end of the session (other sessions on the same machine may be
+using it); `scripts/local-slurm stop` stops it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "local-slurm"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> dict:
+    """Yields {"partition", "nodes", "preset"} of the running local cluster."""
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root: run the tests as root or start it with sudo "
+                    f"{SCRIPT} start")
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and apt-get is unavailable to install slurm-wlm and munge")
+    result = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True, timeout=1200)
+    if result.returncode != 0:
+        pytest.fail(f"{SCRIPT} start failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    partition = os.environ.get("LOCAL_SLURM_PARTITION", "debug")
+    count = int(os.environ.get("LOCAL_SLURM_NODES", "2"))
+    return {"partition": partition, "nodes": [f"node{i}" for i in range(1, count + 1)], "preset": "slurm-local"}

@@ -1,0 +1,198 @@
+"""Training through submitit on the real local SLURM cluster, watched from Prefect."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+
+from gpt.config import Config
+from tasks.cluster import ClusterError, load_cluster
+from tasks.precompile import precompile
+from tasks.train import slurm_state, train, train_task
+
+pytestmark = pytest.mark.slurm
+
+
+def tiny(**overrides: Any) -> Config:
+    settings = dict(mock_data=True, precision="fp32", device="cpu", vocab_size=512, log_interval=1,
+                    eval_interval=1000, eval_iters=1, lr_warmup_iters=2, save_interval=5)
+    return Config.from_preset("tiny", **{**settings, **overrides})
+
+
+@pytest.fixture(scope="module")
+def prefect_api() -> Any:
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def flow_logs(flow_run_id: Any) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    return [entry.message for entry in logs]
+
+
+def jobs(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "jobs.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def running(run_dir: Path, index: int = 0) -> bool:
+    found = jobs(run_dir)
+    return len(found) > index and any(s["state"] == "RUNNING" for s in found[index]["states"])
+
+
+def rank_pid(job_id: str, rank: int) -> int | None:
+    """The pid of the submitit task with this SLURM job id and rank."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
+            cmdline = (entry / "cmdline").read_text()
+        except OSError:
+            continue
+        if (env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_PROCID") == str(rank)
+                and "submitit.core._submit" in cmdline):
+            return int(entry.name)
+    return None
+
+
+def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: Any, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+
+    @flow(name="cluster-two-node")
+    def two_node() -> Any:
+        return train_task(tiny(train_iters=12), load_cluster(slurm_cluster["preset"]), run_dir=str(run_dir))
+
+    state = two_node(return_state=True)
+    result = state.result()
+    assert result.summary["status"] == "completed" and result.summary["iteration"] == 12
+    (job,) = jobs(run_dir)
+    assert job["final"] == "COMPLETED" and result.job_ids == [job["job_id"]]
+    assert [s["nodes"] for s in job["states"] if s["state"] == "RUNNING"] == ["node[1-2]"]
+    # The run folder: resolved config, the sbatch script, per-rank logs, metrics, TensorBoard, checkpoints.
+    assert json.loads((run_dir / "config.json").read_text())["run_dir"] == str(run_dir)
+    assert "#SBATCH --nodes=2" in Path(job["sbatch_script"]).read_text()
+    for rank in (0, 1):
+        assert (run_dir / "jobs" / f"{job['job_id']}_{rank}_log.out").exists()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, 13))
+    assert list((run_dir / "tensorboard").iterdir()) and (run_dir / "checkpoints" / "iter_0000012").is_dir()
+    messages = flow_logs(state.state_details.flow_run_id)
+    assert any(re.search(r"iteration\s+12/\s*12 \| consumed samples", m) for m in messages), messages
+    assert any(f"job {job['job_id']} RUNNING on node[1-2]" in m for m in messages), messages
+
+
+def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, prefect_api: Any,
+                                                          tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    iters = 80
+
+    @flow(name="cluster-retry")
+    def retried() -> Any:
+        return train_task.with_options(retries=1, retry_delay_seconds=0)(
+            tiny(train_iters=iters), load_cluster(slurm_cluster["preset"]), run_dir=str(run_dir))
+
+    outcome: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: outcome.update(state=retried(return_state=True)))
+    runner.start()
+    wait_until(lambda: (run_dir / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
+    first = jobs(run_dir)[0]["job_id"]
+    pid = rank_pid(first, 1)
+    assert pid is not None, "rank 1 of the first job is not running"
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=240)
+    assert not runner.is_alive()
+    state = outcome["state"]
+    result = state.result()
+    attempts = jobs(run_dir)
+    assert [j["final"] for j in attempts] == ["FAILED", "COMPLETED"]
+    assert result.job_ids == [first, attempts[1]["job_id"]]
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)",
+                        (run_dir / "jobs" / f"{attempts[1]['job_id']}_0_log.out").read_text())
+    assert resumed and 5 <= int(resumed.group(1)) < iters
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
+    messages = "\n".join(flow_logs(state.state_details.flow_run_id))
+    assert f"job {first} ended FAILED" in messages and "rank 1 log tail" in messages
+
+
+def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_api: Any, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    run_dir = tmp_path / "run"
+    flow_run: dict[str, Any] = {}
+
+    @flow(name="cluster-cancel")
+    def long_training() -> Any:
+        from prefect.runtime import flow_run as current
+
+        flow_run["id"] = current.id
+        return train_task(tiny(train_iters=100_000), load_cluster(slurm_cluster["preset"]), run_dir=str(run_dir))
+
+    runner = threading.Thread(target=lambda: long_training(return_state=True))
+    runner.start()
+    wait_until(lambda: running(run_dir), 90, "the job to run")
+    job_id = jobs(run_dir)[0]["job_id"]
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run["id"], Cancelling(), force=True)
+    cancelled_at = time.monotonic()
+    runner.join(timeout=60)
+    assert not runner.is_alive()
+    wait_until(lambda: (slurm_state(job_id) or ("GONE",))[0] in ("CANCELLED", "GONE"), 30, "scancel")
+    assert time.monotonic() - cancelled_at < 40
+    assert len(jobs(run_dir)) == 1, "a cancelled flow run must not resubmit"
+
+
+@pytest.mark.parametrize("overrides, slurm_words", [
+    ({"nodes": 4}, "PartitionConfig"),
+    ({"partition": "no-such-partition"}, "invalid partition"),
+])
+def test_impossible_request_reports_slurms_reason(slurm_cluster: dict, tmp_path: Path, overrides: dict,
+                                                  slurm_words: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as e:
+        train(tiny(train_iters=2, micro_batch_size=4), load_cluster(slurm_cluster["preset"], **overrides), run_dir=str(tmp_path))
+    assert slurm_words.lower() in str(e.value).lower()
+    assert time.monotonic() - started < 20
+    assert not any(j["final"] in (None, "RUNNING", "PENDING") for j in jobs(tmp_path))
+
+
+def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Path) -> None:
+    config = tiny(train_iters=6, precompile_iters=2)
+    cluster = load_cluster(slurm_cluster["preset"])
+    cold = precompile(config, cluster, cache_root=str(tmp_path / "cache"), run_dir=str(tmp_path / "run"))
+    assert not cold.hit and cold.nodelist == "node[1-2]" and cold.time_to_first_iteration_s
+    warm = precompile(config, cluster, cache_root=str(tmp_path / "cache"), run_dir=str(tmp_path / "run"))
+    assert warm.hit and warm.cache_dir == cold.cache_dir and warm.digest == cold.digest
+    result = train(config, cluster, run_dir=str(tmp_path / "run"), precompiled=warm)
+    assert result.summary["compile_cache_hit"] is True
+    assert result.summary["time_to_first_iteration_s"] < cold.time_to_first_iteration_s
+    script = Path(jobs(tmp_path / "run")[0]["sbatch_script"]).read_text()
+    assert "#SBATCH --nodelist='node[1-2]'" in script
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert resolved["compile"] is True and resolved["compile_cache_dir"] == cold.cache_dir

@@ -1,0 +1,120 @@
+"""Parameters of the pretrain flow: the form the UI renders and the checks made before submitting."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from prefect.utilities.callables import parameter_schema
+
+from flows.params import (ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams,
+                          TrainingParams, WeightedPrefix, check)
+from flows.pretrain import parse_args, pretrain
+from gpt.config import PRESETS
+
+
+def _check(**kw):
+    args = dict(model="tiny", data=DataParams(), tokenizer=TokenizerParams(), training=TrainingParams(),
+                cluster=ClusterParams(), output=OutputParams())
+    args.update(kw)
+    return check(**args)
+
+
+def _errors(**kw) -> list[str]:
+    with pytest.raises(ParameterError) as e:
+        _check(**kw)
+    return e.value.errors
+
+
+def test_ui_form_schema_has_model_choices_and_nested_groups():
+    schema = parameter_schema(pretrain.fn).model_dump()
+    props = schema["properties"]
+    assert list(props) == ["model", "data", "tokenizer", "training", "cluster", "output"]
+    assert props["model"]["default"] == "tiny"
+    model_enum = props["model"].get("enum") or schema["definitions"][props["model"]["$ref"].split("/")[-1]]["enum"]
+    assert model_enum == list(PRESETS)
+    definitions = schema["definitions"]
+    assert {"DataParams", "TokenizerParams", "TrainingParams", "ClusterParams", "OutputParams",
+            "WeightedPrefix"} <= set(definitions)
+    training = definitions["TrainingParams"]["properties"]
+    assert training["data_parallel_mode"]["enum"] == ["ddp", "fsdp"]
+    assert "description" in props["data"] and "description" in definitions["DataParams"]["properties"]["sources"]
+    json.dumps(schema)  # the server stores it as JSON
+
+
+def test_defaults_are_the_embedded_run(tmp_path):
+    plan = _check(output=OutputParams(root=str(tmp_path)))
+    assert plan.config.model == "tiny" and plan.config.train_iters == PRESETS["tiny"]["train_iters"]
+    assert plan.world_size == 1 and plan.run_dir.parent == tmp_path
+    # The same parameters name the same run folder (a retry resumes it); a change names another.
+    assert _check(output=OutputParams(root=str(tmp_path))).run_dir == plan.run_dir
+    assert _check(output=OutputParams(root=str(tmp_path)), training=TrainingParams(seed=7)).run_dir != plan.run_dir
+
+
+def test_every_bad_field_gets_its_own_message(tmp_path):
+    errors = _errors(
+        data=DataParams(sources=[str(tmp_path / "missing.jsonl")], split="a,b",
+                        prefixes=[WeightedPrefix(prefix=str(tmp_path / "nope"))]),
+        tokenizer=TokenizerParams(vocab_file=str(tmp_path / "vocab.json")),
+        training=TrainingParams(train_iters=10, train_samples=100, data_parallel=3),
+        cluster=ClusterParams(overrides={"nodes": 0}),
+    )
+    text = "\n".join(errors)
+    assert "training: set train_iters or train_samples, not both" in text
+    assert f"data.sources[0]: {tmp_path / 'missing.jsonl'} matches no file" in text
+    assert f"data.prefixes[0].prefix: {tmp_path / 'nope'}.bin not found" in text
+    assert "tokenizer: give both vocab_file and merge_file" in text
+    assert "tokenizer.vocab_file:" in text and "not found" in text
+    assert "data.split:" in text
+    assert "cluster:" in text and "nodes" in text
+    assert len(errors) >= 7
+
+
+def test_config_errors_name_the_training_field():
+    errors = _errors(training=TrainingParams(micro_batch_size=3))
+    assert errors == [e for e in errors if e.startswith("training.")]
+    assert any(e.startswith("training.global_batch_size:") and "multiple of 3" in e for e in errors)
+    errors = _errors(training=TrainingParams(tensor_parallel=3))
+    assert any("tensor_parallel" in e and "divides the head count" in e for e in errors)
+    errors = _errors(training=TrainingParams(overrides={"no_such_field": 1}))
+    assert any("no_such_field" in e for e in errors)
+
+
+def test_data_parallel_must_match_the_cluster():
+    errors = _errors(training=TrainingParams(data_parallel=2))
+    assert any(e.startswith("training.data_parallel:") and "cluster runs 1" in e for e in errors)
+    errors = _errors(cluster=ClusterParams(preset="no-such-preset"))
+    assert any(e.startswith("cluster:") and "no-such-preset" in e for e in errors)
+
+
+def test_prefixes_need_the_vocabulary(tmp_path):
+    errors = _errors(data=DataParams(prefixes=[WeightedPrefix(prefix="s3://bucket/data/corpus_text_document")]))
+    assert any(e.startswith("tokenizer.vocab_file:") for e in errors)
+
+
+def test_pydantic_rejects_wrong_types_with_the_field_name():
+    with pytest.raises(Exception) as e:
+        TrainingParams(micro_batch_size=0)
+    assert "micro_batch_size" in str(e.value)
+    with pytest.raises(Exception) as e:
+        DataParams(sorces=["x"])  # a typo is an error, not silently ignored
+    assert "sorces" in str(e.value)
+
+
+def test_cli_flags_map_to_parameters(tmp_path):
+    params = parse_args(["--model", "gpt3-125m", "--source", "s3://b/a.jsonl", "--source", "/data/b.jsonl",
+                         "--prefix", "0.3", "s3://b/p_text_document", "--train-samples", "1000",
+                         "--micro-batch-size", "2", "--global-batch-size", "64", "--tp", "2", "--dp", "4",
+                         "--set", "lr_warmup_samples=10", "--cluster", "slurm-local",
+                         "--cluster-set", "partition=gpu", "--cluster-set", "nodes=2", "--benchmark",
+                         "--root", str(tmp_path), "--output-uri", "s3://out/run"])
+    assert params["model"] == "gpt3-125m"
+    assert params["data"].sources == ["s3://b/a.jsonl", "/data/b.jsonl"]
+    assert params["data"].prefixes == [WeightedPrefix(weight=0.3, prefix="s3://b/p_text_document")]
+    t = params["training"]
+    assert (t.train_samples, t.micro_batch_size, t.global_batch_size, t.tensor_parallel, t.data_parallel,
+            t.benchmark) == (1000, 2, 64, 2, 4, True)
+    assert t.overrides == {"lr_warmup_samples": 10}
+    assert params["cluster"].preset == "slurm-local"
+    assert params["cluster"].overrides == {"partition": "gpu", "nodes": 2}
+    assert params["output"].uri == "s3://out/run" and params["output"].root == str(tmp_path)
+    assert parse_args([])["data"] == DataParams()

@@ -1,0 +1,79 @@
+"""Checkpoints: stop on SIGTERM/SIGUSR2, a save killed half-way, bitwise-exact resume."""
+import json
+import re
+
+from gpt.config import Config
+from gpt.train import EXIT_INTERRUPTED, lr_at
+from tests.fixtures_gpt import SMALL, read_metrics
+
+SIGNAL_AT_3 = """
+import os, signal, gpt.metrics as _m
+_train = _m.MetricsWriter.train
+def _signal_then_record(self, record):
+    if record["iteration"] == 3 and os.environ["RANK"] == "{rank}":
+        os.kill(os.getpid(), signal.{signal})
+    _train(self, record)
+_m.MetricsWriter.train = _signal_then_record
+"""
+
+KILL_WHILE_SAVING_4 = """
+import os, signal, gpt.checkpoint as _ck
+_mark = _ck._write_marker
+def _die_before_marker(folder, iteration):
+    if iteration == 4:
+        os.kill(os.getpid(), signal.SIGKILL)  # every shard is written, the save is not complete
+    _mark(folder, iteration)
+_ck._write_marker = _die_before_marker
+"""
+
+
+def _losses(run_dir, kind="train"):
+    key = "lm_loss" if kind == "train" else "valid_loss"
+    return {r["iteration"]: r[key] for r in read_metrics(run_dir, kind)}
+
+
+def _summary(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_sigterm_then_killed_save_then_exact_resume(gpt_launcher, tmp_path):
+    config = {**SMALL, "keep_last": 2}
+    reference = tmp_path / "reference"
+    gpt_launcher.run({**config, "run_dir": str(reference)})
+
+    run = tmp_path / "run"
+    cfg = {**config, "run_dir": str(run)}
+    out = gpt_launcher.run(cfg, prelude=SIGNAL_AT_3.format(rank=0, signal="SIGTERM"), expect_rc=EXIT_INTERRUPTED)
+    summary = _summary(out)
+    assert (summary["status"], summary["iteration"]) == ("interrupted", 3)
+    assert (run / "checkpoints" / "iter_0000003" / "COMPLETE").is_file()
+
+    out = gpt_launcher.run(cfg, prelude=KILL_WHILE_SAVING_4, expect_rc=-9)
+    assert "resumed from" in out and "at iteration 3" in out
+    assert (run / "checkpoints" / "iter_0000004.tmp" / ".metadata").is_file()
+    assert not (run / "checkpoints" / "iter_0000004").exists()
+
+    out = gpt_launcher.run(cfg)
+    assert re.search(r"resumed from \S+iter_0000003 at iteration 3", out)
+    assert _summary(out)["status"] == "completed"
+    assert _losses(run) == _losses(reference)  # bitwise: exact float equality at every iteration
+    assert _losses(run, "valid") == _losses(reference, "valid")
+    records = read_metrics(run)
+    assert [r["iteration"] for r in records] == list(range(1, 9))  # no duplicates from the repeated iterations
+    c = Config(**{k: v for k, v in cfg.items()})
+    assert [r["lr"] for r in records] == [lr_at(c, i) for i in range(1, 9)]
+    # keep_last=2, the killed save's remains are gone.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000004", "iter_0000008"]
+
+
+def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_path):
+    reference = tmp_path / "reference"
+    gpt_launcher.run({**SMALL, "run_dir": str(reference)}, world_size=2)
+    run = tmp_path / "run"
+    cfg = {**SMALL, "run_dir": str(run)}
+    results = gpt_launcher.wait(gpt_launcher.start(cfg, 2, prelude=SIGNAL_AT_3.format(rank=1, signal="SIGUSR2")))
+    assert [rc for rc, _ in results] == [EXIT_INTERRUPTED, EXIT_INTERRUPTED], results[0][1][-3000:]
+    assert _summary(results[0][1])["iteration"] == 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000003"]
+    gpt_launcher.run(cfg, world_size=2)
+    assert _losses(run) == _losses(reference)

@@ -1,0 +1,132 @@
+"""Config presets, validation errors, parameter counts and learning-rate schedules."""
+import json
+import math
+import re
+
+import pytest
+
+from gpt.config import PRESETS, Config, ConfigError
+from gpt.model import param_count
+from gpt.train import lr_at
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "tiny"])
+def test_param_count_matches_preset_name(name):
+    size, unit = re.fullmatch(r"gpt3?-([\d.]+)([mb])", name).groups()
+    expected = float(size) * (1e6 if unit == "m" else 1e9)
+    assert abs(param_count(Config(model=name)) - expected) / expected < 0.05
+
+
+def test_presets_follow_the_tables():
+    c = Config(model="gpt3-13b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.seq_length) == (40, 5120, 40, 2048)
+    c = Config(model="gpt-310.1b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads) == (96, 16384, 128)
+    c = Config(model="gpt3-1.3b", num_layers=2)  # explicit fields win over the preset
+    assert (c.num_layers, c.hidden_size) == (2, 2048)
+
+
+def test_padded_vocab_like_megatron():
+    c = Config()
+    assert c.padded_vocab_size() == 50304
+    assert c.padded_vocab_size(tp=2) == 50432
+    assert Config(vocab_size=256, tensor_parallel=2).padded_vocab_size() == 256
+
+
+def test_roundtrip_json_yaml_and_unknown_field(tmp_path):
+    c = Config.from_preset("gpt3-125m", mock_data=True, micro_batch_size=4)
+    c.save(tmp_path / "c.json")
+    assert Config.load(tmp_path / "c.json") == c
+    (tmp_path / "c.yaml").write_text("model: tiny\nmock_data: true\nhidden_size: 64\n")
+    assert Config.load(tmp_path / "c.yaml").hidden_size == 64
+    (tmp_path / "bad.json").write_text(json.dumps({"modle": "tiny"}))
+    with pytest.raises(ConfigError, match=r"bad\.json.*modle"):
+        Config.load(tmp_path / "bad.json")
+    (tmp_path / "broken.json").write_text("{\n  \"model\": \n")
+    with pytest.raises(ConfigError, match=r"broken\.json.*line 3"):
+        Config.load(tmp_path / "broken.json")
+
+
+def test_schedule_defaults():
+    c = Config(model="gpt3-125m")
+    assert (c.train_samples, c.lr_warmup_samples, c.lr_decay_samples, c.train_iters) == (146484375, 183105, 126953125, None)
+    c = Config(model="gpt3-125m", train_iters=1000)  # an iteration schedule replaces the preset's samples
+    assert (c.train_samples, c.lr_warmup_samples, c.lr_decay_iters, c.lr_warmup_iters) == (None, None, 1000, 0)
+    c = Config(train_iters=50)  # tiny keeps its warmup, decays over the run
+    assert (c.lr_warmup_iters, c.lr_decay_iters) == (30, 50)
+
+
+def test_num_samples_megatron_formula():
+    c = Config(mock_data=True, train_iters=250, global_batch_size=16, eval_interval=100, eval_iters=10)
+    assert c.num_samples() == {"train": 4000, "valid": 3 * 10 * 16, "test": 160}
+
+
+VALID = dict(mock_data=True, precision="fp32")
+ERRORS = [
+    (dict(model="gpt4"), 1, "model='gpt4'"),
+    (dict(precision="fp8"), 1, "precision"),
+    (dict(device="tpu"), 1, "device"),
+    (dict(data_parallel_mode="zero"), 1, "data_parallel_mode"),
+    (dict(lr_decay_style="step"), 1, "lr_decay_style"),
+    (dict(micro_batch_size=0), 1, "micro_batch_size"),
+    (dict(hidden_size=130), 1, "hidden_size=130 is not divisible by num_attention_heads"),
+    (dict(tensor_parallel=3), 3, "num_attention_heads=4 is not divisible by tensor_parallel=3"),
+    (dict(tensor_parallel=2), 3, "world size 3 is not divisible by tensor_parallel=2"),
+    (dict(global_batch_size=20), 2, "global_batch_size=20 is not divisible by micro_batch_size=8 x data-parallel size 2"),
+    (dict(seq_length=256, max_position_embeddings=128), 1, "seq_length=256 is longer than max_position_embeddings"),
+    (dict(train_iters=10, train_samples=160), 1, "exactly one of train_iters and train_samples"),
+    (dict(train_iters=10, lr_warmup_samples=16), 1, "lr_warmup_samples is set but the schedule counts by train_iters"),
+    (dict(train_samples=160, lr_decay_iters=5), 1, "lr_decay_iters is set but the schedule counts by train_samples"),
+    (dict(train_samples=8), 1, "train_samples=8 is less than one global batch"),
+    (dict(train_iters=100, lr_warmup_iters=50, lr_decay_iters=20), 1, "lr_warmup_iters=50 is longer than lr_decay_iters=20"),
+    (dict(lr=1e-4, min_lr=1e-3), 1, "min_lr"),
+    (dict(mock_data=False), 1, "no training data"),
+    (dict(data_index="/nonexistent/index.json", mock_data=False), 1, "data_index='/nonexistent/index.json': no such file"),
+    (dict(data_index=__file__), 1, "both data_index and mock_data"),
+    (dict(tensor_parallel=2, global_batch_size=16), 4, "data_parallel_mode='ddp' cannot combine"),
+    (dict(device="neuron", tensor_parallel=2), 2, "device='neuron' supports data parallel only"),
+    (dict(precompile=True, compile=True), 1, "precompile=True needs compile_cache_dir"),
+    (dict(clip_grad=-1.0), 1, "clip_grad"),
+    (dict(peak_flops=0.0), 1, "peak_flops"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", ERRORS, ids=[e[2][:40] for e in ERRORS])
+def test_validation_errors(overrides, world, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Config(**{**VALID, **overrides}).validate(world)
+
+
+def test_valid_layouts_pass():
+    Config(**VALID).validate(1)
+    Config(**VALID, global_batch_size=16, micro_batch_size=8).validate(2)
+    Config(**VALID, tensor_parallel=2).validate(2)
+    Config(**VALID, tensor_parallel=2, data_parallel_mode="fsdp", global_batch_size=16).validate(4)
+
+
+def test_lr_schedule_by_iterations():
+    c = Config(mock_data=True, lr=1e-3, min_lr=1e-4, train_iters=120, lr_warmup_iters=10, lr_decay_iters=110)
+    assert lr_at(c, 5) == pytest.approx(5e-4)
+    assert lr_at(c, 10) == pytest.approx(1e-3)
+    assert lr_at(c, 60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    assert lr_at(c, 35) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert lr_at(c, 110) == pytest.approx(1e-4)
+    assert lr_at(c, 120) == pytest.approx(1e-4)
+    linear = Config(**{**c.to_dict(), "lr_decay_style": "linear"})
+    assert lr_at(linear, 35) == pytest.approx(1e-3 - 0.9e-3 * 0.25)
+    constant = Config(**{**c.to_dict(), "lr_decay_style": "constant"})
+    assert lr_at(constant, 100) == pytest.approx(1e-3)
+
+
+def test_lr_schedule_by_samples():
+    c = Config(mock_data=True, lr=1e-3, min_lr=1e-4, global_batch_size=8, train_samples=960,
+               lr_warmup_samples=80, lr_decay_samples=880)
+    assert c.total_iters == 120
+    assert lr_at(c, 5) == pytest.approx(5e-4)          # 40 of 80 warmup samples
+    assert lr_at(c, 10) == pytest.approx(1e-3)
+    assert lr_at(c, 60) == pytest.approx(5.5e-4)       # 480 samples: half way through the decay
+    assert lr_at(c, 110) == pytest.approx(1e-4)
+    # The same schedule given in iterations gives the same rates.
+    by_iters = Config(mock_data=True, lr=1e-3, min_lr=1e-4, global_batch_size=8, train_iters=120,
+                      lr_warmup_iters=10, lr_decay_iters=110)
+    assert [lr_at(c, i) for i in range(1, 121)] == pytest.approx([lr_at(by_iters, i) for i in range(1, 121)])

@@ -1,0 +1,53 @@
+"""Data and tensor parallel on two gloo processes give the single-process loss curve; log formats."""
+import re
+
+import pytest
+
+from tests.fixtures_gpt import SMALL, read_metrics
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from tests.fixtures_gpt import GPTLauncher
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    out = GPTLauncher(run_dir.parent).run({**SMALL, "run_dir": str(run_dir)})
+    return run_dir, out
+
+
+@pytest.mark.parametrize("layout", [
+    {"data_parallel_mode": "ddp"},
+    {"data_parallel_mode": "fsdp"},
+    {"tensor_parallel": 2},
+], ids=["ddp2", "fsdp2", "tp2"])
+def test_two_ranks_match_one_process(layout, reference, gpt_launcher, tmp_path):
+    run_dir = tmp_path / "run"
+    gpt_launcher.run({**SMALL, **layout, "run_dir": str(run_dir)}, world_size=2)
+    ref_dir, _ = reference
+    expected = [r["lm_loss"] for r in read_metrics(ref_dir)]
+    got = [r["lm_loss"] for r in read_metrics(run_dir)]
+    assert len(got) == len(expected) == SMALL["train_iters"]
+    assert got == pytest.approx(expected, rel=2e-6, abs=0)
+    assert [r["grad_norm"] for r in read_metrics(run_dir)] == pytest.approx(
+        [r["grad_norm"] for r in read_metrics(ref_dir)], rel=1e-4)
+    assert [r["valid_loss"] for r in read_metrics(run_dir, "valid")] == pytest.approx(
+        [r["valid_loss"] for r in read_metrics(ref_dir, "valid")], rel=2e-6, abs=0)
+
+
+def test_log_line_metrics_and_events(reference):
+    run_dir, out = reference
+    line = re.compile(
+        r" iteration +(\d+)/ +8 \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \| "
+        r"learning rate: [\d.E+-]+ \| global batch size: +8 \| lm loss: [\d.E+-]+ \| loss scale: 1\.0 \| "
+        r"grad norm: [\d.]+ \| number of skipped iterations: +0 \| number of nan iterations: +0 \| "
+        r"tokens/s: [\d.]+ \| MFU: n/a \|")
+    iterations = [int(m.group(1)) for m in line.finditer(out)]
+    assert iterations == list(range(1, 9))
+    assert re.search(r" validation loss at iteration 4 \| lm loss value: [\d.E+-]+ \|", out)
+    records = read_metrics(run_dir)
+    assert set(records[0]) == {"kind", "iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
+                               "elapsed_ms", "tokens_per_s", "mfu", "skipped", "nan", "time"}
+    assert [r["consumed_samples"] for r in records] == [8 * i for i in range(1, 9)]
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"]
+    assert [r["iteration"] for r in read_metrics(run_dir, "valid")] == [4, 8]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert '"status": "completed"' in out

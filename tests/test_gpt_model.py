@@ -1,0 +1,61 @@
+"""Model parity with HuggingFace GPT-2, initialisation and deterministic data order."""
+import numpy as np
+import pytest
+import torch
+
+from gpt.config import Config
+from gpt.data import MockGPTDataset
+from gpt.distributed import DistEnv
+from gpt.model import GPT
+from gpt.train import micro_batches
+
+
+def test_logits_match_huggingface_gpt2():
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    with torch.no_grad():  # move LayerNorms and biases off their 1/0 defaults so they are exercised
+        for name, p in hf.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    config = Config(vocab_size=300, seq_length=64, num_layers=3, hidden_size=64, num_attention_heads=4)
+    ours = GPT(config).eval()
+    ours.load_hf_gpt2(hf.state_dict())
+    assert ours.lm_head.weight is ours.wte.weight
+    idx = torch.randint(0, 300, (2, 64))
+    with torch.no_grad():
+        expected = hf(idx).logits
+        got = ours(idx)[..., :300]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_gpt2_initialisation():
+    config = Config(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=1000)
+    model = GPT(config)
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2 x 8)
+    assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
+    assert torch.all(model.h[0].ln_1.weight == 1) and torch.all(model.h[0].attn.q.bias == 0)
+    again = GPT(config)  # same seed, same weights; another seed, other weights
+    assert torch.equal(again.h[3].mlp.c_fc.weight, model.h[3].mlp.c_fc.weight)
+    other = GPT(Config(**{**config.to_dict(), "seed": 7}))
+    assert not torch.equal(other.h[3].mlp.c_fc.weight, model.h[3].mlp.c_fc.weight)
+
+
+def test_data_order_is_the_same_for_any_rank_count():
+    config = Config(mock_data=True, seq_length=8, vocab_size=50, micro_batch_size=2, global_batch_size=8)
+    data = MockGPTDataset(64, 8, 50, seed=3)
+    single = micro_batches(data, 16, 8, config, DistEnv(0, 1, 0, None), torch.device("cpu"))
+    one = torch.cat([x for x, _ in single])
+    assert torch.equal(one, torch.from_numpy(np.stack([data[i][:-1] for i in range(16, 24)])))
+    ranks = [micro_batches(data, 16, 8, config, DistEnv(r, 2, r, None), torch.device("cpu")) for r in range(2)]
+    # Micro-step m: rank 0 then rank 1, each a contiguous slice.
+    two = torch.cat([torch.cat([ranks[0][m][0], ranks[1][m][0]]) for m in range(2)])
+    assert torch.equal(one, two)
+    targets = torch.cat([y for _, y in single])
+    assert torch.equal(targets[:, :-1], one[:, 1:])
+    # Same seed, same tokens; another seed, other tokens.
+    assert np.array_equal(MockGPTDataset(64, 8, 50, seed=3)[5], data[5])
+    assert not np.array_equal(MockGPTDataset(64, 8, 50, seed=4)[5], data[5])

@@ -1,0 +1,329 @@
+"""tasks.sync against a real S3-compatible server on loopback (SeaweedFS, tests/fixtures_s3.py)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, SyncError, TransientSyncError, multipart_etag, sync,
+                        upload)
+from tests.fixtures_s3 import SECRET_KEY, S3Server
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+
+def blob(n: int, seed: int) -> bytes:
+    """Deterministic pseudo-random bytes (different per seed)."""
+    out, block = bytearray(), hashlib.sha256(str(seed).encode()).digest()
+    while len(out) < n:
+        block = hashlib.sha256(block).digest()
+        out += block * 64
+    return bytes(out[:n])
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server, with this process's AWS_* environment set to its admin credentials."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in s3_server.env.items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    return s3_server
+
+
+@pytest.fixture
+def corpus(s3: S3Server) -> tuple[str, dict[str, bytes]]:
+    """A bucket with small objects under data/, one multipart object and one object outside data/."""
+    bucket = s3.new_bucket()
+    files = {f"part-{i}.jsonl": blob(1000 + 37 * i, i) for i in range(8)}
+    files["nested/deep/vocab.json"] = b'{"a": 1}'
+    s3.put_tree(bucket, "data/", files)
+    files["big.bin"] = blob(11 * MIB + 123, 99)
+    s3.put(bucket, "data/big.bin", files["big.bin"], part_size=5 * MIB)
+    s3.put(bucket, "other/x.txt", b"not synced")
+    return bucket, files
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST_NAME}
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tasks.sync", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_full_sync_verifies_and_writes_manifest(s3: S3Server, corpus, tmp_path: Path) -> None:
+    bucket, files = corpus
+    dest = tmp_path / "dest"
+    m = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert read_tree(dest) == files
+    assert not (dest / PARTIAL_DIR).exists()
+    assert m.transferred_files == len(files) and m.bytes == sum(map(len, files.values()))
+    checks = {f.path: f.check for f in m.files}
+    assert checks["big.bin"] == "multipart-etag" and checks["part-0.jsonl"] == "md5"
+    big = next(f for f in m.files if f.path == "big.bin")
+    assert big.etag.endswith("-3") and big.etag == multipart_etag(dest / "big.bin", 5 * MIB)
+    assert big.key == f"s3://{bucket}/data/big.bin" and big.verified and big.size == len(files["big.bin"])
+    on_disk = json.loads((dest / MANIFEST_NAME).read_text())
+    assert on_disk["complete"] and on_disk["digest"] == m.digest and len(on_disk["files"]) == len(files)
+    assert SECRET_KEY not in (dest / MANIFEST_NAME).read_text()
+
+
+def test_glob_and_single_key_sources(s3: S3Server, corpus, tmp_path: Path) -> None:
+    bucket, files = corpus
+    m = sync([f"s3://{bucket}/data/part-*.jsonl", f"s3://{bucket}/other/x.txt"], str(tmp_path / "d"),
+             endpoint_url=s3.endpoint_url)
+    expected = {k: v for k, v in files.items() if k.startswith("part-")} | {"x.txt": b"not synced"}
+    assert read_tree(tmp_path / "d") == expected and len(m.files) == len(expected)
+
+
+def test_resync_is_a_noop_and_changed_object_is_fetched(s3: S3Server, corpus, tmp_path: Path) -> None:
+    bucket, files = corpus
+    dest = tmp_path / "dest"
+    first = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    mtimes = {p: p.stat().st_mtime_ns for p in dest.rglob("*") if p.is_file() and p.name != MANIFEST_NAME}
+    again = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert again.transferred_files == 0 and again.digest == first.digest
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+    s3.put(bucket, "data/part-3.jsonl", b"new content")
+    changed = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert changed.transferred_files == 1 and changed.digest != first.digest
+    assert read_tree(dest) == files | {"part-3.jsonl": b"new content"}
+
+
+def test_delete_is_optional(s3: S3Server, corpus, tmp_path: Path) -> None:
+    bucket, files = corpus
+    dest = tmp_path / "dest"
+    sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    s3.client().delete_object(Bucket=bucket, Key="data/nested/deep/vocab.json")
+    kept = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert (dest / "nested/deep/vocab.json").exists() and kept.deleted_files == 0
+    gone = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url, delete=True)
+    assert gone.deleted_files == 1 and not (dest / "nested").exists()
+    assert (dest / MANIFEST_NAME).exists() and len(gone.files) == len(files) - 1
+
+
+def test_damaged_local_files_are_fetched_again(s3: S3Server, corpus, tmp_path: Path) -> None:
+    bucket, files = corpus
+    dest = tmp_path / "dest"
+    sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    with open(dest / "big.bin", "r+b") as f:          # same size, different bytes
+        f.seek(6 * MIB)
+        f.write(b"\0" * 100)
+    (dest / "part-1.jsonl").write_bytes(files["part-1.jsonl"][:-10])   # truncated
+    (dest / "part-2.jsonl").unlink()
+    m = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert m.transferred_files == 3 and read_tree(dest) == files
+
+
+def test_files_without_manifest_are_verified_not_refetched(s3: S3Server, corpus, tmp_path: Path) -> None:
+    bucket, files = corpus
+    dest = tmp_path / "dest"
+    sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    (dest / MANIFEST_NAME).unlink()
+    m = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert m.transferred_files == 0 and {f.check for f in m.files} == {"md5", "multipart-etag"}
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_interrupted_sync_resumes(s3: S3Server, tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    files = {f"shard-{i:03d}.bin": blob(256 * 1024, 1000 + i) for i in range(300)}
+    s3.put_tree(bucket, "shards/", files)
+    dest = tmp_path / "dest"
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.sync", f"s3://{bucket}/shards/", str(dest),
+                             "--endpoint-url", s3.endpoint_url, "--workers", "1"],
+                            cwd=ROOT, env=s3.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = len(list(dest.glob("shard-*"))) if dest.exists() else 0
+            if done >= 20:
+                break
+            time.sleep(0.005)
+        killed = [c for c in _children(proc.pid)]
+        assert killed, "the sync finished before it could be interrupted"
+        for c in killed:
+            os.kill(c, signal.SIGKILL)                     # s5cmd, killed half-way
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "stopped by signal 9" in err and "Traceback" not in err, err
+    partial = json.loads((dest / MANIFEST_NAME).read_text())
+    assert not partial["complete"] and 20 <= len(partial["files"]) < len(files)
+    before = len(partial["files"])
+    m = sync([f"s3://{bucket}/shards/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert m.transferred_files <= len(files) - before
+    assert read_tree(dest) == files and m.complete
+
+
+def test_public_bucket_without_credentials(s3: S3Server, monkeypatch, tmp_path: Path) -> None:
+    public, private = s3.new_bucket(public=True), s3.new_bucket()
+    for b in (public, private):
+        s3.put(b, "corpus/a.jsonl", b'{"text": "hi"}\n')
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    m = sync([f"s3://{public}/corpus/"], str(tmp_path / "pub"), endpoint_url=s3.endpoint_url,
+             no_sign_request=True)
+    assert read_tree(tmp_path / "pub") == {"a.jsonl": b'{"text": "hi"}\n'} and m.files[0].check == "md5"
+    with pytest.raises(SyncError, match="access denied.*drop --no-sign-request"):
+        sync([f"s3://{private}/corpus/"], str(tmp_path / "priv"), endpoint_url=s3.endpoint_url,
+             no_sign_request=True)
+
+
+@pytest.mark.parametrize("case", ["missing-bucket", "access-denied", "no-credentials", "bad-secret",
+                                  "unreachable", "no-match"])
+def test_cli_errors_are_one_clear_line(s3: S3Server, corpus, case: str, tmp_path: Path) -> None:
+    bucket, _ = corpus
+    env, src, endpoint = dict(s3.env), f"s3://{bucket}/data/", s3.endpoint_url
+    if case == "missing-bucket":
+        src = "s3://no-such-bucket-here/data/"
+        expected = "bucket 'no-such-bucket-here' does not exist"
+    elif case == "access-denied":
+        env = dict(s3.denied_env)
+        expected = f"access denied to s3://{bucket}/data/"
+    elif case == "no-credentials":
+        del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+        expected = "no AWS credentials found"
+    elif case == "bad-secret":
+        env["AWS_SECRET_ACCESS_KEY"] = "wrong-secret-value"
+        expected = "rejected the AWS credentials"
+    elif case == "unreachable":
+        endpoint = "http://127.0.0.1:9"
+        expected = "cannot reach the S3 endpoint http://127.0.0.1:9"
+    else:
+        src = f"s3://{bucket}/data/*.parquet"
+        expected = f"no objects match s3://{bucket}/data/*.parquet"
+    r = cli(src, str(tmp_path / "dest"), "--endpoint-url", endpoint, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+    secret = env.get("AWS_SECRET_ACCESS_KEY")
+    assert not secret or secret not in r.stderr + r.stdout
+
+
+def test_missing_local_source_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SyncError, match=f"{tmp_path}/nope does not exist"):
+        sync([str(tmp_path / "nope")], str(tmp_path / "dest"))
+    (tmp_path / "src").mkdir()
+    with pytest.raises(SyncError, match="no files match"):
+        sync([str(tmp_path / "src" / "*.jsonl")], str(tmp_path / "dest"))
+
+
+def test_local_sources(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.jsonl").write_bytes(b"a" * 5000)
+    (src / "sub" / "b.jsonl").write_bytes(b"b" * 300)
+    (src / "c.txt").write_bytes(b"c")
+    m = sync([f"file://{src}"], str(tmp_path / "d1"))
+    assert read_tree(tmp_path / "d1") == {"a.jsonl": b"a" * 5000, "sub/b.jsonl": b"b" * 300, "c.txt": b"c"}
+    assert {f.check for f in m.files} == {"size"} and m.files[0].key.startswith(str(src))
+    assert sync([str(src)], str(tmp_path / "d1")).transferred_files == 0
+    time.sleep(0.01)
+    (src / "c.txt").write_bytes(b"C")
+    assert sync([str(src)], str(tmp_path / "d1")).transferred_files == 1
+    assert (tmp_path / "d1" / "c.txt").read_bytes() == b"C"
+    g = sync([str(src / "*.jsonl")], str(tmp_path / "d2"))
+    assert sorted(f.path for f in g.files) == ["a.jsonl", "sub/b.jsonl"]
+
+
+def test_upload_folder(s3: S3Server, tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000010").mkdir(parents=True)
+    tree = {"metrics.jsonl": b'{"iteration": 1}\n', "checkpoints/iter_0000010/model.pt": blob(7 * MIB, 5),
+            "checkpoints/latest": b"10"}
+    for rel, data in tree.items():
+        (run / rel).write_bytes(data)
+    m = upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url, part_size_mb=5)
+    client = s3.client()
+    for rel, data in tree.items():
+        assert client.get_object(Bucket=bucket, Key=f"runs/r1/{rel}")["Body"].read() == data
+    checks = {f.path: f.check for f in m.files}
+    assert checks["checkpoints/iter_0000010/model.pt"] == "multipart-etag" and checks["metrics.jsonl"] == "md5"
+    stored = json.loads(client.get_object(Bucket=bucket, Key=f"runs/r1/{MANIFEST_NAME}")["Body"].read())
+    assert stored["digest"] == m.digest and m.manifest_path == f"s3://{bucket}/runs/r1/{MANIFEST_NAME}"
+
+    assert upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url).transferred_files == 0
+    (run / "metrics.jsonl").write_bytes(b'{"iteration": 2}\n')
+    again = upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url)
+    assert again.transferred_files == 1
+    assert client.get_object(Bucket=bucket, Key="runs/r1/metrics.jsonl")["Body"].read() == b'{"iteration": 2}\n'
+    # what was uploaded syncs back down unchanged (the manifest object is not data)
+    back = sync([f"s3://{bucket}/runs/r1/"], str(tmp_path / "back"), endpoint_url=s3.endpoint_url)
+    assert read_tree(tmp_path / "back") == tree | {"metrics.jsonl": b'{"iteration": 2}\n'}
+    assert len(back.files) == len(tree)
+
+
+def test_upload_to_missing_bucket(s3: S3Server, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SyncError, match="bucket 'nothere-bucket' does not exist"):
+        upload(str(tmp_path / "f"), "s3://nothere-bucket/x", endpoint_url=s3.endpoint_url)
+
+
+# ---------------------------------------------------------------- the Prefect task
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, corpus, tmp_path: Path,
+                                                                  prefect_harness) -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from tasks.sync import sync_task
+
+    bucket, files = corpus
+    dest = str(tmp_path / "dest")
+
+    @flow
+    def pipeline(endpoint: str, dest: str):
+        return sync_task([f"s3://{bucket}/data/"], dest, endpoint_url=endpoint, return_state=True)
+
+    first = pipeline(s3.endpoint_url, dest)
+    assert first.is_completed() and not first.name == "Cached"
+    assert pipeline(s3.endpoint_url, dest).name == "Cached"
+    Path(dest, "part-0.jsonl").write_bytes(b"damaged")
+    repaired = pipeline(s3.endpoint_url, dest)
+    assert repaired.name == "Completed" and repaired.result().transferred_files == 1
+    assert read_tree(Path(dest)) == files
+
+    with get_client(sync_client=True) as client:
+        progress = [a for a in client.read_artifacts() if a.type == "progress"]
+    assert progress and any(a.data == 100.0 for a in progress)
+
+    quick = sync_task.with_options(retries=1, retry_delay_seconds=0, retry_jitter_factor=None)
+
+    @flow
+    def attempts(src: str, endpoint: str) -> int:
+        state = quick([src], str(tmp_path / "x"), endpoint_url=endpoint, return_state=True)
+        assert state.is_failed()
+        with get_client(sync_client=True) as client:
+            return client.read_task_run(state.state_details.task_run_id).run_count
+
+    assert attempts(f"s3://{bucket}/data/", "http://127.0.0.1:9") == 2         # unreachable: retried
+    assert attempts("s3://no-such-bucket-here/", s3.endpoint_url) == 1          # missing bucket: not retried

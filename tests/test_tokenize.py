@@ -1,0 +1,190 @@
+"""Tokenize stage: ids equal HuggingFace byte-level BPE, worker-count independence, compression, bad input."""
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zstandard
+
+from gpt.data import MMapIndexedDataset
+from tasks.tokenize import EOD, TokenizeError, build_hf_tokenizer, tokenize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TRICKY = [
+    "Hello, world!",
+    "  leading and trailing spaces   ",
+    "tabs\t\tand\n\n\nnewlines \r\n crlf",
+    "unicode: héllo naïve café 日本語のテキスト 😀👍🏽 Ελληνικά русский",
+    "numbers 1234567890 3.14159 and 'contractions' don't we'll they've",
+    "      whitespace runs            before words",
+    f"a literal {EOD} inside text stays text",
+    "x" * 20000 + " " + "the quick brown fox " * 3000,
+]
+
+
+def write_jsonl(path, docs, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({key: d}) + "\n")
+    return str(path)
+
+
+def read_docs(prefix):
+    ds = MMapIndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+def test_ids_equal_hf_byte_level_bpe(tmp_path, shakespeare_jsonl, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    docs = [json.loads(line)["text"] for line in open(shakespeare_jsonl, encoding="utf-8")][:150] + TRICKY
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    m = tokenize([src], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, append_eod=True, workers=1)
+    ref = build_hf_tokenizer(vocab, merges)
+    got = read_docs(m.prefixes["text"])
+    assert m.documents == len(docs) and m.dtype == "uint16" and m.eod_id == json.load(open(vocab))[EOD]
+    for doc, ids in zip(docs, got):
+        assert ids[-1] == m.eod_id
+        assert ids[:-1] == ref.encode(doc).ids
+    # the literal end-of-text marker inside a document never becomes the EOD id
+    assert m.eod_id not in got[len(docs) - 2][:-1]
+    assert m.tokens == sum(map(len, got))
+
+
+def test_worker_count_and_compression_do_not_change_output(tmp_path, shakespeare_jsonl, bpe_vocab, monkeypatch):
+    vocab, merges = map(str, bpe_vocab)
+    monkeypatch.setattr("tasks.tokenize.CHUNK_BYTES", 64 << 10)  # many chunks in flight at once
+    raw = open(shakespeare_jsonl, "rb").read()
+    raw = raw[:raw.index(b"\n", 3 << 20) + 1]
+    paths = {"jsonl": tmp_path / "c.jsonl"}
+    paths["jsonl"].write_bytes(raw)
+    paths["gz"] = tmp_path / "c.jsonl.gz"
+    paths["gz"].write_bytes(gzip.compress(raw))
+    paths["xz"] = tmp_path / "c.jsonl.xz"
+    paths["xz"].write_bytes(lzma.compress(raw, preset=0))
+    paths["zst"] = tmp_path / "c.jsonl.zst"
+    paths["zst"].write_bytes(zstandard.ZstdCompressor().compress(raw))
+    outputs = {}
+    for name, workers in [("jsonl", 1), ("jsonl", 2), ("gz", 2), ("xz", 1), ("zst", 2)]:
+        m = tokenize([str(paths[name])], str(tmp_path / f"{name}{workers}"), vocab_file=vocab, merge_file=merges,
+                     workers=workers)
+        prefix = m.prefixes["text"]
+        outputs[(name, workers)] = (open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read())
+    first = outputs[("jsonl", 1)]
+    assert len(first[0]) > 500_000
+    for key, value in outputs.items():
+        assert value == first, key
+
+
+def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys):
+    vocab, merges = map(str, bpe_vocab)
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(b"\n".join([
+        b'{"text": "good one"}',
+        b'{"text": "broken',
+        b'{"other": "no text key"}',
+        b'{"text": "bad \xff\xfe utf8"}',
+        b'{"text": ""}',
+        b'{"text": 5}',
+        b'{"text": "good two"}',
+    ]) + b"\n")
+    m = tokenize([str(src)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, workers=1)
+    out = capsys.readouterr().out
+    assert m.documents == 2
+    assert m.skipped == {"malformed_json": 1, "missing_key": 2, "invalid_utf8": 1, "empty_document": 1, "blank_line": 0}
+    for line, word in [(2, "malformed JSON"), (3, "no string field 'text'"), (4, "invalid UTF-8"), (5, "empty"), (6, "no string field")]:
+        assert f"{src}:{line}: skipped: " in out and word in out
+    assert "Skipped lines: malformed_json=1, missing_key=2, invalid_utf8=1, empty_document=1" in out
+    assert "Processed 2 documents (" in out
+    with pytest.raises(TokenizeError, match=rf"{src}:2: malformed JSON"):
+        tokenize([str(src)], str(tmp_path / "strict"), vocab_file=vocab, merge_file=merges, workers=2, strict=True)
+    assert not list(tmp_path.glob("strict*"))
+
+
+def test_empty_and_missing_inputs(tmp_path, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(TokenizeError, match="empty input"):
+        tokenize([str(empty)], str(tmp_path / "o"), vocab_file=vocab, merge_file=merges)
+    only_bad = tmp_path / "bad.jsonl.gz"
+    only_bad.write_bytes(gzip.compress(b'{"text": ""}\n'))
+    with pytest.raises(TokenizeError, match="no usable document"):
+        tokenize([str(only_bad)], str(tmp_path / "o"), vocab_file=vocab, merge_file=merges)
+    with pytest.raises(TokenizeError, match="no file matches"):
+        tokenize([str(tmp_path / "*.none")], str(tmp_path / "o"), vocab_file=vocab, merge_file=merges)
+    with pytest.raises(TokenizeError, match="--vocab-file"):
+        tokenize([str(only_bad)], str(tmp_path / "o"), vocab_file=str(tmp_path / "v.json"), merge_file=merges)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl.gz", "empty.jsonl"]
+
+
+def test_several_keys_and_files(tmp_path, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    a = tmp_path / "a.jsonl"
+    a.write_text('{"text": "one", "title": "T1"}\n{"text": "two", "title": "T2"}\n')
+    b = tmp_path / "b.jsonl"
+    b.write_text('{"text": "three", "title": "T3"}\n')
+    m = tokenize([str(tmp_path / "*.jsonl")], str(tmp_path / "out" / "c"), vocab_file=vocab, merge_file=merges,
+                 json_keys=["text", "title"], append_eod=False)
+    assert set(m.prefixes) == {"text", "title"} and m.documents == 3
+    assert m.prefixes["title"].endswith("c_title_document")
+    ref = build_hf_tokenizer(vocab, merges)
+    assert read_docs(m.prefixes["title"]) == [ref.encode(t).ids for t in ("T1", "T2", "T3")]
+
+
+def test_trains_a_bpe_when_no_vocab_is_given(tmp_path, shakespeare_jsonl):
+    m = tokenize([str(shakespeare_jsonl)], str(tmp_path / "data" / "sp"), train_vocab_size=600)
+    assert m.vocab_file == str(tmp_path / "data" / "vocab.json")
+    assert open(m.merge_file, encoding="utf-8").readline().startswith("#version")
+    vocab = json.load(open(m.vocab_file, encoding="utf-8"))
+    assert len(vocab) == 600 and vocab[EOD] == 599 == m.eod_id and m.vocab_size == 600
+    ref = build_hf_tokenizer(m.vocab_file, m.merge_file)
+    first = json.loads(open(shakespeare_jsonl, encoding="utf-8").readline())["text"]
+    assert read_docs(m.prefixes["text"])[0] == ref.encode(first).ids + [599]
+
+
+def test_cli_matches_megatron_flags(tmp_path, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    src = write_jsonl(tmp_path / "in.jsonl", ["alpha beta", "gamma"])
+    cmd = [sys.executable, "-m", "tasks.tokenize", "--input", src, "--output-prefix", str(tmp_path / "o"),
+           "--vocab-file", vocab, "--merge-file", merges, "--tokenizer-type", "GPT2BPETokenizer",
+           "--json-keys", "text", "--append-eod", "--workers", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "Processed 2 documents (" in out.stdout
+    manifest = json.loads(out.stdout.strip().splitlines()[-1])
+    assert manifest["prefixes"]["text"] == str(tmp_path / "o_text_document")
+    bad = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")] + cmd[5:], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "missing.jsonl" in bad.stderr
+
+
+def test_prefect_tasks_are_cached_on_inputs(tmp_path, bpe_vocab):
+    from prefect import flow
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.index import index_task
+    from tasks.tokenize import tokenize_task
+
+    vocab, merges = map(str, bpe_vocab)
+    src = write_jsonl(tmp_path / "in.jsonl", ["some words here"] * 50)
+
+    @flow
+    def pipeline():
+        states = [tokenize_task([src], str(tmp_path / "o"), vocab_file=vocab, merge_file=merges, return_state=True)
+                  for _ in range(2)]
+        prefix = states[0].result().prefixes["text"]
+        states += [index_task([prefix], seq_length=8, seed=1, num_samples={"train": 10}, out_dir=str(tmp_path / "i"),
+                              return_state=True) for _ in range(2)]
+        return [s.name for s in states]
+
+    with prefect_test_harness():
+        names = pipeline()
+        assert names == ["Completed", "Cached", "Completed", "Cached"]
+        with open(src, "a") as f:  # new input: the cache no longer applies
+            f.write(json.dumps({"text": "more"}) + "\n")
+        assert pipeline()[:2] == ["Completed", "Cached"]
