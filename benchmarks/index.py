@@ -204,6 +204,7 @@ def run(tokens: int = 10_000_000_000, documents: int = 5_000_000, seq_length: in
         work = Path(tmp)
         return {
             "benchmark": "index",
+            "load_average_1m": round(os.getloadavg()[0], 2),
             "baseline": MEGATRON_CORE if megatron_dir else None,
             "build_sample_idx": bench_sample_idx(work, sample_idx_tokens, sample_idx_documents, seq_length,
                                                  megatron_dir, repeats),

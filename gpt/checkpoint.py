@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -76,7 +77,7 @@ class Checkpointer:
             "train": train_state,
             f"rng_rank{self.rank}": rng_state(),  # per rank: DCP keeps one copy of identical keys
         }
-        dcp.save(state, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         barrier()  # every rank's shards are on disk
         if self.rank == 0:
             _write_marker(tmp, iteration)
@@ -95,7 +96,8 @@ class Checkpointer:
             f"rng_rank{self.rank}": b"",
         }
         # A checkpoint written by fewer ranks lacks this rank's RNG entry: load what exists.
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=True))
         if state[f"rng_rank{self.rank}"]:

@@ -191,7 +191,8 @@ class ClusterConfig(BaseModel):
         return [*self.setup, *exports]
 
     def srun_args(self) -> list[str]:
-        args = list(self.srun_extra)
+        # One dead rank ends the step: the survivors would otherwise wait in a collective forever.
+        args = ["--kill-on-bad-exit=1", *self.srun_extra]
         if self.container_image:
             args.append(f"--container-image={self.container_image}")
             if self.container_mounts:

@@ -121,12 +121,10 @@ def _md5(text: str) -> str:
     return hashlib.md5(text.encode()).hexdigest()
 
 
-def _file_md5(path: str) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
+def _fingerprint(data: MMapIndexedDataset) -> list:
+    """Identity of a .bin/.idx pair: sizes and modification times (hashing gigabytes would dominate)."""
+    stats = [os.stat(data.idx_path), os.stat(data.bin_path)]
+    return [[st.st_size, st.st_mtime_ns] for st in stats]
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -136,11 +134,11 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _build_part(data: MMapIndexedDataset, idx_md5: str, documents: tuple[int, int], split: str, split_str: str,
+def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[int, int], split: str, split_str: str,
                 num_samples: int, seq_length: int, seed: int, out_dir: Path) -> tuple[dict, int]:
     """Build (or find) one prefix's indices for one split; returns its manifest entry and sample count."""
     description = json.dumps({
-        "class": "GPTDataset", "prefix": os.path.abspath(data.prefix), "idx_md5": idx_md5,
+        "class": "GPTDataset", "prefix": os.path.abspath(data.prefix), "files": fingerprint,
         "split": split_str, "split_name": split, "documents": list(documents), "num_samples": num_samples,
         "seq_length": seq_length, "seed": seed, "add_extra_token_to_sequence": ADD_EXTRA_TOKEN,
         "drop_last_partial_sequence": True,
@@ -207,25 +205,25 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     if any(w <= 0 for w in weights):
         raise ValueError(f"data_path: weights {weights} must all be positive; drop a prefix instead of weighting it 0")
     weights = [w / sum(weights) for w in weights]
-    idx_md5s = [_file_md5(d.idx_path) for d in datasets]
-    out = Path(out_dir)
+    fingerprints = [_fingerprint(d) for d in datasets]
+    out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     blended = len(datasets) > 1
+    bounds = [split_bounds(weights_split, len(d)) for d in datasets]
 
     splits: dict[str, dict] = {}
     counts: dict[str, int] = {}
     for s, name in enumerate(SPLITS):
         target = int(num_samples.get(name, 0))
         parts: list[dict] = []
-        bounds = [split_bounds(weights_split, len(d)) for d in datasets]
         if target == 0 or any(b[s + 1] <= b[s] for b in bounds):
             splits[name] = {"datasets": [], "blend": None, "num_samples": 0}
             counts[name] = 0
             continue
         sizes = []
-        for d, md5, b, w in zip(datasets, idx_md5s, bounds, weights):
+        for d, fingerprint, b, w in zip(datasets, fingerprints, bounds, weights):
             part_samples = math.ceil(math.ceil(target * w) * BLEND_MARGIN) if blended else target
-            entry, n = _build_part(d, md5, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out)
+            entry, n = _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out)
             parts.append(entry)
             sizes.append(n)
         blend = None

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 import boto3
 import botocore.exceptions as bexc
+import botocore.loaders
+import botocore.session
 from botocore import UNSIGNED
 from botocore.config import Config as BotoConfig
 from prefect import task
@@ -53,6 +55,7 @@ MIB = 1 << 20
 # Part sizes (MiB) that common uploaders use; tried when the server will not say.
 COMMON_PART_SIZES_MIB = (5, 8, 15, 16, 50, 64, 100, 128, 256, 512, 1024)
 log = logging.getLogger("tasks.sync")
+_LOADER = botocore.loaders.create_loader()
 
 Check = Literal["md5", "multipart-etag", "size"]
 
@@ -68,7 +71,7 @@ class TransientSyncError(SyncError):
 class FileEntry(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    key: str                            # source: s3://bucket/key, or an absolute local path
+    key: str                            # the S3 object (s3://bucket/key), or a local source's absolute path
     path: str                           # relative to SyncManifest.local_dir
     size: int
     etag: str | None = None             # S3 ETag without quotes (None for local sources)
@@ -111,11 +114,14 @@ class Remote:
         return Remote(endpoint, no_sign_request, profile)
 
     def client(self) -> Any:
+        core = botocore.session.Session(profile=self.profile)
+        core.register_component("data_loader", _LOADER)   # parse botocore's model files once
         try:
-            session = boto3.Session(profile_name=self.profile)
+            core.get_scoped_config()    # raises when the profile does not exist
         except bexc.ProfileNotFound:
             raise SyncError(f"AWS profile {self.profile!r} is not in the AWS config/credentials files: "
                             "check --profile") from None
+        session = boto3.Session(botocore_session=core)
         config = BotoConfig(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5,
                             read_timeout=60, max_pool_connections=32,
                             signature_version=UNSIGNED if self.no_sign_request else None)
@@ -187,9 +193,10 @@ _NO_CREDENTIALS = ("no AWS credentials found for {uri}: set AWS_PROFILE (or --pr
                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use --no-sign-request for a public bucket")
 
 
-def _s3_call(fn: Callable[..., Any], uri: str, remote: Remote, **kwargs: Any) -> Any:
+def _s3_call(fn: Callable[[], Any], uri: str, remote: Remote) -> Any:
+    """`fn()`, with boto3's errors turned into one-line SyncErrors about `uri`."""
     try:
-        return fn(**kwargs)
+        return fn()
     except bexc.NoCredentialsError:
         raise SyncError(_NO_CREDENTIALS.format(uri=uri)) from None
     except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError, bexc.ReadTimeoutError,
@@ -284,7 +291,7 @@ def _list_local(src: str) -> list[Obj]:
     path = local_path(src)
     if any(c in path for c in GLOB_CHARS):
         base = _glob_base(path)
-        paths = [p for p in _walk(base or "/") if fnmatch.fnmatchcase(p, path)]
+        paths = [p for p in _walk(base) if fnmatch.fnmatchcase(p, path)]
         if not paths:
             raise SyncError(f"no files match {src}: check the pattern")
         pairs = [(p, p[len(base):]) for p in paths]
@@ -446,6 +453,8 @@ class Progress:
                                                       description=self.line())
         else:
             self.logger = log
+        if files:
+            self.logger.info(f"{label}: {files} files ({_human(nbytes)}) to transfer")
 
     def add(self, nbytes: int) -> None:
         with self._lock:
@@ -510,17 +519,17 @@ def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, workdir: Path, *, w
     commands.write_text("".join(f"{opts} {_quote(s)} {_quote(d)}\n" for s, d in copies))
     argv = [s5cmd_binary(), "--json", "--numworkers", str(workers), *remote.s5cmd_args(), "run", str(commands)]
     errors: list[str] = []
+    other: list[str] = []      # stderr that is not a JSON error; reported only if s5cmd fails
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
 
     def read_stderr() -> None:
         for line in proc.stderr:  # type: ignore[union-attr]
-            line = line.strip()
-            if line:
-                try:
-                    event = json.loads(line)
-                    errors.append(f"{event.get('command', '')}: {event.get('error', line)}")
-                except (ValueError, AttributeError):
-                    errors.append(line)
+            try:
+                event = json.loads(line)
+                errors.append(f"{event.get('command', '')}: {event['error']}")
+            except (ValueError, TypeError, KeyError):
+                if line.strip():
+                    other.append(line.strip())
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
@@ -544,7 +553,7 @@ def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, workdir: Path, *, w
     if proc.returncode < 0:
         raise TransientSyncError(f"s5cmd was stopped by signal {-proc.returncode}: run the sync again to resume")
     if proc.returncode and not errors:
-        errors.append(f"s5cmd exited with status {proc.returncode}")
+        errors.append(f"s5cmd exited with status {proc.returncode}: {' '.join(other)[-300:]}")
     return errors
 
 

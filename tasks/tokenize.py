@@ -40,7 +40,7 @@ CHUNK_BYTES = 4 << 20
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
 # grows without bound (about 7 MB per MB of random words). A worker whose memory has grown by more
 # than this since its engine was built starts a fresh engine; repetitive text never reaches it.
-ENCODER_CACHE_BYTES = 192 << 20
+ENCODER_CACHE_BYTES = 128 << 20
 MAX_MESSAGES_PER_KIND = 20
 SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "blank_line")
 COMPRESSED = (".gz", ".xz", ".zst")
@@ -97,6 +97,7 @@ def build_hf_tokenizer(vocab_file: str, merge_file: str):
 
 
 def build_encoder(vocab_file: str, merge_file: str):
+    import awkward  # noqa: F401  (encode_batch's result type; loaded once, before workers fork)
     import gigatoken
 
     return gigatoken.Tokenizer(build_hf_tokenizer(vocab_file, merge_file))
@@ -131,14 +132,15 @@ def expand_inputs(inputs: list[str] | str) -> list[str]:
         inputs = [inputs]
     files: list[str] = []
     for pattern in inputs:
-        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        matched = [m for m in matched if not os.path.isdir(m)] if glob.has_magic(pattern) else matched
-        if not matched:
-            raise TokenizeError(f"--input {pattern}: no file matches")
-        for m in matched:
-            if not os.path.isfile(m):
-                raise TokenizeError(f"--input {m}: file not found")
-        files.extend(matched)
+        if glob.has_magic(pattern):
+            matched = sorted(m for m in glob.glob(pattern) if os.path.isfile(m))
+            if not matched:
+                raise TokenizeError(f"--input {pattern}: no file matches")
+            files.extend(matched)
+        elif os.path.isfile(pattern):
+            files.append(pattern)
+        else:
+            raise TokenizeError(f"--input {pattern}: file not found")
     if not files:
         raise TokenizeError("--input: no input files given")
     return files
@@ -277,15 +279,17 @@ def _work(item: tuple[int, bytes]) -> dict:
 
 def _ordered_results(encoder_args: tuple, items: Iterator[tuple[int, bytes]], workers: int) -> Iterator[dict]:
     """Results of ``(file index, chunk)`` items in input order, at most ``2 * workers`` in flight."""
+    _init_worker(*encoder_args)
     if workers <= 1:
-        _init_worker(*encoder_args)
         for item in items:
             yield _work(item)
         return
-    import awkward  # noqa: F401  (imported once here rather than in every forked worker)
-
-    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=encoder_args) as pool:
+    if sys.platform.startswith("linux"):
+        # Forked workers inherit the engine built above; its sequential path is fork-safe.
+        pool = multiprocessing.get_context("fork").Pool(workers)
+    else:
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=encoder_args)
+    with pool:
         pending: collections.deque = collections.deque()
         for item in items:
             pending.append(pool.apply_async(_work, (item,)))

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import shlex
@@ -82,7 +83,7 @@ class DistributedTask(submitit.helpers.Checkpointable):
     """What every submitit task runs: torch.distributed env from submitit, then gpt.train.main.
 
     On USR2 (time limit or preemption) gpt stops at an iteration boundary on all ranks and saves a
-    checkpoint; rank 0 then hands over to submitit's own handler, which dumps this callable again
+    checkpoint; rank 0 then hands over to submitit's own handler (unless the job is being cancelled), which dumps this callable again
     (``checkpoint``) and requeues the job: the next start resumes from that checkpoint.
     """
 
@@ -92,12 +93,19 @@ class DistributedTask(submitit.helpers.Checkpointable):
     def __call__(self) -> dict[str, Any]:
         import gpt.train
 
+        if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
+            # A requeued job keeps its id: a new port per restart avoids the old one's TIME_WAIT.
+            seed = f"{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+            os.environ["MASTER_PORT"] = str(15000 + random.Random(seed).randrange(15000))
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         requeue = signal.getsignal(signal.SIGUSR2)
         summary = gpt.train.main(Config.from_dict(self.config))
-        if summary.get("status") == "interrupted" and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        if (summary.get("status") == "interrupted" and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+                and os.environ.get("RANK") == "0"):
             signal.signal(signal.SIGUSR2, requeue)
-            if callable(requeue):
+            # SIGTERM from scancel also interrupts training: a cancelled job must stay cancelled.
+            job = slurm_state(os.environ["SLURM_JOB_ID"])
+            if callable(requeue) and job is not None and job[0] == "RUNNING":
                 requeue(signal.SIGUSR2, None)  # rank 0: checkpoint + `scontrol requeue` + exit
         return summary
 

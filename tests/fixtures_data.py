@@ -31,5 +31,5 @@ def bpe_vocab(shakespeare_jsonl, tmp_path_factory) -> tuple[Path, Path]:
     from tasks.tokenize import iter_texts, train_bpe
 
     out = tmp_path_factory.mktemp("bpe")
-    vocab, merges = train_bpe(iter_texts([str(shakespeare_jsonl)], "text", 4 << 20), str(out), vocab_size=2000)
+    vocab, merges = train_bpe(iter_texts([str(shakespeare_jsonl)], "text", 1 << 20), str(out), vocab_size=2000)
     return Path(vocab), Path(merges)

@@ -5,6 +5,7 @@ yields a `PrefectServer` whose `env` points subprocesses (the CLI, `deployments/
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -26,6 +27,23 @@ class PrefectServer:
     home: Path                    # PREFECT_HOME of the server and of clients using `env`
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+
+    def api(self, path: str, body: dict | None = None, method: str | None = None) -> object:
+        """JSON from the REST API: GET without a body, POST with one (e.g. "/artifacts/filter")."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.api_url}{path}", data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read() or b"null")
+
+    def flow_run(self, run_id: str) -> dict:
+        return self.api(f"/flow_runs/{run_id}")
+
+    def task_runs(self, run_id: str) -> list[dict]:
+        return self.api("/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+
+    def artifacts(self, run_id: str) -> list[dict]:
+        return self.api("/artifacts/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
 
     def cli(self, *args: str, timeout: float = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
         """Run `prefect ARGS` against this server; output captured as text."""

@@ -15,6 +15,7 @@ for unsigned requests, and it answers HEAD with PartNumber (so multipart ETags c
     s3_server.put(bucket, key, data, part_size=None)  # bytes or a file path; part_size: multipart
     s3_server.put_tree(bucket, prefix, {rel: bytes})
     s3_server.denied_env              # valid keys of an identity that may read nothing
+    s3_server.lister_env              # keys that may list bucket LIST_ONLY_BUCKET but not read it
 
 Tests that run code reading credentials from the environment use `monkeypatch.setenv` with
 `s3_server.env`, or pass `s3_server.env` to a subprocess. `start_s3_server(dir)` / `stop()` start
@@ -41,6 +42,8 @@ import pytest
 
 ACCESS_KEY, SECRET_KEY = "sync-test-admin", "sync-test-admin-secret"
 DENIED_KEY, DENIED_SECRET = "sync-test-denied", "sync-test-denied-secret"
+LISTER_KEY, LISTER_SECRET = "sync-test-lister", "sync-test-lister-secret"
+LIST_ONLY_BUCKET = "list-only"      # the lister identity may list this bucket but not read objects
 REGION = "us-east-1"
 
 
@@ -81,6 +84,7 @@ class S3Server:
     proc: subprocess.Popen = field(repr=False)
     env: dict[str, str] = field(default_factory=dict)
     denied_env: dict[str, str] = field(default_factory=dict)
+    lister_env: dict[str, str] = field(default_factory=dict)
 
     def client(self, **kwargs: Any) -> Any:
         import boto3
@@ -149,6 +153,8 @@ def _start_once(root: Path) -> S3Server:
          "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
         {"name": "denied", "credentials": [{"accessKey": DENIED_KEY, "secretKey": DENIED_SECRET}],
          "actions": ["Read:no-such-bucket-for-this-identity"]},
+        {"name": "lister", "credentials": [{"accessKey": LISTER_KEY, "secretKey": LISTER_SECRET}],
+         "actions": [f"List:{LIST_ONLY_BUCKET}"]},
     ]}
     config = root / "s3.json"
     config.write_text(json.dumps(identities))
@@ -163,8 +169,8 @@ def _start_once(root: Path) -> S3Server:
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=root, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", data, log, proc,
-                      _env(ACCESS_KEY, SECRET_KEY), _env(DENIED_KEY, DENIED_SECRET))
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", data, log, proc, _env(ACCESS_KEY, SECRET_KEY),
+                      _env(DENIED_KEY, DENIED_SECRET), _env(LISTER_KEY, LISTER_SECRET))
     try:
         _wait_ready(server)
     except BaseException:
@@ -195,6 +201,7 @@ def _wait_ready(server: S3Server, timeout: float = 60) -> None:
             s3.create_bucket(Bucket="ready-probe")
             s3.put_object(Bucket="ready-probe", Key="probe", Body=b"ok")
             if s3.get_object(Bucket="ready-probe", Key="probe")["Body"].read() == b"ok":
+                s3.create_bucket(Bucket=LIST_ONLY_BUCKET)
                 return
         except Exception as e:  # noqa: BLE001 - any failure means: not ready yet
             if time.monotonic() > deadline:

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -196,3 +197,29 @@ def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Pat
     assert "#SBATCH --nodelist='node[1-2]'" in script
     resolved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert resolved["compile"] is True and resolved["compile_cache_dir"] == cold.cache_dir
+
+
+def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) -> None:
+    iters = 60
+    outcome: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=train(
+        tiny(train_iters=iters), load_cluster(slurm_cluster["preset"]), run_dir=str(tmp_path))))
+    runner.start()
+    wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
+    job_id = jobs(tmp_path)[0]["job_id"]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    wait_until(lambda: jobs(tmp_path)[0]["states"][-1]["state"] == "PENDING", 60, "the requeue")
+    # SLURM holds a requeued batch job for two minutes; let it start now.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    runner.join(timeout=180)
+    assert not runner.is_alive()
+    result = outcome["result"]
+    assert result.summary["status"] == "completed" and result.job_ids == [job_id]
+    log = (tmp_path / "jobs" / f"{job_id}_0_log.out").read_text()
+    stopped = re.search(r"stopping at iteration (\d+) on a signal; checkpoint saved", log)
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)", log)
+    assert stopped and resumed and stopped.group(1) == resumed.group(1)
+    states = [s["state"] for s in jobs(tmp_path)[0]["states"]]
+    assert states.index("PENDING", states.index("RUNNING")) < len(states) - 1
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))

@@ -59,3 +59,24 @@ def test_data_order_is_the_same_for_any_rank_count():
     # Same seed, same tokens; another seed, other tokens.
     assert np.array_equal(MockGPTDataset(64, 8, 50, seed=3)[5], data[5])
     assert not np.array_equal(MockGPTDataset(64, 8, 50, seed=4)[5], data[5])
+
+
+def test_non_finite_step_is_skipped_and_fp16_scale_backs_off():
+    from gpt.backend import get_backend
+    from gpt.train import LossScaler, build_optimizer, train_step
+    config = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64, mock_data=True)
+    backend = get_backend("cpu")
+    model = GPT(config)
+    optimizer = build_optimizer(model, config, backend)
+    tokens = torch.randint(0, 64, (2, 9))
+    batches = [(tokens[:, :-1], tokens[:, 1:])]
+    scaler = LossScaler(enabled=True)
+    loss, norm, stepped = train_step(model, optimizer, batches, backend=backend, precision="fp16", clip_grad=1.0, scaler=scaler)
+    assert stepped and torch.isfinite(loss) and scaler.scale == 2.0 ** 16
+    with torch.no_grad():
+        model.wpe.weight[0, 0] = float("nan")
+    before = model.h[0].mlp.c_fc.weight.clone()
+    loss, norm, stepped = train_step(model, optimizer, batches, backend=backend, precision="fp16", clip_grad=1.0, scaler=scaler)
+    assert not stepped and scaler.scale == 2.0 ** 15
+    assert torch.equal(model.h[0].mlp.c_fc.weight, before)  # the optimizer did not run
+    assert all(p.grad is None for p in model.parameters())

@@ -14,7 +14,7 @@ import pytest
 
 from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, SyncError, TransientSyncError, multipart_etag, sync,
                         upload)
-from tests.fixtures_s3 import SECRET_KEY, S3Server
+from tests.fixtures_s3 import LIST_ONLY_BUCKET, SECRET_KEY, S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -220,6 +220,45 @@ def test_cli_errors_are_one_clear_line(s3: S3Server, corpus, case: str, tmp_path
     assert "Traceback" not in r.stderr + r.stdout
     secret = env.get("AWS_SECRET_ACCESS_KEY")
     assert not secret or secret not in r.stderr + r.stdout
+
+
+def test_profile_from_credentials_file(s3: S3Server, corpus, monkeypatch, tmp_path: Path) -> None:
+    bucket, files = corpus
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[corpus]\naws_access_key_id = {s3.env['AWS_ACCESS_KEY_ID']}\n"
+                     f"aws_secret_access_key = {s3.env['AWS_SECRET_ACCESS_KEY']}\n")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    m = sync([f"s3://{bucket}/data/"], str(tmp_path / "d"), endpoint_url=s3.endpoint_url, profile="corpus")
+    assert read_tree(tmp_path / "d") == files and m.transferred_files == len(files)
+    with pytest.raises(SyncError, match="AWS profile 'elsewhere' is not in the AWS config"):
+        sync([f"s3://{bucket}/data/"], str(tmp_path / "d"), endpoint_url=s3.endpoint_url, profile="elsewhere")
+
+
+def test_transfer_errors_from_s5cmd_are_one_line(s3: S3Server, monkeypatch, tmp_path: Path) -> None:
+    """Listing is allowed, reading is not: the error comes from s5cmd's JSON output."""
+    s3.put(LIST_ONLY_BUCKET, "corpus/a.jsonl", b"{}\n")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(k, s3.lister_env[k])
+    with pytest.raises(SyncError, match=f"^access denied to s3://{LIST_ONLY_BUCKET}/corpus/a.jsonl: ") as e:
+        sync([f"s3://{LIST_ONLY_BUCKET}/corpus/"], str(tmp_path / "d"), endpoint_url=s3.endpoint_url)
+    assert "\n" not in str(e.value) and not list((tmp_path / "d").glob("*.jsonl"))
+    assert not json.loads((tmp_path / "d" / MANIFEST_NAME).read_text())["complete"]
+
+
+def test_concurrent_sync_into_one_folder_is_refused(tmp_path: Path) -> None:
+    from tasks.sync import _lock
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_text("a")
+    (tmp_path / "dest" / PARTIAL_DIR).mkdir(parents=True)
+    held = _lock(tmp_path / "dest" / PARTIAL_DIR)
+    try:
+        with pytest.raises(TransientSyncError, match="another sync is writing to"):
+            sync([str(tmp_path / "src")], str(tmp_path / "dest"))
+    finally:
+        os.close(held)
+    assert sync([str(tmp_path / "src")], str(tmp_path / "dest")).transferred_files == 1
 
 
 def test_missing_local_source_is_an_error(tmp_path: Path) -> None:

@@ -139,7 +139,7 @@ def test_several_keys_and_files(tmp_path, bpe_vocab):
 
 
 def test_trains_a_bpe_when_no_vocab_is_given(tmp_path, shakespeare_jsonl):
-    m = tokenize([str(shakespeare_jsonl)], str(tmp_path / "data" / "sp"), train_vocab_size=600)
+    m = tokenize([str(shakespeare_jsonl)], str(tmp_path / "data" / "sp"), train_vocab_size=600, train_bytes=1 << 20)
     assert m.vocab_file == str(tmp_path / "data" / "vocab.json")
     assert open(m.merge_file, encoding="utf-8").readline().startswith("#version")
     vocab = json.load(open(m.vocab_file, encoding="utf-8"))
@@ -188,3 +188,14 @@ def test_prefect_tasks_are_cached_on_inputs(tmp_path, bpe_vocab):
         with open(src, "a") as f:  # new input: the cache no longer applies
             f.write(json.dumps({"text": "more"}) + "\n")
         assert pipeline()[:2] == ["Completed", "Cached"]
+
+
+def test_tiny_chunks_and_engine_rebuilds_keep_ids(tmp_path, bpe_vocab, monkeypatch):
+    vocab, merges = map(str, bpe_vocab)
+    src = write_jsonl(tmp_path / "in.jsonl", TRICKY * 3)
+    whole = tokenize([src], str(tmp_path / "a"), vocab_file=vocab, merge_file=merges, workers=1)
+    monkeypatch.setattr("tasks.tokenize.CHUNK_BYTES", 1000)  # lines longer than a read block
+    monkeypatch.setattr("tasks.tokenize.ENCODER_CACHE_BYTES", -1)  # a fresh engine for every chunk
+    pieces = tokenize([src], str(tmp_path / "b"), vocab_file=vocab, merge_file=merges, workers=2)
+    assert pieces.documents == whole.documents == len(TRICKY) * 3
+    assert read_docs(pieces.prefixes["text"]) == read_docs(whole.prefixes["text"])

@@ -1,0 +1,226 @@
+"""End to end: a real Prefect server, the served deployments, the local SLURM cluster, S3 on loopback.
+
+`prefect deployment run pretrain/gpt3 --watch` trains the tiny GPT on the 2-node SLURM cluster
+from a corpus in the S3 server; the run completes with every stage and its artifacts; the same
+parameters again skip the data stages; a training job killed mid-run is retried and resumes from
+its checkpoint; headless chromium saves a screenshot of the flow run page.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import pytest
+
+from tasks.sample_corpus import sample_corpus
+from tests.fixtures_prefect import screenshot, start_server, stop
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCREENSHOTS = ROOT / "runs" / "e2e"
+DATA_STAGES = ("sync", "tokenize", "index")
+
+
+def _wait(predicate, timeout: float, what: str, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """`deployments/serve.py` running against the test server, the corpus uploaded to S3."""
+    work = tmp_path_factory.mktemp("e2e")  # one host: every SLURM node sees this folder
+    corpus = Path(sample_corpus(str(work / "corpus")))
+    bucket = s3_server.new_bucket()
+    s3_server.put(bucket, "corpus/shakespeare.jsonl", corpus)
+    env = dict(prefect_server.env)
+    env.update({k: v for k, v in s3_server.env.items() if k.startswith("AWS_")})
+    env["PYTHONPATH"] = str(ROOT)
+    log = work / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "deployments" / "serve.py"), "--history",
+                                 str(work / "benchmarks")], cwd=work, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve.py exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            prefect_server.api("/deployments/name/pretrain/gpt3")
+            prefect_server.api("/deployments/name/benchmark/nightly")
+            return True
+        except OSError:
+            return False
+
+    _wait(ready, 120, "the served deployments")
+    try:
+        yield SimpleNamespace(work=work, bucket=bucket, endpoint=s3_server.endpoint_url, log=log,
+                              server=prefect_server, partition=slurm_cluster["partition"])
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def params(served: SimpleNamespace, run_name: str, **training) -> dict:
+    return {
+        "model": "tiny",
+        "data": {"sources": [f"s3://{served.bucket}/corpus/"], "endpoint_url": served.endpoint},
+        "tokenizer": {"train_vocab_size": 2048},
+        "training": {"train_iters": 20, "eval_interval": 10, "eval_iters": 2, "save_interval": 10,
+                     "log_interval": 2, "overrides": {"lr_warmup_iters": 4}, **training},
+        "cluster": {"preset": "slurm-local", "overrides": {"partition": served.partition, "time_limit": 20}},
+        "output": {"root": str(served.work / "runs"), "run_name": run_name},
+    }
+
+
+def deployment_run(served: SimpleNamespace, parameters: dict, timeout: int = 600) -> tuple[dict, str]:
+    args = ["deployment", "run", "pretrain/gpt3", "--watch", "--watch-timeout", str(timeout)]
+    for key, value in parameters.items():
+        args += ["--param", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    result = served.server.cli(*args, timeout=timeout + 60)
+    output = result.stdout + result.stderr
+    match = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    assert match, f"no flow run id in the CLI output:\n{output}"
+    run = served.server.flow_run(match.group(1))
+    assert result.returncode == 0 and run["state"]["type"] == "COMPLETED", (
+        f"flow run {run['name']} ended {run['state']['name']}: {run['state'].get('message')}\n{output[-3000:]}\n"
+        f"serve log:\n{served.log.read_text()[-5000:]}")
+    return run, output
+
+
+def task_states(served: SimpleNamespace, run_id: str) -> dict[str, list[str]]:
+    states: dict[str, list[str]] = {}
+    for tr in served.server.task_runs(run_id):
+        states.setdefault(tr["name"].rsplit("-", 1)[0], []).append(tr["state"]["name"])
+    return states
+
+
+def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
+    run, _ = deployment_run(served, params(served, "e2e-main"))
+    states = task_states(served, run["id"])
+    for stage in ("sync", "tokenize", "index", "train", "report"):
+        assert states.get(stage) == ["Completed"], states
+    run_dir = served.work / "runs" / "e2e-main"
+    jobs = json.loads((run_dir / "jobs.json").read_text())
+    assert any(j["executor"] == "slurm" for j in (jobs if isinstance(jobs, list) else jobs["jobs"]))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if m.get("kind", "train") == "train"]
+    assert train[-1]["iteration"] == 20 and train[-1]["lm_loss"] < train[0]["lm_loss"]
+
+    artifacts = {a["key"]: a for a in served.server.artifacts(run["id"]) if a["key"]}
+    assert {"pretrain-dataset", "pretrain-summary", "pretrain-loss-curve", "pretrain-links"} <= set(artifacts)
+    summary = {row["item"]: row["value"] for row in json.loads(artifacts["pretrain-summary"]["data"])}
+    assert summary["status"] == "completed" and summary["iterations"].startswith("20")
+    assert float(summary["final train loss"]) < train[0]["lm_loss"]
+    assert summary["job ids"] != "local"
+    dataset = json.loads(artifacts["pretrain-dataset"]["data"])
+    assert int(dataset[0]["documents"].replace(",", "")) > 1000
+    assert "data:image/png;base64," in artifacts["pretrain-loss-curve"]["data"]
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in artifacts["pretrain-links"]["data"]
+
+    again, _ = deployment_run(served, params(served, "e2e-main"))
+    states = task_states(served, again["id"])
+    for stage in (*DATA_STAGES, "train"):
+        assert states.get(stage) == ["Cached"], states
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = screenshot(f"{served.server.url}/runs/flow-run/{run['id']}", SCREENSHOTS / "flow-run.png", wait_ms=15000)
+    art = screenshot(f"{served.server.url}/artifacts/artifact/{artifacts['pretrain-loss-curve']['id']}",
+                     SCREENSHOTS / "loss-curve-artifact.png", wait_ms=15000)
+    # A rendered page (dark UI, graph, text) compresses far worse than a blank one.
+    assert shot.stat().st_size > 30_000 and art.stat().st_size > 30_000
+
+
+def _running_job(run_dir: Path) -> str | None:
+    path = run_dir / "jobs.json"
+    if not path.exists():
+        return None
+    jobs = json.loads(path.read_text())
+    jobs = jobs if isinstance(jobs, list) else jobs["jobs"]
+    return jobs[-1]["job_id"] if jobs else None
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    folder = run_dir / "checkpoints"
+    return sorted(p.name for p in folder.glob("iter_*") if (p / "COMPLETE").exists()) if folder.exists() else []
+
+
+def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served):
+    run_dir = served.work / "runs" / "e2e-killed"
+    parameters = params(served, "e2e-killed", train_iters=40)
+    cli = subprocess.Popen  # the CLI blocks with --watch: run it beside the killer below
+    args = [sys.executable, "-m", "prefect", "deployment", "run", "pretrain/gpt3", "--watch", "--watch-timeout", "600"]
+    for key, value in parameters.items():
+        args += ["--param", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    proc = cli(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
+        job = _running_job(run_dir)
+        killed = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True)
+        assert killed.returncode == 0, killed.stderr
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    match = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    assert match, output
+    run = served.server.flow_run(match.group(1))
+    assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{output[-3000:]}\n{served.log.read_text()[-5000:]}"
+    train_runs = [tr for tr in served.server.task_runs(run["id"]) if tr["name"].startswith("train")]
+    assert len(train_runs) == 1 and train_runs[0]["run_count"] == 2  # failed once, retried once
+    jobs = json.loads((run_dir / "jobs.json").read_text())
+    jobs = jobs if isinstance(jobs, list) else jobs["jobs"]
+    assert len({j["job_id"] for j in jobs}) == 2
+    iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line).get("kind", "train") == "train"]
+    assert iterations[-1] == 40
+    assert iterations.count(1) == 1 and iterations.count(2) == 1  # the retry did not start over
+
+
+def test_served_nightly_benchmark_carries_its_schedule(served):
+    deployment = served.server.api("/deployments/name/benchmark/nightly")
+    crons = [s["schedule"].get("cron") for s in deployment["schedules"] if s["active"]]
+    assert crons == ["0 2 * * *"]
+    assert deployment["parameters"]["history"] == str(served.work / "benchmarks")
+    pretrain = served.server.api("/deployments/name/pretrain/gpt3")
+    schema = pretrain["parameter_openapi_schema"]
+    assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output"]
+
+
+def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
+    # Its own server: these deployments have the same names as the served ones.
+    server, proc = start_server(tmp_path / "prefect-home")
+    try:
+        env = {**server.env, "GPT_PRETRAIN_DIR": str(ROOT)}
+        pool = server.cli("work-pool", "create", "gpt", "--type", "process")
+        assert pool.returncode == 0, pool.stdout + pool.stderr
+        result = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all",
+                                 "--prefect-file", "deployments/prefect.yaml"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        deployments = server.api("/deployments/filter", {"work_pools": {"name": {"any_": ["gpt"]}}})
+        by_name = {d["name"]: d for d in deployments}
+        assert set(by_name) == {"gpt3", "nightly"}
+        assert [s["schedule"]["cron"] for s in by_name["nightly"]["schedules"]] == ["0 2 * * *"]
+        step = by_name["gpt3"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
+        assert step["directory"] == str(ROOT)
+    finally:
+        stop(proc)

@@ -1,0 +1,101 @@
+"""The pretrain flow in-process (prefect_test_harness): stages, artifacts, caching, early rejection."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams
+from flows.pretrain import pretrain
+from tasks.sample_corpus import sample_corpus
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The first 150 documents of the sample corpus: real text, small enough to be quick."""
+    full = Path(sample_corpus(str(tmp_path_factory.mktemp("sample"))))
+    small = full.parent / "small.jsonl"
+    small.write_text("".join(full.read_text().splitlines(keepends=True)[:150]))
+    return small
+
+
+def _run(corpus: Path, root: Path, **training):
+    return pretrain(
+        data=DataParams(sources=[str(corpus)]),
+        tokenizer=TokenizerParams(train_vocab_size=1024),
+        training=TrainingParams(train_iters=6, eval_interval=3, eval_iters=1, log_interval=1, save_interval=3,
+                                overrides={"lr_warmup_iters": 1}, **training),
+        cluster=ClusterParams(preset="local"),
+        output=OutputParams(root=str(root)),
+        return_state=True,
+    )
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+
+def _artifacts(flow_run_id) -> dict[str, object]:
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {a.key: a for a in arts if a.key}
+
+
+def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, corpus, tmp_path):
+    state = _run(corpus, tmp_path)
+    assert state.is_completed(), state.message
+    out = state.result()
+    states = _task_states(state.state_details.flow_run_id)
+    assert {k: states[k] for k in ("sync", "tokenize", "index", "train", "report")} == dict.fromkeys(
+        ("sync", "tokenize", "index", "train", "report"), "Completed")
+    assert [s["stage"] for s in out["stages"]] == ["sync", "tokenize", "index", "precompile", "train"]
+    assert out["train_loss"] < out["first_loss"]
+    run_dir = Path(out["run_dir"])
+    assert run_dir.parent == tmp_path and (run_dir / "loss.png").stat().st_size > 5000
+    assert (run_dir / "checkpoints").is_dir() and Path(out["index"]).is_file()
+
+    arts = _artifacts(state.state_details.flow_run_id)
+    assert {"pretrain-dataset", "pretrain-summary", "pretrain-loss-curve", "pretrain-links"} <= set(arts)
+    dataset = json.loads(arts["pretrain-dataset"].data)
+    assert dataset[0]["documents"] == "150" and dataset[0]["dtype"] == "uint16"
+    summary = {r["item"]: r["value"] for r in json.loads(arts["pretrain-summary"].data)}
+    assert summary["iterations"] == "6 / 6" and summary["job ids"]
+    assert {"stage sync (s)", "stage tokenize (s)", "stage index (s)", "stage train (s)"} <= set(summary)
+    assert "tokens/s" in summary and "MFU" in summary
+
+    again = _run(corpus, tmp_path)
+    assert again.is_completed(), again.message
+    states = _task_states(again.state_details.flow_run_id)
+    assert [states[k] for k in ("sync", "tokenize", "index", "train")] == ["Cached"] * 4
+    assert again.result()["run_dir"] == out["run_dir"]
+
+    # A different schedule reuses the data stages and trains into a new run folder.
+    third = _run(corpus, tmp_path, seed=7)
+    states = _task_states(third.state_details.flow_run_id)
+    assert [states[k] for k in ("sync", "tokenize")] == ["Cached"] * 2 and states["train"] == "Completed"
+    assert third.result()["run_dir"] != out["run_dir"]
+
+
+def test_bad_parameters_fail_the_run_before_any_task(harness, tmp_path):
+    state = pretrain(data=DataParams(sources=[str(tmp_path / "missing.jsonl")]),
+                     training=TrainingParams(micro_batch_size=5), output=OutputParams(root=str(tmp_path)),
+                     return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ParameterError) as e:
+        state.result()
+    assert any(m.startswith("data.sources[0]:") for m in e.value.errors)
+    assert any(m.startswith("training.global_batch_size:") for m in e.value.errors)
+    assert _task_states(state.state_details.flow_run_id) == {}
+    assert not any(tmp_path.iterdir())
