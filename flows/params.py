@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpt.config import PRESETS, Config, ConfigError
+from tasks.cluster import load_cluster
+from tasks.index import parse_split
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 
@@ -120,14 +122,13 @@ class Plan:
     world_size: int
     root: Path
     run_dir: Path
-    key: str                    # hash of everything that defines the run
 
 
 def is_remote(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-def _local(uri: str) -> str:
+def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else uri
 
 
@@ -146,26 +147,25 @@ def _vocab_size(path: str) -> int:
 
 def _check_paths(data: DataParams, tokenizer: TokenizerParams, errors: list[str]) -> None:
     for i, src in enumerate(data.sources):
-        if not is_remote(src) and not glob.glob(_local(src)):
+        if not is_remote(src) and not glob.glob(local_path(src)):
             errors.append(f"data.sources[{i}]: {src} matches no file or folder; give an existing path, "
                           "a glob or an s3:// URI")
     for i, p in enumerate(data.prefixes):
         if not is_remote(p.prefix):
             for ext in (".bin", ".idx"):
-                if not os.path.isfile(_local(p.prefix) + ext):
-                    errors.append(f"data.prefixes[{i}].prefix: {_local(p.prefix)}{ext} not found; give the "
+                if not os.path.isfile(local_path(p.prefix) + ext):
+                    errors.append(f"data.prefixes[{i}].prefix: {local_path(p.prefix)}{ext} not found; give the "
                                   "prefix without .bin/.idx")
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
     for name in ("vocab_file", "merge_file"):
         value = getattr(tokenizer, name)
-        if value and not is_remote(value) and not os.path.isfile(_local(value)):
+        if value and not is_remote(value) and not os.path.isfile(local_path(value)):
             errors.append(f"tokenizer.{name}: {value} not found")
     if data.prefixes and tokenizer.vocab_file is None:
         errors.append("tokenizer.vocab_file: data.prefixes were tokenized with some vocabulary; give its "
                       "vocab_file and merge_file (also used for the sources, so all data agree)")
     try:
-        from tasks.index import parse_split
         parse_split(data.split)
     except ValueError as e:
         errors.append(f"data.split: {e}")
@@ -219,7 +219,6 @@ def check(model: str, data: DataParams, tokenizer: TokenizerParams, training: Tr
         errors.append("training: set train_iters or train_samples, not both (clear train_iters to train by samples)")
     _check_paths(data, tokenizer, errors)
 
-    from tasks.cluster import load_cluster
     cluster_cfg, world_size = None, 1
     try:
         cluster_cfg = load_cluster(cluster.preset, **cluster.overrides)
@@ -236,9 +235,9 @@ def check(model: str, data: DataParams, tokenizer: TokenizerParams, training: Tr
     config = None
     if model in PRESETS:
         fields = config_fields(training)
-        if tokenizer.vocab_file and not is_remote(tokenizer.vocab_file) and os.path.isfile(_local(tokenizer.vocab_file)):
+        if tokenizer.vocab_file and not is_remote(tokenizer.vocab_file) and os.path.isfile(local_path(tokenizer.vocab_file)):
             try:
-                fields.setdefault("vocab_size", _vocab_size(_local(tokenizer.vocab_file)))
+                fields.setdefault("vocab_size", _vocab_size(local_path(tokenizer.vocab_file)))
             except (OSError, ValueError) as e:
                 errors.append(f"tokenizer.vocab_file: {tokenizer.vocab_file} is not a JSON vocabulary ({e})")
         try:
@@ -249,10 +248,12 @@ def check(model: str, data: DataParams, tokenizer: TokenizerParams, training: Tr
             errors.append(f"{_config_field(str(e), training)}: {e}")
         except TypeError as e:
             errors.append(f"training.overrides: {e}; see gpt/config.py for the field names")
+    if output.uri is not None and not is_remote(output.uri):
+        errors.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")
     if errors:
         raise ParameterError(errors)
 
     root = Path(output.root).expanduser().resolve()
     key = params_key(model=model, data=data, tokenizer=tokenizer, training=training, cluster=cluster)
     run_dir = root / (output.run_name or f"{model}-{key}")
-    return Plan(config=config, cluster=cluster_cfg, world_size=world_size, root=root, run_dir=run_dir, key=key)
+    return Plan(config=config, cluster=cluster_cfg, world_size=world_size, root=root, run_dir=run_dir)

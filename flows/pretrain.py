@@ -21,11 +21,11 @@ from typing import Any
 
 import yaml
 from prefect import flow
-from prefect.settings import PREFECT_API_URL
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL
 
 from flows.params import (SAMPLE_VOCAB_SIZE, ClusterParams, DataParams, ModelName, OutputParams, ParameterError,
-                          TokenizerParams, TrainingParams, WeightedPrefix, check, is_remote)
+                          TokenizerParams, TrainingParams, WeightedPrefix, check, is_remote, local_path)
 from tasks import report as reporting
 from tasks.index import index_task
 from tasks.precompile import precompile_task
@@ -66,7 +66,7 @@ def _fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, root: Path, s
     """Local paths of the tokenizer files, syncing them first when they are in S3."""
     files = [tokenizer.vocab_file, tokenizer.merge_file]
     if not any(f and is_remote(f) for f in files):
-        return tokenizer.vocab_file, tokenizer.merge_file
+        return tuple(local_path(f) if f else None for f in files)  # type: ignore[return-value]
     remote = [f for f in files if f and is_remote(f)]
     manifest = stages.run("sync-tokenizer", sync_task, remote, str(root / "tokenizer" / _digest(remote)),
                           endpoint_url=data.endpoint_url, profile=data.profile,
@@ -80,7 +80,7 @@ def _fetch_prefixes(data: DataParams, root: Path, stages: Stages) -> list[tuple[
     out = []
     for i, p in enumerate(data.prefixes):
         if not is_remote(p.prefix):
-            out.append((p.weight, p.prefix.removeprefix("file://")))
+            out.append((p.weight, local_path(p.prefix)))
             continue
         dest = root / "prefixes" / _digest(p.prefix)
         stages.run(f"sync-prefix-{i}", sync_task, [p.prefix + ".bin", p.prefix + ".idx"], str(dest),
@@ -151,15 +151,14 @@ def pretrain(
     else:
         stages.skip("precompile", "training.compile is off: nothing to compile")
     result = stages.run("train", train_task, config, plan.cluster, run_dir=str(run_dir), precompiled=compiled)
-    if output.uri:
-        stages.run("upload", upload_task, str(run_dir), output.uri, endpoint_url=output.endpoint_url)
-
     url = flow_run.get_flow_run_ui_url() if PREFECT_API_URL.value() else None  # None: a temporary server
     figures = reporting.report_task(
         model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
         seq_length=config.seq_length, stages=stages.records, job_ids=result.job_ids,
         uploaded_to=output.uri, flow_run_url=url,
     )
+    if output.uri:  # last, so the upload holds the loss plot too
+        stages.run("upload", upload_task, str(run_dir), output.uri, endpoint_url=output.endpoint_url)
     return {
         "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"),

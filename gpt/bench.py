@@ -3,8 +3,8 @@
     python -m gpt.bench --model gpt3-125m --micro-batch 8 --steps 20 --compile --compare-eager
 
 Times full training steps (forward, backward, clip, AdamW) on random tokens after untimed warmup
-steps (which include compilation). ``--compare-eager`` measures eager first and compiled second in
-the same process and reports the ratio, so both figures share the machine's conditions.
+steps (which include compilation); reports the median step. ``--compare-eager`` times an eager and
+a compiled copy of the model in the same process, alternating their steps, and reports the ratio.
 """
 from __future__ import annotations
 
@@ -24,55 +24,54 @@ from gpt.model import param_count
 from gpt.train import LossScaler, build_optimizer, train_step
 
 
-def _measure(config: Config, steps: int, warmup: int) -> dict[str, Any]:
-    backend = get_backend(config.device, config.precision)
-    device = backend.device(0)
-    torch.manual_seed(config.seed)
-    model = build_model(config, DistEnv(0, 1, 0, None), device)
-    optimizer = build_optimizer(model, config, backend)
-    scaler = LossScaler(config.precision == "fp16")
-    mb, seq = config.micro_batch_size, config.seq_length
-    accum = config.global_batch_size // mb
-    tokens = torch.randint(0, config.vocab_size, (accum, mb, seq + 1), device=device)
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+class _Bench:
+    """One model, optimizer and fixed batch of random tokens, ready to time training steps."""
 
-    def step() -> float:
-        loss, _, _ = train_step(model, optimizer, batches, backend=backend, precision=config.precision,
-                                clip_grad=config.clip_grad, scaler=scaler)
-        return float(loss)
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.backend = get_backend(config.device, config.precision)
+        device = self.backend.device(0)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config, DistEnv(0, 1, 0, None), device)
+        self.optimizer = build_optimizer(self.model, config, self.backend)
+        self.scaler = LossScaler(config.precision == "fp16")
+        mb, seq = config.micro_batch_size, config.seq_length
+        tokens = torch.randint(0, config.vocab_size, (config.global_batch_size // mb, mb, seq + 1), device=device)
+        self.batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+        self.times: list[float] = []
+        self.loss = float("nan")
+        self.warmup_s = 0.0
 
-    backend.reset_peak_memory()
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    backend.synchronize()
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
+    def step(self) -> float:
         t = time.perf_counter()
-        loss = step()  # float() waits for the device
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
-    tokens_per_s = config.global_batch_size * seq / step_s
-    peak = config.peak_flops or backend.peak_flops(config.precision)
-    return {
-        "compile": config.compile,
-        "tokens_per_s": tokens_per_s,
-        "step_time_ms": 1000 * step_s,
-        "step_time_ms_mean": 1000 * statistics.fmean(times),
-        "mfu": mfu(tokens_per_s, flops_per_token(config, param_count(config)), peak, 1),
-        "warmup_s": warmup_s,
-        "peak_memory_bytes": backend.peak_memory_bytes(),
-        "peak_memory_kind": "cuda_max_allocated" if backend.name == "cuda" else "process_max_rss",
-        "final_loss": loss,
-    }
+        loss, _, _ = train_step(self.model, self.optimizer, self.batches, backend=self.backend,
+                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler)
+        self.loss = float(loss)  # waits for the device
+        return time.perf_counter() - t
+
+    def warmup(self, steps: int) -> None:
+        self.warmup_s = sum(self.step() for _ in range(steps))
+
+    def result(self) -> dict[str, Any]:
+        c = self.config
+        step_s = statistics.median(self.times)
+        tokens_per_s = c.global_batch_size * c.seq_length / step_s
+        peak = c.peak_flops or self.backend.peak_flops(c.precision)
+        return {"compile": c.compile, "tokens_per_s": tokens_per_s, "step_time_ms": 1000 * step_s,
+                "step_time_ms_mean": 1000 * statistics.fmean(self.times),
+                "mfu": mfu(tokens_per_s, flops_per_token(c, param_count(c)), peak, 1),
+                "warmup_s": self.warmup_s, "final_loss": self.loss}
 
 
 def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int = 3, grad_accum: int = 1,
         seq_length: int | None = None, vocab_size: int = 50257, device: str = "auto", precision: str | None = None,
         compile: bool = False, compare_eager: bool = False, activation_checkpointing: bool = False,
         peak_flops: float | None = None) -> dict[str, Any]:
-    """Benchmark ``model``; with ``compare_eager`` the result holds "eager", "compiled" and their ratio."""
+    """Benchmark ``model``; with ``compare_eager`` the result holds "eager", "compiled" and their ratio.
+
+    Comparing, both models are built and warmed up first, then their timed steps alternate, so a
+    busy machine slows both alike.
+    """
     backend = get_backend(device)
     precision = precision or ("fp32" if backend.name == "cpu" else "bf16")
     config = Config(model=model, micro_batch_size=micro_batch, global_batch_size=micro_batch * grad_accum,
@@ -86,10 +85,19 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         "seq_length": config.seq_length, "steps": steps, "warmup": warmup, "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+    configs = [Config(**{**config.to_dict(), "compile": c}) for c in (False, True)] if compare_eager else [config]
+    backend.reset_peak_memory()
+    benches = [_Bench(c) for c in configs]
+    for b in benches:
+        b.warmup(warmup)
+    for _ in range(steps):
+        for b in benches:
+            b.times.append(b.step())
+    result.update(peak_memory_bytes=backend.peak_memory_bytes(),  # all models of the run together
+                  peak_memory_kind="cuda_max_allocated" if backend.name == "cuda" else "process_max_rss")
     if not compare_eager:
-        return {**result, **_measure(config, steps, warmup)}
-    eager = _measure(Config(**{**config.to_dict(), "compile": False}), steps, warmup)
-    compiled = _measure(Config(**{**config.to_dict(), "compile": True}), steps, warmup)
+        return {**result, **benches[0].result()}
+    eager, compiled = (b.result() for b in benches)
     return {**result, "eager": eager, "compiled": compiled,
             "compiled_vs_eager_tokens_per_s": compiled["tokens_per_s"] / eager["tokens_per_s"]}
 

@@ -7,12 +7,15 @@ from (and is removed by the next save).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +80,8 @@ class Checkpointer:
             "train": train_state,
             f"rng_rank{self.rank}": rng_state(),  # per rank: DCP keeps one copy of identical keys
         }
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         barrier()  # every rank's shards are on disk
         if self.rank == 0:
             _write_marker(tmp, iteration)
@@ -96,8 +100,9 @@ class Checkpointer:
             f"rng_rank{self.rank}": b"",
         }
         # A checkpoint written by fewer ranks lacks this rank's RNG entry: load what exists.
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=True))
         if state[f"rng_rank{self.rank}"]:
@@ -111,6 +116,14 @@ class Checkpointer:
         done = sorted((p for p in self.dir.iterdir() if _NAME.match(p.name)), key=lambda p: int(_NAME.match(p.name).group(1)))
         for p in done[:-self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group, although one process is what was meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _write_marker(folder: Path, iteration: int) -> None:

@@ -63,19 +63,19 @@ class ConfigError(ValueError):
 
 @dataclass
 class Config:
-    model: str = "tiny"
+    model: str = "tiny"                        # preset name: fills every field below left as None
     num_layers: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
     seq_length: int | None = None
-    max_position_embeddings: int | None = None
-    vocab_size: int = 50257
-    data_index: str | None = None
-    mock_data: bool = False
+    max_position_embeddings: int | None = None  # defaults to seq_length
+    vocab_size: int = 50257                    # tokenizer size; the model pads it (padded_vocab_size)
+    data_index: str | None = None              # index manifest JSON written by tasks.index
+    mock_data: bool = False                    # random tokens instead (gpt.data.MockGPTDataset)
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
-    train_iters: int | None = None
-    train_samples: int | None = None
+    train_iters: int | None = None             # exactly one of these two; the lr_* schedule
+    train_samples: int | None = None           # fields count in the same unit
     lr: float | None = None
     min_lr: float | None = None
     lr_warmup_iters: int | None = None
@@ -90,22 +90,22 @@ class Config:
     clip_grad: float = 1.0
     seed: int = 1234
     tensor_parallel: int = 1
-    data_parallel_mode: str = "ddp"
+    data_parallel_mode: str = "ddp"            # "ddp" or "fsdp" (FSDP2 fully_shard)
     device: str = "auto"
     precision: str = "bf16"
     compile: bool = False
     activation_checkpointing: bool = False
-    compile_cache_dir: str | None = None
-    precompile: bool = False
+    compile_cache_dir: str | None = None       # torch.compile caches: loaded at start, filled by precompile
+    precompile: bool = False                   # compile-only run: precompile_iters steps, no checkpoints/metrics
     precompile_iters: int = 3
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"              # config.json, metrics.jsonl, tensorboard/, checkpoints/
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 10
     save_interval: int = 100
     keep_last: int = 2
-    benchmark: bool = False
-    peak_flops: float | None = None
+    benchmark: bool = False                    # no evaluation
+    peak_flops: float | None = None            # per device, for MFU; default from gpt.backend.PEAK_FLOPS
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -126,10 +126,10 @@ class Config:
             for n in _SCHEDULE_ITERS + _SCHEDULE_SAMPLES:
                 if n in preset:
                     setattr(self, n, preset[n])
-        else:
+        else:  # the preset's warmup, at most a tenth of the run
             for kind in (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES):
                 if getattr(self, kind[0]) is not None and getattr(self, kind[1]) is None and kind[1] in preset:
-                    setattr(self, kind[1], preset[kind[1]])
+                    setattr(self, kind[1], min(preset[kind[1]], getattr(self, kind[0]) // 10))
         if self.lr_warmup_iters is None and self.train_iters is not None:
             self.lr_warmup_iters = 0
         if self.lr_warmup_samples is None and self.train_samples is not None:

@@ -138,10 +138,6 @@ def scale_grads(parameters: list[nn.Parameter], factor: float) -> None:
             p.grad.mul_(factor)
 
 
-def unwrap(model: nn.Module) -> GPT:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum a small tensor over all ranks (identity for one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:

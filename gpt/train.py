@@ -26,7 +26,7 @@ from gpt.checkpoint import Checkpointer
 from gpt.config import Config, ConfigError, read_config_file
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.distributed import (
-    DistEnv, all_reduce_sum, build_model, grad_norm, gradient_sync, init_distributed, scale_grads, shutdown, unwrap,
+    DistEnv, all_reduce_sum, build_model, grad_norm, gradient_sync, init_distributed, scale_grads, shutdown,
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count
@@ -292,8 +292,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
                                              precision=config.precision, clip_grad=config.clip_grad, scaler=scaler)
-            loss_value = float(all_reduce_sum(loss.detach().clone())) / env.world_size
-            backend.synchronize()
+            loss_value = float(all_reduce_sum(loss.detach().clone())) / env.world_size  # waits for the device
             elapsed = time.time() - t0
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g,
                          loss_scale=scaler.scale, good_steps=scaler.good_steps)
@@ -324,8 +323,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
                                tokens_per_s=g * seq / (ms / 1000), mfu_value=mfu(g * seq / (ms / 1000), flops_token, peak, env.world_size)),
                     flush=True)
                 interval = {"iters": 0, "loss": 0.0, "n": 0, "ms": 0.0, "skipped": 0, "nan": 0}
-            run_eval = not config.benchmark and (it % config.eval_interval == 0 or (config.precompile and it == end_iter))
-            if run_eval:
+            if not config.benchmark and (it % config.eval_interval == 0 or it == end_iter):
                 valid_loss = evaluate(model, valid_data, config, env, device, backend,
                                       1 if config.precompile else config.eval_iters)
                 if valid_loss is not None:

@@ -16,8 +16,9 @@ namespace {
 
 // Sample i spans document_idx[out[i][0]] at offset out[i][1] up to document_idx[out[i+1][0]] at
 // offset out[i+1][1] (plus add_extra tokens), so consecutive samples overlap by add_extra tokens.
+// Returns false if document_idx names a document outside sizes.
 template <typename T, typename D>
-void fill_sample_idx(const int32_t *sizes, int64_t num_sizes, const D *document_idx, int64_t num_docs,
+bool fill_sample_idx(const int32_t *sizes, int64_t num_sizes, const D *document_idx, int64_t num_docs,
                      int32_t seq_length, int64_t num_samples, int32_t add_extra, T *out) {
   int64_t doc_pos = 0;   // position in document_idx
   int64_t doc_offset = 0;  // tokens of that document already used
@@ -27,6 +28,7 @@ void fill_sample_idx(const int32_t *sizes, int64_t num_sizes, const D *document_
     int64_t remaining = static_cast<int64_t>(seq_length) + add_extra;
     while (remaining != 0) {
       const int64_t doc = static_cast<int64_t>(document_idx[doc_pos]);
+      if (doc < 0 || doc >= num_sizes) return false;
       const int64_t doc_length = static_cast<int64_t>(sizes[doc]) - doc_offset;
       remaining -= doc_length;
       if (remaining <= 0) {
@@ -45,6 +47,7 @@ void fill_sample_idx(const int32_t *sizes, int64_t num_sizes, const D *document_
     out[2 * s] = static_cast<T>(doc_pos);
     out[2 * s + 1] = static_cast<T>(doc_offset);
   }
+  return true;
 }
 
 template <typename T>
@@ -71,19 +74,22 @@ py::array_t<T> build_sample_idx(py::array_t<int32_t, py::array::c_style> sizes, 
   const int64_t num_sizes = sizes.shape(0);
   const int64_t num_docs = document_idx.shape(0);
   const auto kind = document_idx.dtype();
+  bool ok = false;
   if (kind.is(py::dtype::of<int32_t>())) {
     const auto *docs = static_cast<const int32_t *>(document_idx.data());
     py::gil_scoped_release release;
-    fill_sample_idx<T, int32_t>(sizes_ptr, num_sizes, docs, num_docs, seq_length, num_samples,
-                                add_extra_token_to_sequence, out_ptr);
+    ok = fill_sample_idx<T, int32_t>(sizes_ptr, num_sizes, docs, num_docs, seq_length, num_samples,
+                                     add_extra_token_to_sequence, out_ptr);
   } else if (kind.is(py::dtype::of<int64_t>())) {
     const auto *docs = static_cast<const int64_t *>(document_idx.data());
     py::gil_scoped_release release;
-    fill_sample_idx<T, int64_t>(sizes_ptr, num_sizes, docs, num_docs, seq_length, num_samples,
-                                add_extra_token_to_sequence, out_ptr);
+    ok = fill_sample_idx<T, int64_t>(sizes_ptr, num_sizes, docs, num_docs, seq_length, num_samples,
+                                     add_extra_token_to_sequence, out_ptr);
   } else {
     throw std::invalid_argument("document_idx must be int32 or int64");
   }
+  if (!ok)
+    throw std::invalid_argument("document_idx holds a document outside sizes (0.." + std::to_string(num_sizes - 1) + ")");
   return out;
 }
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import fcntl
 import fnmatch
 import hashlib
@@ -29,7 +28,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -343,17 +341,19 @@ def md5_file(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "md5").hexdigest()
 
 
-def multipart_etag(path: str | os.PathLike, part_size: int) -> str:
-    """The ETag S3 gives an object uploaded in parts of `part_size` bytes: md5(part md5s)-parts.
+def multipart_etag(path: str | os.PathLike, parts: int | list[int]) -> str:
+    """The ETag S3 gives an object uploaded in parts: md5(part md5s)-count.
 
+    `parts` is the part size in bytes (all parts equal but the last) or the list of part sizes.
     Parts are hashed in parallel (hashlib releases the GIL), so a large file verifies on all cores.
     """
-    size = os.path.getsize(path)
+    sizes = _uniform(os.path.getsize(path), parts) if isinstance(parts, int) else parts
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def part(i: int) -> bytes:
-        h, left = hashlib.md5(), min(part_size, size - i * part_size)
+        h, left = hashlib.md5(), sizes[i]
         with open(path, "rb") as f:
-            f.seek(i * part_size)
+            f.seek(offsets[i])
             while left > 0:
                 chunk = f.read(min(left, 8 * MIB))
                 if not chunk:
@@ -362,10 +362,13 @@ def multipart_etag(path: str | os.PathLike, part_size: int) -> str:
                 left -= len(chunk)
         return h.digest()
 
-    count = -(-size // part_size)
-    with cf.ThreadPoolExecutor(max_workers=min(count, os.cpu_count() or 1) or 1) as pool:
-        digests = list(pool.map(part, range(count)))
-    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{count}"
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(len(sizes), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(part, range(len(sizes))))
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(sizes)}"
+
+
+def _uniform(size: int, part_size: int) -> list[int]:
+    return [min(part_size, size - start) for start in range(0, size, part_size)]
 
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
@@ -380,37 +383,42 @@ def expected_check(etag: str | None) -> Check:
     return "size"
 
 
-def part_sizes(uri: str, size: int, parts: int, client: Any) -> tuple[list[int], bool]:
-    """Candidate part sizes of a multipart object, and whether the server itself told the size.
-
-    The server is asked for part 1 (HEAD with PartNumber); when it will not say, the common part
-    sizes that give `parts` parts are the candidates.
-    """
-    if client is not None and uri.startswith("s3://"):
-        bucket, key = split_s3(uri)
-        try:
-            first = client.head_object(Bucket=bucket, Key=key, PartNumber=1)["ContentLength"]
-            if first < size or parts == 1:
-                return [first], True
-        except (bexc.ClientError, bexc.BotoCoreError):
-            pass
-    return [m * MIB for m in COMMON_PART_SIZES_MIB if -(-size // (m * MIB)) == parts], False
+def _part_size(uri: str, number: int, client: Any) -> int | None:
+    """The size of part `number` as the server tells it (HEAD with PartNumber), if it does."""
+    if client is None or not uri.startswith("s3://"):
+        return None
+    bucket, key = split_s3(uri)
+    try:
+        return client.head_object(Bucket=bucket, Key=key, PartNumber=number)["ContentLength"]
+    except (bexc.ClientError, bexc.BotoCoreError):
+        return None
 
 
 def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, client: Any) -> Check | None:
-    """The check that passed for the file at `path`, or None when it does not match."""
+    """The check that passed for the file at `path`, or None when it does not match.
+
+    A multipart ETag is recomputed with the part size the server gives for part 1 (every part
+    asked for when parts differ in size); a server that will not say gets the common part sizes
+    tried, and only the size checked if none of them gives the ETag.
+    """
     if os.path.getsize(path) != size:
         return None
     check = expected_check(etag)
     if check == "md5":
         return "md5" if md5_file(path) == etag else None
-    if check == "multipart-etag":
-        parts = int(etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
-        candidates, told = part_sizes(uri, size, parts, client)
-        if any(multipart_etag(path, p) == etag for p in candidates):
-            return "multipart-etag"
-        return None if told else "size"   # unknown part size: a size match is all that can be said
-    return "size"
+    if check != "multipart-etag":
+        return "size"
+    count = int(etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
+    first = _part_size(uri, 1, client)
+    if first is None or (first >= size and count > 1):           # the server does not say
+        guesses = [m * MIB for m in COMMON_PART_SIZES_MIB if len(_uniform(size, m * MIB)) == count]
+        return "multipart-etag" if any(multipart_etag(path, p) == etag for p in guesses) else "size"
+    if len(_uniform(size, first)) == count and multipart_etag(path, first) == etag:
+        return "multipart-etag"
+    sizes = [_part_size(uri, n, client) for n in range(1, count + 1)]
+    if None not in sizes and sum(sizes) == size and multipart_etag(path, sizes) == etag:  # type: ignore[arg-type]
+        return "multipart-etag"
+    return None
 
 
 # ---------------------------------------------------------------- progress
@@ -507,20 +515,26 @@ def _quote(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, workdir: Path, *, workers: int,
-              part_size_mb: int, concurrency: int, on_done: Callable[[str], None]) -> list[str]:
+def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, *, workers: int, part_size_mb: int,
+              concurrency: int, on_done: Callable[[str], None]) -> list[str]:
     """Copy each (source, destination) with one `s5cmd run`; `on_done(source)` as each finishes.
 
     Returns s5cmd's error messages. Raises TransientSyncError when s5cmd is stopped by a signal.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    commands = workdir / "commands.txt"
     opts = f"cp --raw --concurrency {concurrency} --part-size {part_size_mb}"
-    commands.write_text("".join(f"{opts} {_quote(s)} {_quote(d)}\n" for s, d in copies))
-    argv = [s5cmd_binary(), "--json", "--numworkers", str(workers), *remote.s5cmd_args(), "run", str(commands)]
+    commands = "".join(f"{opts} {_quote(s)} {_quote(d)}\n" for s, d in copies)
+    argv = [s5cmd_binary(), "--json", "--numworkers", str(workers), *remote.s5cmd_args(), "run"]
     errors: list[str] = []
     other: list[str] = []      # stderr that is not a JSON error; reported only if s5cmd fails
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+
+    def write_commands() -> None:       # s5cmd reads the commands from stdin while it works
+        try:
+            proc.stdin.write(commands)  # type: ignore[union-attr]
+            proc.stdin.close()          # type: ignore[union-attr]
+        except OSError:
+            pass                        # s5cmd stopped early; its exit status tells why
 
     def read_stderr() -> None:
         for line in proc.stderr:  # type: ignore[union-attr]
@@ -531,8 +545,9 @@ def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, workdir: Path, *, w
                 if line.strip():
                     other.append(line.strip())
 
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    helpers = [threading.Thread(target=fn, daemon=True) for fn in (write_commands, read_stderr)]
+    for t in helpers:
+        t.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             try:
@@ -548,13 +563,25 @@ def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, workdir: Path, *, w
         if proc.poll() is None:
             proc.terminate()
             proc.wait()
-        reader.join(timeout=10)
-        commands.unlink(missing_ok=True)
+        for t in helpers:
+            t.join(timeout=10)
     if proc.returncode < 0:
         raise TransientSyncError(f"s5cmd was stopped by signal {-proc.returncode}: run the sync again to resume")
     if proc.returncode and not errors:
         errors.append(f"s5cmd exited with status {proc.returncode}: {' '.join(other)[-300:]}")
     return errors
+
+
+def _settle(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
+            remote: Remote, mismatch: str) -> None:
+    """Wait for the verifications still running, then raise the transfer's first error, if any."""
+    for fut in cf.as_completed(futures):
+        fut.result()
+        progress.show()
+    if errors:
+        _raise_first(errors, remote)
+    if failures:
+        raise TransientSyncError(f"{failures[0]} {mismatch} ({len(failures)} file(s)): run it again")
 
 
 def _raise_first(errors: list[str], remote: Remote) -> None:
@@ -731,17 +758,10 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
 
         ok = False
         try:
-            errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in by_uri.values()], remote, partial,
+            errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in by_uri.values()], remote,
                                workers=workers, part_size_mb=part_size_mb, concurrency=concurrency,
                                on_done=downloaded) if by_uri else []
-            for fut in cf.as_completed(futures):
-                fut.result()
-                progress.show()
-            if errors:
-                _raise_first(errors, remote)
-            if failures:
-                raise TransientSyncError(f"{failures[0]} does not match its ETag after download "
-                                         f"({len(failures)} file(s)): run the sync again to fetch it anew")
+            _settle(futures, progress, errors, failures, remote, "does not match its ETag after download")
             ok = True
         finally:
             cf.wait(futures)
@@ -869,18 +889,12 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
             futures.append(pool.submit(finish, by_path[path]))
             progress.show()  # type: ignore[union-attr]
 
-        with _scratch_dir() as scratch:
-            errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, scratch, workers=workers,
-                               part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
-        for fut in cf.as_completed(futures):
-            fut.result()
-            progress.show()
-        progress.show(final=True)
-    if errors:
-        _raise_first(errors, remote)
-    if failures:
-        raise TransientSyncError(f"{failures[0]} does not match its local file after upload "
-                                 f"({len(failures)} file(s)): run the upload again")
+        errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
+                           part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
+        try:
+            _settle(futures, progress, errors, failures, remote, "does not match its local file after upload")
+        finally:
+            progress.show(final=True)
     files = [entries[o.rel] for o in objs]
     manifest = SyncManifest(
         dest=base, local_dir=local_dir, sources=[src], files=files, bytes=sum(f.size for f in files),
@@ -903,12 +917,6 @@ def _remote_manifest(client: Any, bucket: str, key: str) -> dict[str, FileEntry]
         return {}
 
 
-@contextlib.contextmanager
-def _scratch_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="sync-") as d:
-        yield Path(d)
-
-
 # ---------------------------------------------------------------- Prefect tasks
 
 def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -918,7 +926,7 @@ def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     except TransientSyncError:
         return True
     except BaseException:
-        return False
+        pass
     return False
 
 
@@ -954,9 +962,10 @@ upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tasks.sync", description=__doc__.split("\n\n")[0],
+        prog="python -m tasks.sync", usage="%(prog)s SRC... DST [options]", description=__doc__.split("\n\n")[0],
         epilog="A DST of s3://BUCKET/PREFIX uploads one local SRC there instead.")
-    p.add_argument("paths", nargs="+", metavar="SRC... DST", help="sources, then the destination")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="sources (s3://bucket/key, s3://bucket/prefix/, globs, /path, file:///path), then DST")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
     p.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket")
     p.add_argument("--profile", help="AWS profile (default: the standard credential chain)")

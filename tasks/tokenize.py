@@ -51,6 +51,9 @@ class TokenizeError(ValueError):
 
 
 class TokenizeManifest(BaseModel):
+    """What ``tokenize`` wrote. ``tokens`` counts the first JSON key's output (EOD ids included);
+    ``digest`` hashes the inputs' identity, the tokenizer files, the arguments and the outputs."""
+
     model_config = ConfigDict(frozen=True)
     prefixes: dict[str, str]
     documents: int
@@ -371,7 +374,7 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     vocab, eod_id = load_vocab(vocab_file, merge_file)
     vocab_size = max(vocab.values()) + 1
     dtype = best_dtype(vocab_size)
-    prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    prefixes = {k: f"{os.path.abspath(output_prefix)}_{k}_document" for k in json_keys}
     writers = {k: IndexedDatasetWriter(prefixes[k], dtype) for k in json_keys}
     skipped = {kind: 0 for kind in SKIP_KINDS}
     documents = total_bytes = 0
@@ -407,7 +410,7 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
         raise
     if any(skipped.values()):
         print(f"Skipped lines: {_nonzero(skipped)}", flush=True)
-    tokens = sum(w.num_tokens for w in writers.values())
+    tokens = writers[json_keys[0]].num_tokens
     stamp = {
         "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
         "vocab": _md5_file(vocab_file), "merges": _md5_file(merge_file),

@@ -53,8 +53,8 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 # Pending reasons that no amount of waiting resolves: fail at once with SLURM's words.
 HOPELESS = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
-            "PartitionDown", "PartitionInactive", "InvalidAccount", "InvalidQOS", "AccountNotAllowed",
-            "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "ReqNodeNotAvail"}
+            "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
+            "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxWallDurationPerJobLimit"}
 ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Exited|Segmentation|Aborted|Terminated)")
 STREAMED = re.compile(r"\biteration\s+\d+\s*/|validation loss at iteration|^resumed from|stopping at iteration")
@@ -197,6 +197,22 @@ def _cancel_active() -> None:
 atexit.register(_cancel_active)
 
 
+def _exit_on_sigterm() -> Callable[[], None]:
+    """Let SIGTERM unwind the waiting code (so its job is cancelled) where nothing else handles it;
+    under Prefect, its own SIGTERM handler already raises. Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        return lambda: None
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 # ---------------------------------------------------------------- Prefect glue (only inside a run)
 
 
@@ -226,8 +242,12 @@ def _flow_run_cancelled(flow_run_id: Any) -> bool:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
 
-    with get_client(sync_client=True) as client:
-        state = client.read_flow_run(flow_run_id).state
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception as e:  # an unreachable API must not stop the watch; the next check retries
+        log.warning("could not read flow run %s: %s", flow_run_id, e)
+        return False
     return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
@@ -290,6 +310,22 @@ def _load_result(paths: JobPaths) -> tuple[str, Any] | None:
         return None
 
 
+def _await_result(paths: JobPaths) -> tuple[str, Any] | None:
+    """Rank 0's result, allowing shared storage a moment to show it."""
+    deadline = time.monotonic() + RESULT_GRACE_S
+    result = _load_result(paths)
+    while result is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        result = _load_result(paths)
+    return result
+
+
+def _requeued(job_id: str) -> bool:
+    """A preempted job may come back (PreemptMode=REQUEUE): is it queued or running again?"""
+    info = slurm_state(job_id)
+    return info is not None and info[0] not in TERMINAL
+
+
 def _failing_rank(folder: Path, job_id: str, num_tasks: int) -> int:
     """The first task srun reported dead, else the first whose result is an error, else the first
     with a traceback, else rank 0."""
@@ -313,7 +349,8 @@ def _failure_report(folder: Path, job_id: str, num_tasks: int, state: str, reaso
     paths = JobPaths(folder, job_id=job_id, task_id=rank)
     err = _tail(paths.stderr)
     out = _tail(paths.stdout, 10)
-    return (f"job {job_id} ended {state} (reason: {reason}); rank {rank} log tail "
+    why = f" (reason: {reason})" if reason not in ("", "None") else ""
+    return (f"job {job_id} ended {state}{why}; rank {rank} log tail "
             f"({paths.stderr}):\n{err or '(empty)'}\n--- stdout ({paths.stdout}):\n{out or '(empty)'}")
 
 
@@ -351,12 +388,14 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
     record.add(job_id, cluster.kind, job_name, str(script) if script.exists() else None)
     logger.info("submitted %s job %s (%s, %d x %d tasks); logs in %s",
                 cluster.kind, job_id, cluster.name, cluster.nodes, cluster.tasks_per_node, folder)
-    rank0 = LogFollower(JobPaths(folder, job_id=job_id, task_id=0).stdout)
+    result_paths = JobPaths(folder, job_id=job_id, task_id=0)
+    rank0 = LogFollower(result_paths.stdout)
     flow_run_id = _flow_run_id()
     last: tuple[str, str, str] | None = None
     nodes = ""
     next_cancel_check = time.monotonic() + CANCEL_CHECK_S
     finished = False
+    restore_sigterm = _exit_on_sigterm()
     try:
         while True:
             if cluster.kind == "slurm":
@@ -382,18 +421,16 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
                                    f"nodelist={cluster.nodelist}); change the cluster configuration")
             if state in TERMINAL or state == "GONE" or (cluster.kind == "local" and job.done()):
-                break
+                result = _await_result(result_paths)
+                if result is not None or cluster.kind == "local" or not _requeued(job_id):
+                    break
             if flow_run_id is not None and time.monotonic() > next_cancel_check:
                 next_cancel_check = time.monotonic() + CANCEL_CHECK_S
                 if _flow_run_cancelled(flow_run_id):
                     raise FlowRunCancelled(f"flow run cancelled: job {job_id} cancelled")
+            if not threading.main_thread().is_alive():
+                raise TrainJobError(f"the submitting process is exiting: job {job_id} cancelled")
             time.sleep(POLL_S)
-        deadline = time.monotonic() + RESULT_GRACE_S
-        paths = JobPaths(folder, job_id=job_id, task_id=0)
-        result = _load_result(paths)
-        while result is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            result = _load_result(paths)
         for line in rank0.lines():
             if on_line is not None:
                 on_line(line)
@@ -402,6 +439,7 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
             raise TrainJobError(_failure_report(folder, job_id, cluster.world_size, state, reason))
         return result[1], job_id, nodes
     finally:
+        restore_sigterm()
         with _ACTIVE_LOCK:
             _ACTIVE.pop(job_id, None)
         if not finished:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -129,20 +131,16 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
 
 def screenshot(url: str, path: Path, *, wait_ms: int = 8000, size: str = "1400,1600") -> Path:
     """Open `url` in headless Debian chromium and save a PNG screenshot to `path`."""
-    chromium = next((c for c in ("chromium", "chromium-browser", "google-chrome") if _which(c)), None)
+    chromium = next((c for c in ("chromium", "chromium-browser", "google-chrome") if shutil.which(c)), None)
     if chromium is None:
         raise RuntimeError("chromium not found: apt-get install chromium (scripts/install does)")
-    profile = path.parent / f".chromium-{path.stem}"
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--disable-background-networking", "--no-first-run", "--hide-scrollbars",
-           f"--user-data-dir={profile}", f"--window-size={size}",
-           f"--virtual-time-budget={wait_ms}", f"--screenshot={path}", url]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    path.unlink(missing_ok=True)  # a screenshot left from an earlier run must not pass for this one
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+               "--disable-background-networking", "--no-first-run", "--hide-scrollbars",
+               f"--user-data-dir={profile}", f"--window-size={size}",
+               f"--virtual-time-budget={wait_ms}", f"--screenshot={path}", url]
+        subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     if not path.exists() or path.stat().st_size == 0:
         raise RuntimeError(f"chromium wrote no screenshot for {url}: {' '.join(cmd)}")
     return path
-
-
-def _which(name: str) -> str | None:
-    from shutil import which
-    return which(name)

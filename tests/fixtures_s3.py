@@ -8,7 +8,9 @@ for unsigned requests, and it answers HEAD with PartNumber (so multipart ETags c
 `s3_server` (session scope) starts one server for the whole test session and yields an `S3Server`:
 
     s3_server.endpoint_url            # http://127.0.0.1:PORT
-    s3_server.env                     # AWS_* variables with the admin keys (dummy values)
+    s3_server.env                     # a whole environment for subprocesses: os.environ without
+                                      # AWS_*, plus the admin keys (dummy values), region, no
+                                      # credential files, no instance metadata lookups
     s3_server.client()                # a boto3 S3 client with the admin keys
     s3_server.new_bucket(public=False)  # a fresh, uniquely named bucket; public adds a
                                         # public-read policy (anonymous GetObject and ListBucket)

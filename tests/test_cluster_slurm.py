@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -45,6 +46,16 @@ def flow_logs(flow_run_id: Any) -> list[str]:
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
     return [entry.message for entry in logs]
+
+
+def progress(flow_run_id: Any) -> float | None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return next((float(a.data) for a in found if a.type == "progress"), None)
 
 
 def jobs(run_dir: Path) -> list[dict[str, Any]]:
@@ -104,6 +115,7 @@ def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: 
     assert list((run_dir / "tensorboard").iterdir()) and (run_dir / "checkpoints" / "iter_0000012").is_dir()
     messages = flow_logs(state.state_details.flow_run_id)
     assert any(re.search(r"iteration\s+12/\s*12 \| consumed samples", m) for m in messages), messages
+    assert progress(state.state_details.flow_run_id) == 100.0
     assert any(f"job {job['job_id']} RUNNING on node[1-2]" in m for m in messages), messages
 
 
@@ -223,3 +235,19 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) ->
     assert states.index("PENDING", states.index("RUNNING")) < len(states) - 1
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
+
+
+def test_terminated_submitter_leaves_no_job(slurm_cluster: dict, tmp_path: Path) -> None:
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.test_cluster_slurm import tiny; "
+            "from tasks.cluster import load_cluster; from tasks.train import train; "
+            "train(tiny(train_iters=100_000), load_cluster(sys.argv[2]), run_dir=sys.argv[3])")
+    root = Path(__file__).resolve().parent.parent
+    submitter = subprocess.Popen([sys.executable, "-c", code, str(root), slurm_cluster["preset"], str(tmp_path)])
+    try:
+        wait_until(lambda: running(tmp_path), 90, "the job to run")
+        job_id = jobs(tmp_path)[0]["job_id"]
+        submitter.send_signal(signal.SIGTERM)
+        assert submitter.wait(timeout=30) != 0
+        wait_until(lambda: (slurm_state(job_id) or ("GONE",))[0] in ("CANCELLED", "GONE"), 20, "scancel")
+    finally:
+        submitter.kill()

@@ -68,7 +68,7 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
 
     _wait(ready, 120, "the served deployments")
     try:
-        yield SimpleNamespace(work=work, bucket=bucket, endpoint=s3_server.endpoint_url, log=log,
+        yield SimpleNamespace(work=work, bucket=bucket, endpoint=s3_server.endpoint_url, log=log, s3=s3_server,
                               server=prefect_server, partition=slurm_cluster["partition"])
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -79,7 +79,7 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
             proc.wait()
 
 
-def params(served: SimpleNamespace, run_name: str, **training) -> dict:
+def params(served: SimpleNamespace, run_name: str, upload: bool = False, **training) -> dict:
     return {
         "model": "tiny",
         "data": {"sources": [f"s3://{served.bucket}/corpus/"], "endpoint_url": served.endpoint},
@@ -87,7 +87,8 @@ def params(served: SimpleNamespace, run_name: str, **training) -> dict:
         "training": {"train_iters": 20, "eval_interval": 10, "eval_iters": 2, "save_interval": 10,
                      "log_interval": 2, "overrides": {"lr_warmup_iters": 4}, **training},
         "cluster": {"preset": "slurm-local", "overrides": {"partition": served.partition, "time_limit": 20}},
-        "output": {"root": str(served.work / "runs"), "run_name": run_name},
+        "output": {"root": str(served.work / "runs"), "run_name": run_name,
+                   **({"uri": f"s3://{served.bucket}/runs/{run_name}", "endpoint_url": served.endpoint} if upload else {})},
     }
 
 
@@ -114,9 +115,9 @@ def task_states(served: SimpleNamespace, run_id: str) -> dict[str, list[str]]:
 
 
 def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
-    run, _ = deployment_run(served, params(served, "e2e-main"))
+    run, _ = deployment_run(served, params(served, "e2e-main", upload=True))
     states = task_states(served, run["id"])
-    for stage in ("sync", "tokenize", "index", "train", "report"):
+    for stage in ("sync", "tokenize", "index", "train", "upload", "report"):
         assert states.get(stage) == ["Completed"], states
     run_dir = served.work / "runs" / "e2e-main"
     jobs = json.loads((run_dir / "jobs.json").read_text())
@@ -136,7 +137,11 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     assert "data:image/png;base64," in artifacts["pretrain-loss-curve"]["data"]
     assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in artifacts["pretrain-links"]["data"]
 
-    again, _ = deployment_run(served, params(served, "e2e-main"))
+    uploaded = served.s3.client().list_objects_v2(Bucket=served.bucket, Prefix="runs/e2e-main/")
+    keys = {o["Key"] for o in uploaded.get("Contents", [])}
+    assert {"runs/e2e-main/metrics.jsonl", "runs/e2e-main/config.json", "runs/e2e-main/loss.png"} <= keys, keys
+
+    again, _ = deployment_run(served, params(served, "e2e-main", upload=True))
     states = task_states(served, again["id"])
     for stage in (*DATA_STAGES, "train"):
         assert states.get(stage) == ["Cached"], states
@@ -224,3 +229,56 @@ def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
         assert step["directory"] == str(ROOT)
     finally:
         stop(proc)
+
+
+def _jobs(run_dir: Path) -> list[dict]:
+    path = run_dir / "jobs.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _kill_when_running(run_dir: Path, nth: int) -> None:
+    """SIGKILL the job steps of the nth training job once SLURM runs it."""
+    def running() -> str | None:
+        jobs = _jobs(run_dir)
+        if len(jobs) >= nth and any(s["state"] == "RUNNING" for s in jobs[nth - 1]["states"]):
+            return jobs[nth - 1]["job_id"]
+        return None
+    job = _wait(running, 400, f"training job {nth} to run", every=0.5)
+    killed = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+
+
+def test_retry_from_the_ui_reruns_only_what_did_not_finish(served):
+    """Training fails on both attempts (killed twice): the flow run fails. Retrying it as the UI's
+    Retry button does reuses the data stages and resumes training from its checkpoint."""
+    run_dir = served.work / "runs" / "e2e-ui-retry"
+    parameters = params(served, "e2e-ui-retry", train_iters=30)
+    args = [sys.executable, "-m", "prefect", "deployment", "run", "pretrain/gpt3", "--watch", "--watch-timeout", "600"]
+    for key, value in parameters.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
+        _kill_when_running(run_dir, 1)
+        _kill_when_running(run_dir, 2)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
+    assert served.server.flow_run(run_id)["state"]["type"] == "FAILED", output[-3000:]
+    before = {tr["id"] for tr in served.server.task_runs(run_id)}
+
+    served.server.api(f"/flow_runs/{run_id}/set_state", {
+        "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": False})
+    run = _wait(lambda: (r := served.server.flow_run(run_id))["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")
+                and r, 600, "the retried flow run", every=2)
+    assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{served.log.read_text()[-5000:]}"
+    assert run["run_count"] == 2
+    retried = [tr for tr in served.server.task_runs(run_id) if tr["id"] not in before]
+    states = {tr["name"].rsplit("-", 1)[0]: tr["state"]["name"] for tr in retried}
+    assert [states[s] for s in DATA_STAGES] == ["Cached"] * 3 and states["train"] == "Completed", states
+    assert len(_jobs(run_dir)) == 3
+    iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line).get("kind", "train") == "train"]
+    assert iterations[-1] == 30 and iterations.count(1) == 1

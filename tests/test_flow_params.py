@@ -57,6 +57,7 @@ def test_every_bad_field_gets_its_own_message(tmp_path):
         tokenizer=TokenizerParams(vocab_file=str(tmp_path / "vocab.json")),
         training=TrainingParams(train_iters=10, train_samples=100, data_parallel=3),
         cluster=ClusterParams(overrides={"nodes": 0}),
+        output=OutputParams(uri="/local/folder"),
     )
     text = "\n".join(errors)
     assert "training: set train_iters or train_samples, not both" in text
@@ -66,7 +67,8 @@ def test_every_bad_field_gets_its_own_message(tmp_path):
     assert "tokenizer.vocab_file:" in text and "not found" in text
     assert "data.split:" in text
     assert "cluster:" in text and "nodes" in text
-    assert len(errors) >= 7
+    assert "output.uri: '/local/folder' is not an s3:// URI" in text
+    assert len(errors) >= 8
 
 
 def test_config_errors_name_the_training_field():

@@ -99,3 +99,31 @@ def test_bad_parameters_fail_the_run_before_any_task(harness, tmp_path):
     assert any(m.startswith("training.global_batch_size:") for m in e.value.errors)
     assert _task_states(state.state_details.flow_run_id) == {}
     assert not any(tmp_path.iterdir())
+
+
+def test_tokenized_prefixes_and_vocabulary_from_s3(harness, corpus, tmp_path, s3_server, monkeypatch):
+    from tasks.tokenize import tokenize
+
+    for k, v in s3_server.env.items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    made = tokenize([str(corpus)], str(tmp_path / "tok" / "plays"), train_vocab_size=1024, workers=1)
+    prefix = made.prefixes["text"]
+    bucket = s3_server.new_bucket()
+    for path in (prefix + ".bin", prefix + ".idx", made.vocab_file, made.merge_file):
+        s3_server.put(bucket, f"tok/{Path(path).name}", Path(path))
+    name = Path(prefix).name
+    state = pretrain(
+        data=DataParams(prefixes=[{"prefix": f"s3://{bucket}/tok/{name}", "weight": 1.0}],
+                        endpoint_url=s3_server.endpoint_url),
+        tokenizer=TokenizerParams(vocab_file=f"s3://{bucket}/tok/vocab.json", merge_file=f"s3://{bucket}/tok/merges.txt"),
+        training=TrainingParams(train_iters=2, eval_interval=2, eval_iters=1, log_interval=1,
+                                overrides={"lr_warmup_iters": 0}),
+        output=OutputParams(root=str(tmp_path / "runs")), return_state=True)
+    assert state.is_completed(), state.message
+    out = state.result()
+    assert [s["stage"] for s in out["stages"]] == ["sync-tokenizer", "sync-prefix-0", "index", "precompile", "train"]
+    [(weight, local)] = out["dataset"]
+    assert weight == 1.0 and Path(local + ".bin").read_bytes() == Path(prefix + ".bin").read_bytes()
+    config = json.loads((Path(out["run_dir"]) / "config.json").read_text())
+    assert config["vocab_size"] == made.vocab_size and config["data_index"] == out["index"]

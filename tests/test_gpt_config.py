@@ -52,8 +52,12 @@ def test_schedule_defaults():
     assert (c.train_samples, c.lr_warmup_samples, c.lr_decay_samples, c.train_iters) == (146484375, 183105, 126953125, None)
     c = Config(model="gpt3-125m", train_iters=1000)  # an iteration schedule replaces the preset's samples
     assert (c.train_samples, c.lr_warmup_samples, c.lr_decay_iters, c.lr_warmup_iters) == (None, None, 1000, 0)
-    c = Config(train_iters=50)  # tiny keeps its warmup, decays over the run
-    assert (c.lr_warmup_iters, c.lr_decay_iters) == (30, 50)
+    c = Config(train_iters=1000)  # tiny keeps its warmup, decays over the run
+    assert (c.lr_warmup_iters, c.lr_decay_iters) == (30, 1000)
+    c = Config(train_iters=50)  # a warmup of at most a tenth of a short run
+    assert (c.lr_warmup_iters, c.lr_decay_iters) == (5, 50)
+    c = Config(model="gpt3-125m", train_samples=1_000_000)
+    assert (c.lr_warmup_samples, c.lr_decay_samples) == (100_000, 1_000_000)
 
 
 def test_num_samples_megatron_formula():

@@ -16,9 +16,9 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [
     {"data_parallel_mode": "ddp"},
-    {"data_parallel_mode": "fsdp"},
+    {"data_parallel_mode": "fsdp", "activation_checkpointing": True},
     {"tensor_parallel": 2},
-], ids=["ddp2", "fsdp2", "tp2"])
+], ids=["ddp2", "fsdp2-checkpointing", "tp2"])
 def test_two_ranks_match_one_process(layout, reference, gpt_launcher, tmp_path):
     run_dir = tmp_path / "run"
     gpt_launcher.run({**SMALL, **layout, "run_dir": str(run_dir)}, world_size=2)

@@ -76,6 +76,8 @@ def test_build_sample_idx_rejects_bad_arguments():
     sizes = np.array([10, 10], dtype=np.int32)
     with pytest.raises(ValueError, match="seq_length"):
         build_sample_idx(sizes, np.array([0, 1], np.int32), 0, 1, 20)
+    with pytest.raises(ValueError, match="outside sizes"):
+        build_sample_idx(sizes, np.array([0, 2], np.int32), 4, 1, 20)
     with pytest.raises(ValueError, match="document_idx is empty"):
         build_sample_idx(sizes, np.array([], np.int32), 4, 1, 20)
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +79,18 @@ def test_full_sync_verifies_and_writes_manifest(s3: S3Server, corpus, tmp_path: 
     on_disk = json.loads((dest / MANIFEST_NAME).read_text())
     assert on_disk["complete"] and on_disk["digest"] == m.digest and len(on_disk["files"]) == len(files)
     assert SECRET_KEY not in (dest / MANIFEST_NAME).read_text()
+
+
+def test_multipart_object_with_unequal_parts(s3: S3Server, tmp_path: Path) -> None:
+    bucket, client = s3.new_bucket(), s3.client()
+    parts = [blob(6 * MIB, 1), blob(5 * MIB, 2), blob(1234, 3)]
+    up = client.create_multipart_upload(Bucket=bucket, Key="odd.bin")["UploadId"]
+    done = [{"PartNumber": n, "ETag": client.upload_part(Bucket=bucket, Key="odd.bin", UploadId=up, PartNumber=n,
+                                                          Body=data)["ETag"]} for n, data in enumerate(parts, 1)]
+    client.complete_multipart_upload(Bucket=bucket, Key="odd.bin", UploadId=up, MultipartUpload={"Parts": done})
+    m = sync([f"s3://{bucket}/odd.bin"], str(tmp_path / "d"), endpoint_url=s3.endpoint_url)
+    assert m.files[0].check == "multipart-etag" and m.files[0].etag.endswith("-3")
+    assert (tmp_path / "d" / "odd.bin").read_bytes() == b"".join(parts)
 
 
 def test_glob_and_single_key_sources(s3: S3Server, corpus, tmp_path: Path) -> None:
@@ -159,7 +172,7 @@ def test_interrupted_sync_resumes(s3: S3Server, tmp_path: Path) -> None:
             if done >= 20:
                 break
             time.sleep(0.005)
-        killed = [c for c in _children(proc.pid)]
+        killed = _children(proc.pid)
         assert killed, "the sync finished before it could be interrupted"
         for c in killed:
             os.kill(c, signal.SIGKILL)                     # s5cmd, killed half-way
@@ -220,6 +233,37 @@ def test_cli_errors_are_one_clear_line(s3: S3Server, corpus, case: str, tmp_path
     assert "Traceback" not in r.stderr + r.stdout
     secret = env.get("AWS_SECRET_ACCESS_KEY")
     assert not secret or secret not in r.stderr + r.stdout
+
+
+def test_cli_shows_a_progress_bar_on_a_terminal(s3: S3Server, corpus, tmp_path: Path) -> None:
+    import pty
+    bucket, files = corpus
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.sync", f"s3://{bucket}/data/", str(tmp_path / "d"),
+                             "--endpoint-url", s3.endpoint_url], cwd=ROOT, env=s3.env, stdout=subprocess.PIPE,
+                            stderr=follower)
+    os.close(follower)
+    chunks: list[bytes] = []
+
+    def drain() -> None:          # read the terminal while the command runs, so it never blocks
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    out, _ = proc.communicate(timeout=120)
+    reader.join(timeout=10)
+    screen = b"".join(chunks)
+    os.close(leader)
+    assert proc.returncode == 0 and b"manifest: " in out
+    assert f"] sync to {tmp_path / 'd'}: {len(files)}/{len(files)} files".encode() in screen
+    assert b"\r[" + b"#" * 30 + b"]" in screen
 
 
 def test_profile_from_credentials_file(s3: S3Server, corpus, monkeypatch, tmp_path: Path) -> None:

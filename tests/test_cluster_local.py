@@ -1,0 +1,23 @@
+"""The embedded default: no scheduler, submitit's local executor on this machine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpt.config import Config
+from tasks.cluster import load_cluster
+from tasks.train import new_run_dir, train
+
+
+def test_local_executor_trains_in_a_fresh_run_folder(tmp_path: Path) -> None:
+    first, second = new_run_dir(tmp_path, "gpt3 tiny/run"), new_run_dir(tmp_path, "gpt3 tiny/run")
+    assert first != second and Path(first).name.split("-")[2:4] == ["gpt3", "tiny"]
+    config = Config.from_preset("tiny", mock_data=True, precision="fp32", device="cpu", vocab_size=512,
+                                train_iters=4, lr_warmup_iters=1, log_interval=1, eval_interval=1000, save_interval=2)
+    result = train(config, load_cluster("local", executor="local"), run_dir=first)
+    assert result.executor == "local" and result.summary["status"] == "completed"
+    (job,) = json.loads((Path(first) / "jobs.json").read_text())
+    assert job["executor"] == "local" and job["final"] == "FINISHED" and job["sbatch_script"] is None
+    metrics = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == [1, 2, 3, 4]
+    assert "iteration        4/       4" in (Path(first) / "jobs" / f"{job['job_id']}_0_log.out").read_text()
