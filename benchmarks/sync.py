@@ -5,7 +5,8 @@ few large (multipart) ones. Our sync lists, downloads with s5cmd, verifies every
 multipart ETag) and writes its manifest; the ratios say what that costs against raw s5cmd and
 what it gains against a plain `download_file` loop. Verification hashes every byte, so where one
 core's MD5 speed (`md5_mb_per_s_one_core`) times the free cores is below the network's speed, it
-bounds our throughput.
+bounds our throughput. `client_cpu_s` is the CPU time of each method's client side (this process
+and s5cmd, not the server): the difference between ours and raw s5cmd's is what verifying cost.
 
     python -m benchmarks.sync [--small-count 2000 --small-mb 1 --large-count 4 --large-mb 1024]
 
@@ -81,6 +82,12 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def _client_cpu() -> float:
+    """CPU seconds of this process and of its finished children (s5cmd; the server still runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _raw_s5cmd(endpoint: str, uri: str, out: Path, workers: int) -> None:
     subprocess.run([s5cmd_binary(), "--endpoint-url", endpoint, "--numworkers", str(workers), "sync",
                     f"{uri}*", f"{out}/"], check=True, stdout=subprocess.DEVNULL)
@@ -124,11 +131,14 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                 }
                 for method, fetch in methods.items():
                     out = root / "out" / method
+                    cpu = _client_cpu()
                     seconds = _timed(lambda: fetch(out))
+                    cpu = _client_cpu() - cpu
                     got = sum(p.stat().st_size for p in out.rglob("*.bin"))
                     if got != total:
                         raise RuntimeError(f"{method} fetched {got} of {total} bytes of the {name} set")
-                    entry[method] = {"seconds": round(seconds, 3), "mb_per_s": round(total / 1e6 / seconds, 1)}
+                    entry[method] = {"seconds": round(seconds, 3), "mb_per_s": round(total / 1e6 / seconds, 1),
+                                     "client_cpu_s": round(cpu, 2)}
                     if method == "tasks_sync":
                         entry["tasks_sync_noop_resync_s"] = round(_timed(lambda: fetch(out)), 3)
                     shutil.rmtree(out)

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -211,8 +212,13 @@ def use_compile_cache(config: Config, backend: Backend, rank: int) -> bool:
     root = Path(config.compile_cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     if backend.name == "neuron":
-        os.environ["NEURON_COMPILE_CACHE_URL"] = str(root / "neuron")
-        return any((root / "neuron").glob("**/*.neff"))
+        # One cache per node (the Neuron cache's file locks are unreliable on NFS); a launcher that
+        # already passed --cache_dir in NEURON_CC_FLAGS chose the same <root>/<node> layout.
+        node_cache = root / (os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0])
+        flags = os.environ.get("NEURON_CC_FLAGS", "")
+        if "--cache_dir" not in flags:
+            os.environ["NEURON_CC_FLAGS"] = f"{flags} --cache_dir={node_cache}".strip()
+        return any(node_cache.glob("**/*.neff"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
     artifacts = root / f"artifacts-rank{rank}.bin"

@@ -7,7 +7,9 @@ what was verified and how; a re-run transfers only what is missing, changed or d
 
 Verification ("check" in the manifest): `md5` when the ETag is a single-part MD5, `multipart-etag`
 when the ETag is `<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or
-one of the common part sizes), `size` otherwise (and for local sources).
+one of the common part sizes), `size` otherwise (and for local sources). Verification overlaps the
+transfer: each file is hashed as soon as s5cmd reports it done, and the parts of a multipart
+download are hashed while s5cmd is still writing the rest (`PartFollower`).
 
     python -m tasks.sync SRC... DST [--endpoint-url URL] [--no-sign-request] [--profile NAME]
 
@@ -348,23 +350,40 @@ def multipart_etag(path: str | os.PathLike, parts: int | list[int]) -> str:
     Parts are hashed in parallel (hashlib releases the GIL), so a large file verifies on all cores.
     """
     sizes = _uniform(os.path.getsize(path), parts) if isinstance(parts, int) else parts
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _etag_of_parts(_md5_parts(fd, _ranges(sizes)))
+    finally:
+        os.close(fd)
 
-    def part(i: int) -> bytes:
-        h, left = hashlib.md5(), sizes[i]
-        with open(path, "rb") as f:
-            f.seek(offsets[i])
-            while left > 0:
-                chunk = f.read(min(left, 8 * MIB))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-        return h.digest()
 
-    with cf.ThreadPoolExecutor(max_workers=max(1, min(len(sizes), os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(part, range(len(sizes))))
-    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(sizes)}"
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    """(offset, length) of each part."""
+    return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+
+
+def _md5_range(fd: int, offset: int, length: int) -> bytes:
+    h, buf = hashlib.md5(), bytearray(4 * MIB)
+    view = memoryview(buf)
+    end = offset + length
+    while offset < end:
+        n = os.preadv(fd, [view[: min(len(buf), end - offset)]], offset)
+        if not n:
+            break
+        h.update(view[:n])
+        offset += n
+    return h.digest()
+
+
+def _md5_parts(fd: int, ranges: list[tuple[int, int]]) -> list[bytes]:
+    if len(ranges) < 2:
+        return [_md5_range(fd, *r) for r in ranges]
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(len(ranges), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda r: _md5_range(fd, *r), ranges))
+
+
+def _etag_of_parts(digests: list[bytes]) -> str:
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
 def _uniform(size: int, part_size: int) -> list[int]:
@@ -419,6 +438,122 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
     if None not in sizes and sum(sizes) == size and multipart_etag(path, sizes) == etag:  # type: ignore[arg-type]
         return "multipart-etag"
     return None
+
+
+class PartFollower:
+    """Hashes the parts of multipart downloads while s5cmd is still writing them.
+
+    s5cmd writes a download to `<name><digits>` beside its destination, each part at its own
+    offset, and renames it to `<name>` when complete. A part is hashed as soon as the file holds
+    data over its whole range (SEEK_DATA/SEEK_HOLE); the open descriptor follows the file through
+    the rename, and the inode is compared with the final file's. Verification of a large file so
+    overlaps its transfer. The ETag computed this way is only a shortcut: when it does not match
+    (or the file could not be followed), the complete file is hashed again by `verify`.
+
+    Objects are followed in the order given (s5cmd's order), by at most `threads` threads at once.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, items: list[tuple[Obj, Path]], client: Any, threads: int) -> None:
+        self._pending = list(reversed(items))
+        self._client = client
+        self._lock = threading.Lock()
+        self._done = {o.uri: threading.Event() for o, _ in items}
+        self._claimed: dict[str, cf.Future] = {}
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(min(threads, len(items)))]
+        for t in self._threads:
+            t.start()
+
+    def etag(self, uri: str) -> str | None:
+        """The ETag of the download of `uri`, which s5cmd reported complete, if it was followed."""
+        with self._lock:
+            if uri not in self._done:
+                return None
+            self._done[uri].set()
+            fut = self._claimed.get(uri)
+        return fut.result() if fut is not None else None
+
+    def close(self) -> None:
+        self._closed.set()
+        for t in self._threads:
+            t.join()
+
+    def _work(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                while self._pending and self._done[self._pending[-1][0].uri].is_set():
+                    self._pending.pop()         # complete before it could be followed
+                if not self._pending:
+                    return
+                o, staged = self._pending.pop()
+                fut = self._claimed[o.uri] = cf.Future()
+            try:
+                fut.set_result(self._follow(o, staged, self._done[o.uri]))
+            except OSError:
+                fut.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting verification
+                fut.set_exception(e)
+
+    def _wait(self, ready: Callable[[], bool], done: threading.Event) -> bool:
+        """Wait until `ready()` or the download is complete; False when closed first."""
+        while not ready():
+            if done.is_set():
+                return True
+            if self._closed.wait(self.POLL_S):
+                return False
+        return True
+
+    def _follow(self, o: Obj, staged: Path, done: threading.Event) -> str | None:
+        count = int(o.etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
+        part = _part_size(o.uri, 1, self._client)
+        if part is None or len(_uniform(o.size, part)) != count:
+            return None
+        temp = re.compile(re.escape(staged.name) + r"[0-9]+")
+        fd: int | None = None
+
+        def opened() -> bool:
+            nonlocal fd
+            try:
+                if done.is_set():
+                    fd = os.open(staged, os.O_RDONLY)
+                else:
+                    names = [n for n in os.listdir(staged.parent) if temp.fullmatch(n)]
+                    if len(names) == 1:
+                        fd = os.open(staged.parent / names[0], os.O_RDONLY)
+            except FileNotFoundError:
+                pass
+            return fd is not None
+
+        if not self._wait(opened, done) or fd is None:
+            return None
+        try:
+            ranges = _ranges(_uniform(o.size, part))
+            digests: list[bytes] = []
+            for offset, length in ranges:
+                if done.is_set():
+                    break
+                if not self._wait(lambda: _written(fd, offset, length), done):  # type: ignore[arg-type]
+                    return None
+                digests.append(_md5_range(fd, offset, length))
+            if not self._wait(done.is_set, done):
+                return None
+            digests += _md5_parts(fd, ranges[len(digests):])   # what was left when the download completed
+            st, final = os.fstat(fd), os.stat(staged)
+            if (st.st_ino, st.st_dev, st.st_size) != (final.st_ino, final.st_dev, o.size):
+                return None
+            return _etag_of_parts(digests)
+        finally:
+            os.close(fd)
+
+
+def _written(fd: int, offset: int, length: int) -> bool:
+    """Whether the file holds data (no hole) over [offset, offset + length)."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA) == offset and os.lseek(fd, offset, os.SEEK_HOLE) >= offset + length
+    except OSError:
+        return False        # nothing written at or after offset yet
 
 
 # ---------------------------------------------------------------- progress
@@ -730,6 +865,8 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
         def finish(o: Obj, staged: Path) -> None:
             if o.etag is None:
                 check: Check | None = "size" if staged.stat().st_size == o.size else None
+            elif follower is not None and follower.etag(o.uri) == o.etag:
+                check = "multipart-etag"    # hashed while it was written; the size was compared too
             else:
                 check = verify(staged, o.size, o.etag, o.uri, client)
             if check is None:
@@ -749,8 +886,10 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
                 raise TransientSyncError(f"{o.uri} changed while it was copied: run the sync again")
             finish(o, staged)
 
-        futures = [pool.submit(copy_local, o) for o in todo if o.etag is None]
         by_uri = {o.uri: o for o in todo if o.etag is not None}
+        multipart = [(o, partial / o.rel) for o in by_uri.values() if expected_check(o.etag) == "multipart-etag"]
+        follower = PartFollower(multipart, client, os.cpu_count() or 1) if multipart else None
+        futures = [pool.submit(copy_local, o) for o in todo if o.etag is None]
 
         def downloaded(uri: str) -> None:
             futures.append(pool.submit(finish, by_uri[uri], partial / by_uri[uri].rel))
@@ -764,6 +903,8 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
             _settle(futures, progress, errors, failures, remote, "does not match its ETag after download")
             ok = True
         finally:
+            if follower is not None:
+                follower.close()            # verifications still waiting on it hash the whole file
             cf.wait(futures)
             progress.show(final=True)
             if not ok:   # record what is verified so far; the next run resumes from it

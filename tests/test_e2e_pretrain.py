@@ -40,6 +40,28 @@ def _wait(predicate, timeout: float, what: str, every: float = 1.0):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def _jobs(run_dir: Path) -> list[dict]:
+    path = run_dir / "jobs.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _kill_when_running(run_dir: Path, nth: int) -> None:
+    """SIGKILL the job steps of the nth training job once SLURM runs it."""
+    def running() -> str | None:
+        jobs = _jobs(run_dir)
+        if len(jobs) >= nth and any(s["state"] == "RUNNING" for s in jobs[nth - 1]["states"]):
+            return jobs[nth - 1]["job_id"]
+        return None
+    job = _wait(running, 400, f"training job {nth} to run", every=0.5)
+    killed = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    folder = run_dir / "checkpoints"
+    return sorted(p.name for p in folder.glob("iter_*") if (p / "COMPLETE").exists()) if folder.exists() else []
+
+
 @pytest.fixture(scope="module")
 def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterator[SimpleNamespace]:
     """`deployments/serve.py` running against the test server, the corpus uploaded to S3."""
@@ -92,11 +114,16 @@ def params(served: SimpleNamespace, run_name: str, upload: bool = False, **train
     }
 
 
-def deployment_run(served: SimpleNamespace, parameters: dict, timeout: int = 600) -> tuple[dict, str]:
+def run_args(parameters: dict, timeout: int = 600) -> list[str]:
+    """`prefect deployment run` arguments: one --param per group, nested groups as JSON."""
     args = ["deployment", "run", "pretrain/gpt3", "--watch", "--watch-timeout", str(timeout)]
     for key, value in parameters.items():
         args += ["--param", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    result = served.server.cli(*args, timeout=timeout + 60)
+    return args
+
+
+def deployment_run(served: SimpleNamespace, parameters: dict, timeout: int = 600) -> tuple[dict, str]:
+    result = served.server.cli(*run_args(parameters, timeout), timeout=timeout + 60)
     output = result.stdout + result.stderr
     match = re.search(r"UUID: ([0-9a-f-]{36})", output)
     assert match, f"no flow run id in the CLI output:\n{output}"
@@ -120,8 +147,7 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     for stage in ("sync", "tokenize", "index", "train", "upload", "report"):
         assert states.get(stage) == ["Completed"], states
     run_dir = served.work / "runs" / "e2e-main"
-    jobs = json.loads((run_dir / "jobs.json").read_text())
-    assert any(j["executor"] == "slurm" for j in (jobs if isinstance(jobs, list) else jobs["jobs"]))
+    assert [j["executor"] for j in _jobs(run_dir)] == ["slurm"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if m.get("kind", "train") == "train"]
     assert train[-1]["iteration"] == 20 and train[-1]["lm_loss"] < train[0]["lm_loss"]
@@ -154,33 +180,15 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     assert shot.stat().st_size > 30_000 and art.stat().st_size > 30_000
 
 
-def _running_job(run_dir: Path) -> str | None:
-    path = run_dir / "jobs.json"
-    if not path.exists():
-        return None
-    jobs = json.loads(path.read_text())
-    jobs = jobs if isinstance(jobs, list) else jobs["jobs"]
-    return jobs[-1]["job_id"] if jobs else None
-
-
-def _checkpoints(run_dir: Path) -> list[str]:
-    folder = run_dir / "checkpoints"
-    return sorted(p.name for p in folder.glob("iter_*") if (p / "COMPLETE").exists()) if folder.exists() else []
-
-
 def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served):
     run_dir = served.work / "runs" / "e2e-killed"
     parameters = params(served, "e2e-killed", train_iters=40)
-    cli = subprocess.Popen  # the CLI blocks with --watch: run it beside the killer below
-    args = [sys.executable, "-m", "prefect", "deployment", "run", "pretrain/gpt3", "--watch", "--watch-timeout", "600"]
-    for key, value in parameters.items():
-        args += ["--param", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    proc = cli(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [sys.executable, "-m", "prefect", *run_args(parameters)]
+    # The CLI blocks while it watches: it runs beside the kill below.
+    proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
-        job = _running_job(run_dir)
-        killed = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True)
-        assert killed.returncode == 0, killed.stderr
+        _kill_when_running(run_dir, 1)
         output, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -191,9 +199,7 @@ def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served)
     assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{output[-3000:]}\n{served.log.read_text()[-5000:]}"
     train_runs = [tr for tr in served.server.task_runs(run["id"]) if tr["name"].startswith("train")]
     assert len(train_runs) == 1 and train_runs[0]["run_count"] == 2  # failed once, retried once
-    jobs = json.loads((run_dir / "jobs.json").read_text())
-    jobs = jobs if isinstance(jobs, list) else jobs["jobs"]
-    assert len({j["job_id"] for j in jobs}) == 2
+    assert len({j["job_id"] for j in _jobs(run_dir)}) == 2
     iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                   if json.loads(line).get("kind", "train") == "train"]
     assert iterations[-1] == 40
@@ -208,6 +214,17 @@ def test_served_nightly_benchmark_carries_its_schedule(served):
     pretrain = served.server.api("/deployments/name/pretrain/gpt3")
     schema = pretrain["parameter_openapi_schema"]
     assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output"]
+
+
+def test_bad_parameters_are_rejected_before_a_run_is_created(served):
+    for param, field in (("model=gpt3-7b", "model"), ('training={"micro_batch_size": 0}', "micro_batch_size"),
+                         ('data={"sorces": ["s3://x/"]}', "sorces")):
+        result = served.server.cli("deployment", "run", "pretrain/gpt3", "--param", param)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and "Validation failed" in output and field in output, output
+    runs = served.server.api("/flow_runs/filter", {"flows": {"name": {"any_": ["pretrain"]}},
+                                                   "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}})
+    assert runs == []
 
 
 def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
@@ -231,31 +248,12 @@ def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
         stop(proc)
 
 
-def _jobs(run_dir: Path) -> list[dict]:
-    path = run_dir / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def _kill_when_running(run_dir: Path, nth: int) -> None:
-    """SIGKILL the job steps of the nth training job once SLURM runs it."""
-    def running() -> str | None:
-        jobs = _jobs(run_dir)
-        if len(jobs) >= nth and any(s["state"] == "RUNNING" for s in jobs[nth - 1]["states"]):
-            return jobs[nth - 1]["job_id"]
-        return None
-    job = _wait(running, 400, f"training job {nth} to run", every=0.5)
-    killed = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True)
-    assert killed.returncode == 0, killed.stderr
-
-
 def test_retry_from_the_ui_reruns_only_what_did_not_finish(served):
     """Training fails on both attempts (killed twice): the flow run fails. Retrying it as the UI's
     Retry button does reuses the data stages and resumes training from its checkpoint."""
     run_dir = served.work / "runs" / "e2e-ui-retry"
-    parameters = params(served, "e2e-ui-retry", train_iters=30)
-    args = [sys.executable, "-m", "prefect", "deployment", "run", "pretrain/gpt3", "--watch", "--watch-timeout", "600"]
-    for key, value in parameters.items():
-        args += ["--param", f"{key}={json.dumps(value)}"]
+    parameters = params(served, "e2e-ui-retry", train_iters=80)
+    args = [sys.executable, "-m", "prefect", *run_args(parameters)]
     proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
@@ -281,4 +279,4 @@ def test_retry_from_the_ui_reruns_only_what_did_not_finish(served):
     assert len(_jobs(run_dir)) == 3
     iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                   if json.loads(line).get("kind", "train") == "train"]
-    assert iterations[-1] == 30 and iterations.count(1) == 1
+    assert iterations[-1] == 80 and iterations.count(1) == 1

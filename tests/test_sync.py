@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, SyncError, TransientSyncError, multipart_etag, sync,
-                        upload)
+import tasks.sync as sync_module
+from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, Obj, PartFollower, SyncError, TransientSyncError,
+                        multipart_etag, sync, upload)
 from tests.fixtures_s3 import LIST_ONLY_BUCKET, SECRET_KEY, S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,39 @@ def test_multipart_object_with_unequal_parts(s3: S3Server, tmp_path: Path) -> No
     m = sync([f"s3://{bucket}/odd.bin"], str(tmp_path / "d"), endpoint_url=s3.endpoint_url)
     assert m.files[0].check == "multipart-etag" and m.files[0].etag.endswith("-3")
     assert (tmp_path / "d" / "odd.bin").read_bytes() == b"".join(parts)
+
+
+def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypatch, tmp_path: Path) -> None:
+    """Parts are hashed as they land in s5cmd's temporary file (out of order, with holes between them)."""
+    bucket, part = s3.new_bucket(), 5 * MIB
+    data = blob(3 * part + 4321, 7)
+    etag = s3.put(bucket, "big.bin", data, part_size=part)
+    assert s3.put(bucket, "copy.bin", data, part_size=part) == etag
+    left_for_the_end: list[int] = []
+    md5_parts = sync_module._md5_parts
+    monkeypatch.setattr(sync_module, "_md5_parts", lambda fd, ranges: left_for_the_end.append(len(ranges))
+                        or md5_parts(fd, ranges))
+    big = Obj(f"s3://{bucket}/big.bin", "big.bin", len(data), etag)
+    copy = Obj(f"s3://{bucket}/copy.bin", "copy.bin", len(data), etag)
+    follower = PartFollower([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client(), threads=1)
+    try:
+        temp = tmp_path / "big.bin123456"       # how s5cmd names a download in progress
+        with open(temp, "wb") as f:
+            for n in (2, 0, 1, 3):              # parts land out of order
+                f.seek(n * part)
+                f.write(data[n * part:(n + 1) * part])
+                f.flush()
+                time.sleep(0.3)
+        temp.rename(tmp_path / "big.bin")
+        assert follower.etag(big.uri) == etag
+        assert left_for_the_end and left_for_the_end[0] < 4     # parts were hashed before the download ended
+        # the file under the final name is not the one that was followed: no shortcut
+        (tmp_path / "copy.bin42").write_bytes(data)
+        time.sleep(1)
+        (tmp_path / "copy.bin").write_bytes(data)
+        assert follower.etag(copy.uri) is None
+    finally:
+        follower.close()
 
 
 def test_glob_and_single_key_sources(s3: S3Server, corpus, tmp_path: Path) -> None:
