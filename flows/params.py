@@ -87,7 +87,7 @@ class TrainingParams(_Params):
         "auto", description="auto: fp32 on CPU, bf16 on accelerators")
     lr: float | None = Field(None, gt=0, description="Peak learning rate")
     min_lr: float | None = Field(None, ge=0)
-    compile: bool = Field(False, description="torch.compile the model (the precompile stage fills its cache)")
+    compile: bool = Field(True, description="torch.compile the model; the precompile stage fills its cache first, so training starts without compiling")
     activation_checkpointing: bool = False
     benchmark: bool = Field(False, description="Benchmark mode: train only, no evaluation")
     seed: int = 1234

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import submitit
 from prefect import task
-from prefect.cache_policies import INPUTS
+from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel, ConfigDict
 from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 
@@ -521,5 +521,13 @@ def retryable(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(error, (ClusterError, FlowRunCancelled, ConfigError))
 
 
+def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """Inputs that decide what training produces: a precompile result counts by which cache and
+    nodes it names, not by whether that cache was just built or found (the hit flag, timings)."""
+    pre = parameters.get("precompiled")
+    pinned = (pre.cache_dir, pre.key, pre.nodelist) if pre is not None else None
+    return hash_objects(parameters["config"], parameters["cluster"], parameters["run_dir"], pinned)
+
+
 train_task = task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retryable,
-                  persist_result=True, cache_policy=INPUTS)(train)
+                  persist_result=True, cache_key_fn=_train_cache_key)(train)
