@@ -202,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dp", type=int, dest="data_parallel")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "neuron"])
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--compile", action="store_true", default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile with a precompile stage first (default on)")
     p.add_argument("--benchmark", action="store_true", default=None)
     p.add_argument("--seed", type=int)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
