@@ -110,11 +110,12 @@ def start_server(home: Path) -> tuple[PrefectServer, subprocess.Popen]:
                          env=prefect_env(home, f"{url}/api")), proc
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+    """Stop a process group started with start_new_session: `sig` first, SIGKILL after `timeout`."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

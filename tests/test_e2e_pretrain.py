@@ -8,7 +8,6 @@ its checkpoint; headless chromium saves a screenshot of the flow run page.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -93,12 +92,7 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
         yield SimpleNamespace(work=work, bucket=bucket, endpoint=s3_server.endpoint_url, log=log, s3=s3_server,
                               server=prefect_server, partition=slurm_cluster["partition"])
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, signal.SIGINT, timeout=30)
 
 
 def params(served: SimpleNamespace, run_name: str, upload: bool = False, **training) -> dict:
@@ -120,6 +114,14 @@ def run_args(parameters: dict, timeout: int = 600) -> list[str]:
     for key, value in parameters.items():
         args += ["--param", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     return args
+
+
+def watched_run(served: SimpleNamespace, name: str, **training) -> tuple[Path, subprocess.Popen]:
+    """Start `prefect deployment run ... --watch` in the background: the CLI blocks while it
+    watches, and the test kills training jobs beside it."""
+    args = [sys.executable, "-m", "prefect", *run_args(params(served, name, **training))]
+    proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return served.work / "runs" / name, proc
 
 
 def deployment_run(served: SimpleNamespace, parameters: dict, timeout: int = 600) -> tuple[dict, str]:
@@ -181,11 +183,7 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
 
 
 def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served):
-    run_dir = served.work / "runs" / "e2e-killed"
-    parameters = params(served, "e2e-killed", train_iters=40)
-    args = [sys.executable, "-m", "prefect", *run_args(parameters)]
-    # The CLI blocks while it watches: it runs beside the kill below.
-    proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir, proc = watched_run(served, "e2e-killed", train_iters=40)
     try:
         _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
         _kill_when_running(run_dir, 1)
@@ -251,10 +249,7 @@ def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
 def test_retry_from_the_ui_reruns_only_what_did_not_finish(served):
     """Training fails on both attempts (killed twice): the flow run fails. Retrying it as the UI's
     Retry button does reuses the data stages and resumes training from its checkpoint."""
-    run_dir = served.work / "runs" / "e2e-ui-retry"
-    parameters = params(served, "e2e-ui-retry", train_iters=80)
-    args = [sys.executable, "-m", "prefect", *run_args(parameters)]
-    proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir, proc = watched_run(served, "e2e-ui-retry", train_iters=80)
     try:
         _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
         _kill_when_running(run_dir, 1)
