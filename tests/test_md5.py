@@ -1,0 +1,71 @@
+"""Multi-buffer MD5 (native.md5_ranges) and the process-wide batching hasher of tasks.sync."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from native import md5_lanes, md5_ranges
+from tasks.sync import HASHER, md5_check, multipart_etag
+
+WIDTHS = [w for w in (1, 8, 16, 32) if w <= md5_lanes()]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> tuple[int, bytes]:
+    data = random.Random(3).randbytes(3_000_000)
+    path = tmp_path_factory.mktemp("md5") / "data.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, data
+    os.close(fd)
+
+
+@pytest.mark.parametrize("lanes", WIDTHS)
+def test_digests_equal_hashlib_for_every_length_and_lane_width(data_file, lanes: int) -> None:
+    fd, data = data_file
+    rng = random.Random(lanes)
+    lengths = list(range(0, 200)) + [255, 256, 4095, 65535, 65536, 65536 + 55, 65536 + 56, 131072, 1_000_003]
+    lengths += [rng.randrange(2_000_000) for _ in range(40)]
+    ranges = [(fd, rng.randrange(1000), n) for n in lengths]
+    rng.shuffle(ranges)                 # lanes take messages of mixed lengths, and hand them to narrower ones
+    got = md5_ranges(ranges, lanes)
+    assert got == [hashlib.md5(data[off:off + n]).digest() for _, off, n in ranges]
+
+
+def test_a_range_past_the_end_of_the_file_is_none(data_file) -> None:
+    fd, data = data_file
+    got = md5_ranges([(fd, len(data) - 10, 5), (fd, len(data) - 10, 11), (fd, 0, 64)])
+    assert got == [hashlib.md5(data[-10:-5]).digest(), None, hashlib.md5(data[:64]).digest()]
+
+
+def test_bad_arguments_are_clear_errors(data_file) -> None:
+    fd, _ = data_file
+    with pytest.raises(ValueError, match="lanes=3"):
+        md5_ranges([(fd, 0, 1)], 3)
+    with pytest.raises(ValueError, match="negative"):
+        md5_ranges([(fd, -1, 1)])
+
+
+def test_hasher_batches_concurrent_callers(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    files = {tmp_path / f"f{i}": rng.randbytes(rng.randrange(1, 300_000)) for i in range(200)}
+    for path, data in files.items():
+        path.write_bytes(data)
+    checks = [md5_check(p, len(d), hashlib.md5(d).hexdigest()) for p, d in files.items()]   # all in flight at once
+    assert [c.result() for c in checks] == ["md5"] * len(files)
+    with cf.ThreadPoolExecutor(32) as pool:        # callers that wait, from many threads
+        got = list(pool.map(lambda p: HASHER.digests(p, [(0, len(files[p]))])[0], files))
+    assert got == [hashlib.md5(d).digest() for d in files.values()]
+    big = tmp_path / "f0"
+    size = len(files[big])
+    assert md5_check(big, size, "0" * 32).result() is None
+    assert md5_check(big, size + 1, hashlib.md5(files[big]).hexdigest()).result() is None
+    assert md5_check(tmp_path / "missing", 1, "0" * 32).result() is None
+    parts = [hashlib.md5(files[big][i:i + 50_000]).digest() for i in range(0, size, 50_000)]
+    assert multipart_etag(big, 50_000) == f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+    assert HASHER.digests(big, [(size, 1)]) == [None]
