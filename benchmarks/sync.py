@@ -174,7 +174,8 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                         shutil.rmtree(out)
                 for method, measured in runs.items():
                     mid = sorted(measured, key=lambda r: r["seconds"])[len(measured) // 2]
-                    entry[method] = {"seconds": round(mid["seconds"], 3), "mb_per_s": round(total / 1e6 / mid["seconds"], 1),
+                    entry[method] = {"seconds": round(mid["seconds"], 3),
+                                     "mb_per_s": round(total / 1e6 / mid["seconds"], 1),
                                      "all_seconds": [round(r["seconds"], 3) for r in measured],
                                      "client_cpu_s": round(mid["client_cpu_s"], 2),
                                      "server_cpu_s": round(mid["server_cpu_s"], 2),

@@ -152,20 +152,21 @@ struct V {
 #pragma GCC pop_options
 
 using Engine = void (*)(const std::vector<Job> &, size_t &, std::vector<Stream> &, std::vector<Digest> &, size_t);
+enum class Isa { kNone, kAvx2, kAvx512 };
 struct Width {
   size_t lanes;
   Engine run;
-  const char *needs;   // the CPU feature it needs
+  Isa needs;
 };
-const Width kWidths[] = {{32, avx512x2::hash_jobs, "avx512f"},
-                         {16, avx512::hash_jobs, "avx512f"},
-                         {8, avx2::hash_jobs, "avx2"},
-                         {1, scalar::hash_jobs, nullptr}};
+const Width kWidths[] = {{32, avx512x2::hash_jobs, Isa::kAvx512},
+                         {16, avx512::hash_jobs, Isa::kAvx512},
+                         {8, avx2::hash_jobs, Isa::kAvx2},
+                         {1, scalar::hash_jobs, Isa::kNone}};
 
 bool supported(const Width &w) {
-  __builtin_cpu_init();
-  if (w.needs == nullptr) return true;
-  return std::string(w.needs) == "avx512f" ? __builtin_cpu_supports("avx512f") : __builtin_cpu_supports("avx2");
+  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")),
+                    avx2 = __builtin_cpu_supports("avx2");
+  return w.needs == Isa::kAvx512 ? avx512 : w.needs == Isa::kAvx2 ? avx2 : true;
 }
 
 size_t best_lanes() {
@@ -174,8 +175,6 @@ size_t best_lanes() {
   return 1;
 }
 
-// The widest engine (at most `lanes` wide) runs while it keeps more than half its lanes busy; the
-// messages still in flight then go to the next narrower one, down to one lane for the last.
 constexpr uint32_t kInit[4] = {0x67452301, 0xefcdab89, 0x98badcfe, 0x10325476};
 
 Job parse(const py::handle &item) {
@@ -191,17 +190,21 @@ Job parse(const py::handle &item) {
     if (!state.empty() && state.size() != 16) throw std::invalid_argument("md5_ranges: a state is 16 bytes");
     if (job.prior % 64 || (!job.final && job.length % 64))
       throw std::invalid_argument("md5_ranges: a message is continued only after a multiple of 64 bytes");
-    for (size_t k = 0; k < 16 && !state.empty(); ++k)
-      job.init[k / 4] = (k % 4 ? job.init[k / 4] : 0) | static_cast<uint32_t>(static_cast<uint8_t>(state[k])) << (8 * (k % 4));
+    if (!state.empty()) std::memcpy(job.init, state.data(), 16);   // the words, little-endian as the digest
   }
   return job;
 }
 
+// The widest engine (at most `lanes` wide) runs while it keeps more than half its lanes busy; the
+// messages still in flight then go to the next narrower one, down to one lane for the last.
 std::vector<py::object> md5_ranges(const py::sequence &ranges, size_t lanes) {
-  if (lanes == 0) lanes = best_lanes();
-  if (lanes > best_lanes() || std::none_of(std::begin(kWidths), std::end(kWidths), [&](const Width &w) { return w.lanes == lanes; }))
-    throw std::invalid_argument("lanes=" + std::to_string(lanes) + ": this CPU hashes up to " +
-                                std::to_string(best_lanes()) + " messages at once, in 1, 8, 16 or 32 lanes; 0 for the most");
+  const size_t best = best_lanes();
+  if (lanes == 0) lanes = best;
+  const bool known =
+      std::any_of(std::begin(kWidths), std::end(kWidths), [&](const Width &w) { return w.lanes == lanes; });
+  if (lanes > best || !known)
+    throw std::invalid_argument("lanes=" + std::to_string(lanes) + ": this CPU hashes up to " + std::to_string(best) +
+                                " messages at once, in 1, 8, 16 or 32 lanes; 0 for the most");
   std::vector<Job> jobs;
   jobs.reserve(ranges.size());
   for (const auto &item : ranges) jobs.push_back(parse(item));
@@ -218,8 +221,10 @@ std::vector<py::object> md5_ranges(const py::sequence &ranges, size_t lanes) {
   }
   std::vector<py::object> result;
   result.reserve(out.size());
-  for (const Digest &d : out)
-    result.push_back(d.ok ? py::object(py::bytes(reinterpret_cast<const char *>(d.bytes), 16)) : py::object(py::none()));
+  for (const Digest &d : out) {
+    if (d.ok) result.push_back(py::bytes(reinterpret_cast<const char *>(d.bytes), 16));
+    else result.push_back(py::none());
+  }
   return result;
 }
 

@@ -530,9 +530,13 @@ class _Followed:
     result: cf.Future
     ranges: list[tuple[int, int]]
     fd: int | None = None
-    hashed: list[int] = field(default_factory=list)
-    states: list[bytes] = field(default_factory=list)
-    complete: list[bool] = field(default_factory=list)
+    hashed: list[int] = field(init=False)
+    states: list[bytes] = field(init=False)
+    complete: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.ranges)
+        self.hashed, self.states, self.complete = [0] * n, [b""] * n, [False] * n
 
     def end(self, etag: str | None) -> None:
         if self.fd is not None:
@@ -551,9 +555,9 @@ class PartFollower:
     kept per part between batches, and a backlog is hashed without waiting. The last MARGIN bytes
     before where the data ends wait for the next round (the page being written already reads as
     data), and a part's last bytes for the download to end. The open descriptor follows the file
-    through the rename, and the inode is compared with the final file's. The ETag computed this way is a
-    shortcut: when it does not match (or the file could not be followed), `verify` hashes the
-    complete file again.
+    through the rename, and the inode is compared with the final file's. The ETag computed this
+    way is a shortcut: when it does not match (or the file could not be followed), `verify` hashes
+    the complete file again.
 
     Up to WINDOW objects are followed at once, in the order given (s5cmd's order).
     """
@@ -618,12 +622,12 @@ class PartFollower:
                 fut = self._claimed[o.uri] = cf.Future()
             count = int(o.etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
             part = _part_size(o.uri, 1, self._client)
-            if part is None or len(_uniform(o.size, part)) != count:
+            sizes = _uniform(o.size, part) if part is not None else []
+            if len(sizes) != count:
                 fut.set_result(None)
                 continue
-            ranges = _ranges(_uniform(o.size, part))
-            window.append(_Followed(o, staged, self._done[o.uri], fut, ranges, None, [0] * count,
-                                    [b""] * count, [False] * count))
+            ranges = _ranges(sizes)
+            window.append(_Followed(o, staged, self._done[o.uri], fut, ranges))
 
     def _open(self, window: list[_Followed]) -> None:
         listed: dict[Path, list[str]] = {}
