@@ -5,9 +5,12 @@ Each file is written under `<dest>/.sync-partial/`, verified, then renamed into 
 stage never sees a partial file. A manifest beside the data (`<dest>/.sync-manifest.json`) records
 what was verified and how; a re-run transfers only what is missing, changed or damaged.
 
-Verification ("check" in the manifest): `md5` when the ETag is a single-part MD5, `multipart-etag`
-when the ETag is `<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or
-one of the common part sizes), `size` otherwise (and for local sources). Verification overlaps the
+Verification ("check" in the manifest, per file): for an object of CRC_MIN_BYTES or more whose
+store keeps an additional checksum, that checksum (`crc64nvme`, `crc32c` or `crc32`, asked with one
+HEAD; a CRC costs a fraction of an MD5); otherwise `md5` when the ETag is a single-part MD5 (the
+listing carries it, so small files cost no extra request), `multipart-etag` when the ETag is
+`<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or one of the
+common part sizes), `size` otherwise (and for local sources). Verification overlaps the
 transfer: each file is hashed as soon as s5cmd reports it done, and the parts of a multipart
 download are hashed while s5cmd is still writing them (`PartFollower`). Files and parts are
 hashed many at once, side by side in SIMD lanes (`HASHER`, over `native.md5_ranges`).
@@ -20,6 +23,7 @@ or a local glob. A DST of `s3://bucket/prefix` uploads one local SRC folder inst
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import fcntl
 import fnmatch
@@ -52,6 +56,7 @@ from prefect.tasks import exponential_backoff
 from pydantic import BaseModel, ConfigDict
 
 from native import md5_lanes, md5_ranges
+from tasks import crc
 
 MANIFEST_NAME = ".sync-manifest.json"
 PARTIAL_DIR = ".sync-partial"
@@ -62,10 +67,13 @@ COMMON_PART_SIZES_MIB = (5, 8, 15, 16, 50, 64, 100, 128, 256, 512, 1024)
 # Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
 # the more at once the more of them one native call hashes.
 VERIFY_THREADS = 32
+# Objects this large are verified with the store's CRC where it keeps one: the HEAD that asks for
+# it costs less than MD5-hashing the object. Smaller ones use the ETag the listing already has.
+CRC_MIN_BYTES = 64 * MIB
 log = logging.getLogger("tasks.sync")
 _LOADER = botocore.loaders.create_loader()
 
-Check = Literal["md5", "multipart-etag", "size"]
+Check = Literal["crc64nvme", "crc32c", "crc32", "md5", "multipart-etag", "size"]
 
 
 class SyncError(RuntimeError):
@@ -493,15 +501,43 @@ def _part_size(uri: str, number: int, client: Any) -> int | None:
         return None
 
 
-def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, client: Any) -> Check | None:
+def server_checksum(o: Obj, client: Any) -> crc.ServerChecksum | None:
+    """The store's additional checksum of a large S3 object (one HEAD), if it keeps one."""
+    if client is None or o.size < CRC_MIN_BYTES or not o.uri.startswith("s3://"):
+        return None
+    bucket, key = split_s3(o.uri)
+    try:
+        return crc.from_head(client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"))
+    except (bexc.ClientError, bexc.BotoCoreError):
+        return None
+
+
+def _part_sizes(uri: str, size: int, count: int, client: Any) -> list[int] | None:
+    """The sizes of the `count` parts an object was uploaded in, as the server tells them."""
+    first = _part_size(uri, 1, client)
+    if first is None or (first >= size and count > 1):
+        return None
+    if len(_uniform(size, first)) == count:
+        return _uniform(size, first)
+    sizes = [_part_size(uri, n, client) for n in range(1, count + 1)]
+    return sizes if None not in sizes and sum(sizes) == size else None  # type: ignore[return-value,arg-type]
+
+
+def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, client: Any,
+           checksum: crc.ServerChecksum | None = None) -> Check | None:
     """The check that passed for the file at `path`, or None when it does not match.
 
-    A multipart ETag is recomputed with the part size the server gives for part 1 (every part
+    A store's `checksum` is used when given (a composite one needs the part sizes from the
+    server; without them the ETag is checked instead). A multipart ETag is recomputed with the part size the server gives for part 1 (every part
     asked for when parts differ in size); a server that will not say gets the common part sizes
     tried, and only the size checked if none of them gives the ETag.
     """
     if os.path.getsize(path) != size:
         return None
+    if checksum is not None:
+        parts = None if checksum.parts is None else _part_sizes(uri, size, checksum.parts, client)
+        if checksum.parts is None or parts is not None:
+            return checksum.name if crc.matches(path, checksum, parts) else None  # type: ignore[return-value]
     check = expected_check(etag)
     if check == "md5":
         return md5_check(path, size, etag).result()  # type: ignore[arg-type]
@@ -512,12 +548,8 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
     if first is None or (first >= size and count > 1):           # the server does not say
         guesses = [m * MIB for m in COMMON_PART_SIZES_MIB if len(_uniform(size, m * MIB)) == count]
         return "multipart-etag" if any(multipart_etag(path, p) == etag for p in guesses) else "size"
-    if len(_uniform(size, first)) == count and multipart_etag(path, first) == etag:
-        return "multipart-etag"
-    sizes = [_part_size(uri, n, client) for n in range(1, count + 1)]
-    if None not in sizes and sum(sizes) == size and multipart_etag(path, sizes) == etag:  # type: ignore[arg-type]
-        return "multipart-etag"
-    return None
+    sizes = _part_sizes(uri, size, count, client)
+    return "multipart-etag" if sizes is not None and multipart_etag(path, sizes) == etag else None
 
 
 @dataclass
@@ -980,7 +1012,7 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
 
     def check_existing(item: tuple[Obj, Path]) -> tuple[Obj, Check | None]:
         o, path = item
-        check = verify(path, o.size, o.etag, o.uri, client)
+        check = verify(path, o.size, o.etag, o.uri, client, checksums.get(o.uri))
         if path.is_relative_to(partial):
             if check is not None:
                 promote(o, path)
@@ -991,6 +1023,9 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
     pool = cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS)
     progress: Progress | None = None
     try:
+        large = [o for o in todo + [o for o, _ in recheck] if o.size >= CRC_MIN_BYTES]
+        checksums = {o.uri: c for o, c in zip(large, pool.map(lambda o: server_checksum(o, client), large))
+                     if c is not None}
         for o, check in pool.map(check_existing, recheck):
             if check is None:
                 todo.append(o)
@@ -1009,7 +1044,7 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
             elif follower is not None and follower.etag(o.uri) == o.etag:
                 check = "multipart-etag"    # hashed while it was written; the size was compared too
             else:
-                check = verify(staged, o.size, o.etag, o.uri, client)
+                check = verify(staged, o.size, o.etag, o.uri, client, checksums.get(o.uri))
             conclude(o, staged, check)
 
         def conclude(o: Obj, staged: Path, check: Check | None) -> None:
@@ -1031,13 +1066,14 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
             finish(o, staged)
 
         by_uri = {o.uri: o for o in todo if o.etag is not None}
-        multipart = [(o, partial / o.rel) for o in by_uri.values() if expected_check(o.etag) == "multipart-etag"]
+        multipart = [(o, partial / o.rel) for o in by_uri.values()
+                     if expected_check(o.etag) == "multipart-etag" and o.uri not in checksums]
         follower = PartFollower(multipart, client) if multipart else None
         futures = [pool.submit(copy_local, o) for o in todo if o.etag is None]
 
         def downloaded(uri: str) -> None:
             o, staged = by_uri[uri], partial / by_uri[uri].rel
-            if expected_check(o.etag) == "md5":     # no thread waits on the hashing
+            if expected_check(o.etag) == "md5" and o.uri not in checksums:     # no thread waits on the hashing
                 futures.append(_then(md5_check(staged, o.size, o.etag), lambda check: conclude(o, staged, check)))
             else:
                 futures.append(pool.submit(finish, o, staged))
@@ -1064,8 +1100,10 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
     manifest = _manifest(sources, objs, entries, root, progress, deleted, True)
     _write_json(manifest_path, manifest.model_dump())
     shutil.rmtree(partial, ignore_errors=True)
+    methods = collections.Counter(f.check for f in manifest.files)
     summary = (f"synced {len(objs)} files ({_human(manifest.bytes)}) to {root}: {progress.done_files} "
-               f"transferred ({_human(progress.done_bytes)}), {len(objs) - progress.done_files} already there")
+               f"transferred ({_human(progress.done_bytes)}), {len(objs) - progress.done_files} already there; "
+               f"verified by {', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}")
     progress.logger.info(summary + (f", {deleted} deleted" if delete else ""))
     return manifest
 

@@ -5,9 +5,10 @@ measured here; ids equal HuggingFace ``tokenizers``' byte-level BPE built from t
 A literal ``<|endoftext|>`` inside a document is encoded as text: only ``--append-eod`` adds the
 end-of-document id, so no document is ever cut by its own content.
 
-Inputs are streamed in chunks of whole lines; worker processes parse and encode chunks, and the
-results are written strictly in input order, so the output is byte-identical for any worker
-count and memory stays bounded by ``workers`` in-flight chunks. Flags follow Megatron's
+Inputs are streamed in chunks of whole lines; threads of this one process parse and encode chunks
+(nothing is forked, so it is safe inside a flow run's threads), and the results are written
+strictly in input order, so the output is byte-identical for any worker count and memory stays
+bounded by ``2 * workers`` in-flight chunks. Flags follow Megatron's
 ``tools/preprocess_data.py``::
 
     python -m tasks.tokenize --input 'data/*.jsonl.zst' --output-prefix out/corpus \\
@@ -22,10 +23,11 @@ import gzip
 import hashlib
 import json
 import lzma
-import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -41,6 +43,8 @@ CHUNK_BYTES = 4 << 20
 # grows without bound (about 7 MB per MB of random words). A worker whose memory has grown by more
 # than this since its engine was built starts a fresh engine; repetitive text never reaches it.
 ENCODER_CACHE_BYTES = 128 << 20
+# A 4 MiB chunk encodes in well under a second; a chunk not done after this long means a stuck engine.
+CHUNK_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_KIND = 20
 SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "blank_line")
 COMPRESSED = (".gz", ".xz", ".zst")
@@ -100,7 +104,6 @@ def build_hf_tokenizer(vocab_file: str, merge_file: str):
 
 
 def build_encoder(vocab_file: str, merge_file: str):
-    import awkward  # noqa: F401  (encode_batch's result type; loaded once, before workers fork)
     import gigatoken
 
     return gigatoken.Tokenizer(build_hf_tokenizer(vocab_file, merge_file))
@@ -197,21 +200,24 @@ def _rss_bytes() -> int:
 
 
 class _Encoder:
-    """Per-process state: the engine, rebuilt when its caches outgrow ENCODER_CACHE_BYTES."""
+    """The engine and what to encode, shared by the encoding threads."""
 
     def __init__(self, vocab_file: str, merge_file: str, keys: tuple[str, ...], append_eod: bool,
-                 eod_id: int, dtype: str) -> None:
+                 eod_id: int, dtype: np.dtype) -> None:
         self.vocab_file, self.merge_file = vocab_file, merge_file
-        self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, np.dtype(dtype)
+        self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, dtype
         self.engine = build_encoder(vocab_file, merge_file)
         self.base_rss = _rss_bytes()
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Flat tokens (with EOD after each document if asked) and per-document lengths."""
+    def renew_if_grown(self) -> None:
+        """A fresh engine once the caches have grown past ENCODER_CACHE_BYTES (chunks in flight
+        finish on the engine they started with)."""
         if _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
-            self.engine = None
             self.engine = build_encoder(self.vocab_file, self.merge_file)
             self.base_rss = _rss_bytes()
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Flat tokens (with EOD after each document if asked) and per-document lengths."""
         layout = self.engine.encode_batch(texts, parallel=False).layout
         offsets = np.asarray(layout.offsets.data, dtype=np.int64)
         content = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
@@ -267,39 +273,38 @@ class _Encoder:
                 "problems": problems}
 
 
-_worker: _Encoder | None = None
+def _encoded_chunks(encoder: _Encoder, items: Iterator[tuple[int, bytes]], workers: int,
+                    timeout_s: float) -> Iterator[dict]:
+    """Results of ``(file index, chunk)`` items in input order.
 
-
-def _init_worker(*args) -> None:
-    global _worker
-    _worker = _Encoder(*args)
-
-
-def _work(item: tuple[int, bytes]) -> dict:
-    assert _worker is not None
-    return {"file": item[0], **_worker.chunk(item[1])}
-
-
-def _ordered_results(encoder_args: tuple, items: Iterator[tuple[int, bytes]], workers: int) -> Iterator[dict]:
-    """Results of ``(file index, chunk)`` items in input order, at most ``2 * workers`` in flight."""
-    _init_worker(*encoder_args)
+    ``workers`` threads of this process encode chunks side by side (the engine releases the GIL);
+    at most ``2 * workers`` chunks are in flight, so memory stays bounded whatever the input
+    size. Nothing is forked: the threads end when their queue is closed, and each wait for a
+    result is bounded by ``timeout_s``.
+    """
     if workers <= 1:
-        for item in items:
-            yield _work(item)
+        for index, data in items:
+            yield {"file": index, **encoder.chunk(data)}
         return
-    if sys.platform.startswith("linux"):
-        # Forked workers inherit the engine built above; its sequential path is fork-safe.
-        pool = multiprocessing.get_context("fork").Pool(workers)
-    else:
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=encoder_args)
-    with pool:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+    try:
         pending: collections.deque = collections.deque()
-        for item in items:
-            pending.append(pool.apply_async(_work, (item,)))
+        for index, data in items:
+            pending.append((index, pool.submit(encoder.chunk, data)))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield _result(*pending.popleft(), timeout_s)
         while pending:
-            yield pending.popleft().get()
+            yield _result(*pending.popleft(), timeout_s)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(index: int, future: Future, timeout_s: float) -> dict:
+    try:
+        return {"file": index, **future.result(timeout=timeout_s)}
+    except FutureTimeout:
+        raise TokenizeError(f"a chunk of input file #{index + 1} was not encoded within {timeout_s:.0f} s: "
+                            "the tokenizer engine is stuck; rerun, and report it if it happens again") from None
 
 
 # ---------------------------------------------------------------------------------- stage
@@ -379,11 +384,12 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     skipped = {kind: 0 for kind in SKIP_KINDS}
     documents = total_bytes = 0
     progress = _Progress()
-    encoder_args = (vocab_file, merge_file, json_keys, append_eod, eod_id, dtype.str)
     try:
         items = ((i, chunk) for i, path in enumerate(files) for chunk in read_chunks(path))
         line_of = [1] * len(files)  # line number where each file's next chunk starts
-        for result in _ordered_results(encoder_args, items, workers):
+        encoder = _Encoder(vocab_file, merge_file, json_keys, append_eod, eod_id, dtype)
+        for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
+            encoder.renew_if_grown()
             path = files[result["file"]]
             first_line = line_of[result["file"]]
             line_of[result["file"]] += result["lines"]
@@ -460,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
+    p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--vocab-size", type=int, default=50257, help="size of the BPE trained when no vocab is given")
     p.add_argument("--log-interval", type=int, default=None, help="accepted for compatibility; progress prints every 2 s")

@@ -186,6 +186,41 @@ def test_files_without_manifest_are_verified_not_refetched(s3: S3Server, corpus,
     assert m.transferred_files == 0 and {f.check for f in m.files} == {"md5", "multipart-etag"}
 
 
+def test_large_objects_are_verified_with_the_stores_crc(s3: S3Server, monkeypatch, tmp_path: Path) -> None:
+    """Where the store keeps a CRC, a large object is checked with it (a whole-object CRC64NVME, a
+    composite CRC32C over parts) instead of MD5; small objects keep their ETag; damage is found."""
+    import io
+
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config as BotoConfig
+
+    monkeypatch.setattr(sync_module, "CRC_MIN_BYTES", MIB)
+    bucket, client = s3.new_bucket(), s3.client()
+    files = {"whole.bin": blob(3 * MIB + 5, 1), "composite.bin": blob(11 * MIB + 7, 2), "plain.bin": blob(2 * MIB, 3),
+             "small.txt": b"tiny"}
+    client.put_object(Bucket=bucket, Key="d/whole.bin", Body=files["whole.bin"], ChecksumAlgorithm="CRC64NVME")
+    client.upload_fileobj(io.BytesIO(files["composite.bin"]), bucket, "d/composite.bin",
+                          ExtraArgs={"ChecksumAlgorithm": "CRC32C"},
+                          Config=TransferConfig(multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB))
+    bare = s3.client(config=BotoConfig(request_checksum_calculation="when_required"))
+    bare.put_object(Bucket=bucket, Key="d/plain.bin", Body=files["plain.bin"])   # the store keeps no CRC
+    client.put_object(Bucket=bucket, Key="d/small.txt", Body=files["small.txt"], ChecksumAlgorithm="CRC32")
+    dest = tmp_path / "dest"
+    m = sync([f"s3://{bucket}/d/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert read_tree(dest) == files
+    assert {f.path: f.check for f in m.files} == {"whole.bin": "crc64nvme", "composite.bin": "crc32c",
+                                                  "plain.bin": "md5", "small.txt": "md5"}
+    (dest / MANIFEST_NAME).unlink()                             # found again, verified, kept
+    assert sync([f"s3://{bucket}/d/"], str(dest), endpoint_url=s3.endpoint_url).transferred_files == 0
+    for name in ("whole.bin", "composite.bin"):                 # same size, different bytes
+        with open(dest / name, "r+b") as f:
+            f.seek(MIB + 3)
+            f.write(b"\0" * 10)
+    (dest / MANIFEST_NAME).unlink()
+    again = sync([f"s3://{bucket}/d/"], str(dest), endpoint_url=s3.endpoint_url)
+    assert again.transferred_files == 2 and read_tree(dest) == files
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

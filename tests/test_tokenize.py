@@ -198,3 +198,35 @@ def test_tiny_chunks_and_engine_rebuilds_keep_ids(tmp_path, bpe_vocab, monkeypat
     pieces = tokenize([src], str(tmp_path / "b"), vocab_file=vocab, merge_file=merges, workers=2)
     assert pieces.documents == whole.documents == len(TRICKY) * 3
     assert read_docs(pieces.prefixes["text"]) == read_docs(whole.prefixes["text"])
+
+
+def test_tokenize_task_in_a_flow_many_times_in_a_row_never_forks(tmp_path, bpe_vocab, monkeypatch):
+    """Forking inside a flow run's threads deadlocked here once; the stage must never fork."""
+    import threading
+
+    from prefect import flow
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.tokenize import tokenize_task
+
+    vocab, merges = map(str, bpe_vocab)
+    src = write_jsonl(tmp_path / "in.jsonl", TRICKY * 20)
+
+    def no_fork():
+        raise AssertionError("the tokenize stage forked a process")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    monkeypatch.setattr("tasks.tokenize.CHUNK_BYTES", 16 << 10)  # many chunks in flight on both threads
+
+    @flow
+    def repeat(n: int) -> list[tuple[str, int]]:
+        runs = []
+        for i in range(n):
+            state = tokenize_task([src], str(tmp_path / f"o{i}"), vocab_file=vocab, merge_file=merges, workers=2,
+                                  return_state=True)
+            runs.append((state.name, state.result().documents))
+        return runs
+
+    with prefect_test_harness():
+        assert repeat(25) == [("Completed", len(TRICKY) * 20)] * 25
+    assert not [t for t in threading.enumerate() if t.name.startswith("tokenize")]
