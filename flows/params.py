@@ -100,7 +100,8 @@ class TrainingParams(_Params):
 
 
 class ClusterParams(_Params):
-    preset: str = Field("local", description="Cluster preset name (deployments/clusters/<name>.yaml) or a YAML path")
+    preset: str = Field("local", description="Cluster preset name: a file of deployments/clusters/ or of the "
+                                             "operator's GPT_CLUSTER_PRESET_DIRS")
     overrides: dict[str, Any] = Field(default_factory=dict,
                                       description='Fields to change, e.g. {"partition": "gpu", "nodes": 2}')
 
@@ -112,6 +113,8 @@ class OutputParams(_Params):
                                                     "parameters, so the same parameters resume the same run)")
     uri: str | None = Field(None, description="s3://bucket/prefix to upload the run folder to after training")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint for `uri`")
+    profile: str | None = Field(None, description="AWS profile for `uri` (empty: data.profile, so sync and "
+                                                  "upload use the same credentials)")
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ def pretrain(
         uploaded_to=output.uri, flow_run_url=url,
     )
     if output.uri:  # last, so the upload holds the loss plot too
-        stages.run("upload", upload_task, str(run_dir), output.uri, endpoint_url=output.endpoint_url)
+        stages.run("upload", upload_task, str(run_dir), output.uri, endpoint_url=output.endpoint_url,
+                   profile=output.profile or data.profile)
     return {
         "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"),

@@ -1,12 +1,23 @@
 """Where training runs: a typed, validated cluster configuration and its sbatch parameters.
 
-Presets live in ``deployments/clusters/<name>.yaml``; flow parameters override single fields.
+Two kinds of author, two levels of trust:
+
+- The operator writes presets: YAML files in ``deployments/clusters/`` or in the folders listed
+  in ``GPT_CLUSTER_PRESET_DIRS`` (the environment of the process that runs the flow, never a
+  flow parameter). A preset may hold anything: ``setup`` shell lines, container images and
+  mounts, any extra sbatch/srun option, any environment variable.
+- Whoever can start a run chooses a preset by name and overrides single fields through flow
+  parameters. Those overrides pass an allowlist (``check_overrides``): resources and placement
+  (partition, account, qos, nodes, gpus, time, constraint...), extra sbatch/srun options from a
+  fixed list with a checked value shape, and environment variables from a fixed list of tuning
+  knobs. Nothing that sets the job's environment at large, prologs, paths, shells or images.
+
 Every field that ends up in the sbatch script is either checked against a strict pattern or
-shell-quoted (``env`` values, ``srun_extra``, ``sbatch_extra``); ``setup`` lines are shell by
-nature and are therefore accepted from preset files only, never as overrides.
+shell-quoted (``env`` values, ``srun_extra``, ``sbatch_extra``).
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -18,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "deployments" / "clusters"
+PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _HOSTLIST = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
@@ -26,7 +38,7 @@ _GRES = re.compile(r"^[A-Za-z0-9_.,:-]+$")
 _MEM = re.compile(r"^[0-9]+[KMGT]?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
-_SECRET_KEY = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY", re.I)
+_SECRET_KEY = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|API_KEY|AUTH", re.I)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2})(?::(\d{2}))?$")
 
@@ -230,26 +242,134 @@ class ClusterConfig(BaseModel):
         return _make_sbatch_string(command=command, folder=folder, **self.slurm_parameters(job_name))
 
 
+# ---------------------------------------------------------------- what flow parameters may change
+
+_COUNT = re.compile(r"^[0-9]{1,6}$")
+_TYPED_COUNT = re.compile(r"^(?:[A-Za-z0-9_.-]+:)?[0-9]{1,4}$")    # 8 or a100:8
+_WORDS = re.compile(r"^[A-Za-z0-9_,:.+-]{1,200}$")                 # no slash, no shell, no space
+_BOOL = re.compile(r"^(?:true|false|True|False|1|0)$")
+_COMMENT = re.compile(r"^[A-Za-z0-9_ .,:=+@-]{0,200}$")
+_EMAIL = re.compile(r"^[A-Za-z0-9_.+-]+@[A-Za-z0-9.-]+$")
+_IFACES = re.compile(r"^\^?[A-Za-z0-9_.,=-]{1,100}$")
+
+# Extra sbatch options a flow parameter may set, with the shape of their value.
+SBATCH_OPTIONS: dict[str, re.Pattern[str]] = {
+    "time": re.compile(r"^(?:[0-9]+|(?:[0-9]+-)?[0-9]+:[0-9]{2}(?::[0-9]{2})?)$"), "time-min": _COUNT,
+    "partition": _NAME, "account": _NAME, "qos": _NAME, "reservation": _NAME, "wckey": _NAME,
+    "constraint": _CONSTRAINT, "nodes": re.compile(r"^[0-9]{1,6}(?:-[0-9]{1,6})?$"), "ntasks": _COUNT,
+    "ntasks-per-node": _COUNT, "cpus-per-task": _COUNT, "cpus-per-gpu": _COUNT, "gpus": _TYPED_COUNT,
+    "gpus-per-node": _TYPED_COUNT, "gpus-per-task": _TYPED_COUNT, "gres": _GRES, "mem": _MEM,
+    "mem-per-cpu": _MEM, "mem-per-gpu": _MEM, "tmp": _MEM, "exclusive": re.compile(r"^(?:true|True|user|mcs)$"),
+    "nodelist": _HOSTLIST, "exclude": _HOSTLIST, "switches": re.compile(r"^[0-9]{1,4}(?:@[0-9:-]{1,12})?$"),
+    "licenses": _WORDS, "hint": _WORDS, "distribution": re.compile(r"^[A-Za-z0-9_:,*]{1,60}$"),
+    "nice": re.compile(r"^-?[0-9]{1,6}$"), "priority": _COUNT, "requeue": _BOOL, "no-requeue": _BOOL,
+    "mail-type": re.compile(r"^[A-Z0-9_,]{1,100}$"), "mail-user": _EMAIL, "comment": _COMMENT,
+    "begin": re.compile(r"^[A-Za-z0-9:+-]{1,30}$"), "dependency": re.compile(r"^[A-Za-z0-9_:,?+]{1,200}$"),
+}
+# Extra srun options a flow parameter may set (``--name`` or ``--name=value``).
+SRUN_OPTIONS: dict[str, re.Pattern[str] | None] = {
+    "cpu-bind": _WORDS, "mem-bind": _WORDS, "gpu-bind": _WORDS, "distribution": SBATCH_OPTIONS["distribution"],
+    "hint": _WORDS, "mpi": _NAME, "network": _WORDS, "overlap": None, "exact": None, "label": None,
+    "unbuffered": None, "kill-on-bad-exit": re.compile(r"^[01]$"), "cpus-per-task": _COUNT,
+}
+# Environment variables a flow parameter may set: tuning knobs whose values are plain words. Names
+# that load code or read files (LD_PRELOAD, BASH_ENV, PYTHONPATH, NCCL_NET_PLUGIN...) are not here.
+ENV_VARIABLES: dict[str, re.Pattern[str]] = {
+    **{name: _COUNT for name in (
+        "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_IB_DISABLE",
+        "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_CROSS_NIC", "NCCL_MIN_NCHANNELS",
+        "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE", "NCCL_NSOCKS_PERTHREAD", "NCCL_SOCKET_NTHREADS",
+        "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+        "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MALLOC_ARENA_MAX", "NEURON_FUSE_SOFTMAX",
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
+        "TORCH_SHOW_CPP_STACKTRACES")},
+    **{name: _WORDS for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_ALGO", "NCCL_PROTO",
+                                 "NCCL_NET_GDR_LEVEL", "FI_PROVIDER", "TORCH_DISTRIBUTED_DEBUG",
+                                 "TORCH_CPP_LOG_LEVEL")},
+    **{name: _IFACES for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")},
+}
+# Fields only a preset file may set: shell lines, images and mounts run or expose what they name.
+OPERATOR_FIELDS = ("name", "setup", "container_image", "container_mounts")
+
+
+def _option_value(kind: str, name: str, value: Any, pattern: re.Pattern[str] | None) -> None:
+    text = str(value)
+    if pattern is None:
+        if value not in (True, "true", "True", None, ""):
+            raise ClusterError(f"{kind} option {name!r} takes no value (got {text!r})")
+    elif not pattern.fullmatch(text):
+        raise ClusterError(f"{kind} option {name!r}={text!r} does not have the shape this option takes")
+
+
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Refuse what a flow parameter may not set, naming the field or option; see the module doc."""
+    for field in OPERATOR_FIELDS:
+        if field in overrides:
+            raise ClusterError(f"{field} is set only by the operator, in preset files (it runs or exposes what "
+                               f"it names); choose a preset that has it")
+    for name, value in (overrides.get("sbatch_extra") or {}).items():
+        if name not in SBATCH_OPTIONS:
+            raise ClusterError(f"sbatch_extra option {name!r} cannot be set from parameters (options that set the "
+                               f"environment, prologs, paths or shells are for preset files); allowed: "
+                               f"{', '.join(sorted(SBATCH_OPTIONS))}")
+        _option_value("sbatch_extra", name, value, SBATCH_OPTIONS[name])
+    for item in overrides.get("srun_extra") or []:
+        name, eq, value = str(item).removeprefix("--").partition("=")
+        if not str(item).startswith("--") or name not in SRUN_OPTIONS:
+            raise ClusterError(f"srun_extra option {item!r} cannot be set from parameters; allowed: "
+                               f"{', '.join('--' + o for o in sorted(SRUN_OPTIONS))}")
+        _option_value("srun_extra", name, value if eq else None, SRUN_OPTIONS[name])
+    for name, value in (overrides.get("env") or {}).items():
+        if name not in ENV_VARIABLES:
+            raise ClusterError(f"env variable {name!r} cannot be set from parameters (only tuning variables such as "
+                               f"NCCL_DEBUG or OMP_NUM_THREADS may; others go in a preset file)")
+        _option_value("env", name, value, ENV_VARIABLES[name])
+
+
+def credential_variables(environ: dict[str, str] | os._Environ = os.environ) -> list[str]:
+    """Names of the variables in ``environ`` that hold credentials: a training job never gets them."""
+    return sorted(k for k in environ if _SECRET_KEY.search(k))
+
+
+# ---------------------------------------------------------------- presets
+
+
+def preset_dirs() -> list[Path]:
+    """The reviewed presets folder, then the folders the operator lists in GPT_CLUSTER_PRESET_DIRS."""
+    extra = [Path(d).expanduser().resolve() for d in os.environ.get(PRESET_DIRS_VARIABLE, "").split(os.pathsep) if d]
+    return [PRESET_DIR, *extra]
+
+
 def preset_path(preset: str) -> Path:
-    path = Path(preset)
-    if path.suffix in (".yaml", ".yml", ".json") and path.exists():
+    """The preset file for a name, or for a path inside one of the preset folders."""
+    dirs = preset_dirs()
+    if "/" in preset or preset.endswith((".yaml", ".yml")):
+        path = Path(preset).expanduser().resolve()
+        if not any(path.is_relative_to(d) for d in dirs):
+            raise ClusterError(f"cluster preset {preset!r} is not in a presets folder ({', '.join(map(str, dirs))}): "
+                               f"presets hold shell lines, so they load only from folders the operator lists in "
+                               f"{PRESET_DIRS_VARIABLE}; give a preset name")
+        if not path.is_file():
+            raise ClusterError(f"cluster preset {preset!r}: file not found")
         return path
-    candidate = PRESET_DIR / f"{preset}.yaml"
-    if not candidate.exists():
-        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ClusterError(f"unknown cluster preset {preset!r}: use one of {names} or a path to a YAML file")
-    return candidate
+    for d in dirs:
+        candidate = d / f"{preset}.yaml"
+        if candidate.is_file():
+            return candidate
+    names = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
+    raise ClusterError(f"unknown cluster preset {preset!r}: use one of {names}")
 
 
 def load_cluster(preset: str = "local", **overrides: Any) -> ClusterConfig:
-    """Preset (name in deployments/clusters or a YAML path) plus field overrides, validated.
-
-    ``setup`` cannot be overridden: its lines run unquoted in the batch script, so they only come
-    from a preset file that someone reviewed.
-    """
+    """A preset (by name, from the presets folders) plus field overrides from flow parameters,
+    validated. Overrides pass ``check_overrides``; ``env`` and ``sbatch_extra`` overrides add to
+    the preset's entries."""
     path = preset_path(preset)
-    if "setup" in overrides:
-        raise ClusterError(f"setup lines are shell commands and come only from preset files; edit {path}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        check_overrides(overrides)
+    except ClusterError as e:
+        raise ClusterError(f"cluster preset {path} with overrides {sorted(overrides)}: {e}") from None
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -257,7 +377,10 @@ def load_cluster(preset: str = "local", **overrides: Any) -> ClusterConfig:
     if not isinstance(data, dict):
         raise ClusterError(f"{path}: expected a mapping of ClusterConfig fields")
     data.setdefault("name", path.stem)
-    merged = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+    merged = {**data, **overrides}
+    for field in ("env", "sbatch_extra"):
+        if isinstance(data.get(field), dict) and isinstance(overrides.get(field), dict):
+            merged[field] = {**data[field], **overrides[field]}
     try:
         return ClusterConfig(**merged)
     except ValidationError as e:

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import re
-import secrets
 import shlex
 import signal
 import subprocess
@@ -28,7 +27,6 @@ import sys
 import threading
 import time
 from collections import deque
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -39,7 +37,7 @@ from pydantic import BaseModel, ConfigDict
 from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 
 from gpt.config import Config, ConfigError
-from tasks.cluster import ClusterConfig, ClusterError
+from tasks.cluster import ClusterConfig, ClusterError, credential_variables
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
@@ -111,15 +109,6 @@ class DistributedTask(submitit.helpers.Checkpointable):
 
 
 # ---------------------------------------------------------------- run folder
-
-
-def new_run_dir(root: str | Path, name: str = "run") -> str:
-    """A fresh, unique run folder below root: <UTC time>-<name>-<random>."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = Path(root) / f"{stamp}-{safe}-{secrets.token_hex(3)}"
-    path.mkdir(parents=True, exist_ok=False)
-    return str(path)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -354,14 +343,24 @@ def _failure_report(folder: Path, job_id: str, num_tasks: int, state: str, reaso
             f"({paths.stderr}):\n{err or '(empty)'}\n--- stdout ({paths.stdout}):\n{out or '(empty)'}")
 
 
+class _SlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SLURM executor with sbatch started without the submitter's credentials: sbatch
+    exports its environment to every rank and SLURM keeps a copy of it with the job."""
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        unset = [arg for name in credential_variables() for arg in ("-u", name)]
+        return ["env", *unset, *super()._make_submission_command(submission_file_path)]
+
+
 def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str | None) -> submitit.Executor:
     if cluster.kind == "slurm":
-        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues, python=python)
+        ex = _SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues, python=python)
         ex.update_parameters(**cluster.slurm_parameters(job_name))
         return ex
     ex = submitit.LocalExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
+    credentials = credential_variables()
     ex.update_parameters(tasks_per_node=cluster.tasks_per_node, nodes=1, timeout_min=cluster.time_limit,
-                         setup=cluster.setup_lines())
+                         setup=[*([f"unset {' '.join(credentials)}"] if credentials else []), *cluster.setup_lines()])
     return ex
 
 

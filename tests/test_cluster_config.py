@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpt.config import Config
-from tasks.cluster import ClusterConfig, ClusterError, load_cluster
+from tasks.cluster import PRESET_DIR, ClusterConfig, ClusterError, load_cluster
 from tasks.precompile import cache_key, sbatch_script
 
 
@@ -38,10 +38,11 @@ def test_presets_load_and_validate() -> None:
 @pytest.mark.parametrize("overrides, words", [
     ({"partition": "gpu; rm -rf /"}, "partition"),
     ({"nodelist": "node1 node2"}, "nodelist"),
-    ({"env": {"AWS_SECRET_ACCESS_KEY": "x"}}, "secret"),
-    ({"env": {"BAD-NAME": "x"}}, "env key"),
-    ({"srun_extra": ["--label\nrm -rf /"]}, "single line"),
+    ({"env": {"AWS_SECRET_ACCESS_KEY": "x"}}, "cannot be set from parameters"),
+    ({"env": {"BAD-NAME": "x"}}, "env variable"),
+    ({"srun_extra": ["--label\nrm -rf /"]}, "srun_extra"),
     ({"sbatch_extra": {"mail type": "END"}}, "sbatch_extra"),
+    ({"sbatch_extra": {"mail-type": "END; id"}}, "mail-type"),
     ({"tasks_per_node": 3}, "one task per GPU"),
     ({"nodes": 0}, "nodes"),
     ({"mem": "lots"}, "mem"),
@@ -103,9 +104,14 @@ def test_trn1_16_node_script(tmp_path: Path) -> None:
     assert "--distribution-strategy=llm-training" in out
 
 
-def test_p4d_16_node_8_gpu_script(tmp_path: Path) -> None:
-    cluster = load_cluster("p4d-8gpu", partition="gpu", account="research", container_image="nvcr.io#nvidia/pytorch:24.05-py3",
-                           container_mounts=["/fsx:/fsx"])
+def test_p4d_16_node_8_gpu_script(tmp_path: Path, monkeypatch) -> None:
+    ops = tmp_path / "presets"                  # an operator's presets folder, with a container image
+    ops.mkdir()
+    (ops / "p4d-pyxis.yaml").write_text(Path(PRESET_DIR / "p4d-8gpu.yaml").read_text() +
+                                        'container_image: "nvcr.io#nvidia/pytorch:24.05-py3"\n'
+                                        'container_mounts: ["/fsx:/fsx"]\n')
+    monkeypatch.setenv("GPT_CLUSTER_PRESET_DIRS", str(ops))
+    cluster = load_cluster("p4d-pyxis", partition="gpu", account="research")
     script = cluster.sbatch_script("/fsx/runs/r2/jobs", job_name="train-gpt3-1.3b")
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     flags = sbatch_flags(script)

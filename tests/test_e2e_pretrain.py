@@ -21,6 +21,7 @@ import pytest
 
 from tasks.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
+from tests.fixtures_s3 import SECRET_KEY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -168,6 +169,17 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     uploaded = served.s3.client().list_objects_v2(Bucket=served.bucket, Prefix="runs/e2e-main/")
     keys = {o["Key"] for o in uploaded.get("Contents", [])}
     assert {"runs/e2e-main/metrics.jsonl", "runs/e2e-main/config.json", "runs/e2e-main/loss.png"} <= keys, keys
+
+    # The flow used the S3 secret (sync and upload); it must be nowhere else: not in the run folder
+    # (job scripts, rank logs), the serve log, Prefect's database, result storage or artifacts, nor
+    # in what SLURM keeps of the job's environment.
+    secret = SECRET_KEY.encode()
+    job_envs = [p for j in _jobs(run_dir) for p in Path("/var/spool/slurmctld").glob(f"hash.*/job.{j['job_id']}/*")]
+    places = [served.work / "runs", served.log, served.server.home, *job_envs]
+    leaks = [str(f) for place in places for f in ([place] if place.is_file() else place.rglob("*"))
+             if f.is_file() and secret in f.read_bytes()]
+    assert leaks == [], leaks
+    assert SECRET_KEY not in json.dumps(served.server.artifacts(run["id"]))
 
     again, _ = deployment_run(served, params(served, "e2e-main", upload=True))
     states = task_states(served, again["id"])
