@@ -24,6 +24,8 @@ ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows 
 
 
 SAMPLE_VOCAB_SIZE = 4096  # keeps the tiny model's output layer cheap on a CPU
+# Config fields the flow sets itself: paths on shared storage and how the job is run.
+FLOW_DECIDED = frozenset({"run_dir", "data_index", "compile_cache_dir", "precompile", "mock_data"})
 
 
 class ParameterError(ValueError):
@@ -218,6 +220,9 @@ def check(model: str, data: DataParams, tokenizer: TokenizerParams, training: Tr
     errors: list[str] = []
     if model not in PRESETS:
         errors.append(f"model: {model!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    for name in sorted(FLOW_DECIDED & set(training.overrides)):
+        errors.append(f"training.overrides.{name}: decided by the flow (where runs, data and caches live "
+                      "follows output.root and output.run_name); remove it")
     if training.train_iters is not None and training.train_samples is not None:
         errors.append("training: set train_iters or train_samples, not both (clear train_iters to train by samples)")
     _check_paths(data, tokenizer, errors)

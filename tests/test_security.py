@@ -59,6 +59,14 @@ def test_scheduler_options_from_parameters_pass_an_allowlist(tmp_path: Path, ove
     assert "cluster:" in str(e.value) and named in str(e.value)
 
 
+def test_paths_of_the_run_are_not_parameters(tmp_path: Path) -> None:
+    with pytest.raises(ParameterError) as e:
+        check("tiny", DataParams(), TokenizerParams(), TrainingParams(overrides={"run_dir": "/etc", "compile_cache_dir": "/"}),
+              ClusterParams(), OutputParams(root=str(tmp_path)))
+    assert "training.overrides.run_dir: decided by the flow" in str(e.value)
+    assert "training.overrides.compile_cache_dir: decided by the flow" in str(e.value)
+
+
 def test_allowed_tuning_from_parameters_reaches_the_script(tmp_path: Path) -> None:
     cluster = load_cluster("slurm-local", sbatch_extra={"mail-type": "END", "qos": "high"},
                            srun_extra=["--cpu-bind=cores"], env={"NCCL_DEBUG": "INFO"})
