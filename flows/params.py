@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpt.config import PRESETS, Config, ConfigError
-from tasks.cluster import load_cluster
+from tasks.cluster import ClusterConfig, load_cluster
 from tasks.index import parse_split
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
@@ -84,9 +84,11 @@ class TrainingParams(_Params):
     data_parallel: int | None = Field(None, ge=1, description="Data-parallel size (dp); empty: the "
                                                             "cluster's tasks divided by tp. Must match.")
     data_parallel_mode: Literal["ddp", "fsdp"] = "ddp"
-    device: Literal["auto", "cpu", "cuda", "neuron"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "neuron"] = Field(
+        "auto", description="auto: what the cluster preset runs on (its device)")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto: fp32 on CPU, bf16 on accelerators")
+        "auto", description="auto: fp32 on CPU, bf16 on accelerators (fp16 on GPUs before Ampere), decided "
+                            "from the cluster preset, not from the machine that runs the flow")
     lr: float | None = Field(None, gt=0, description="Peak learning rate")
     min_lr: float | None = Field(None, ge=0)
     compile: bool = Field(True, description="torch.compile the model; the precompile stage fills its cache first, so training starts without compiling")
@@ -123,7 +125,7 @@ class OutputParams(_Params):
 class Plan:
     """Checked parameters turned into what the stages take."""
     config: Config              # vocab_size, data_index, run_dir and compile cache are filled in later
-    cluster: Any                # tasks.cluster.ClusterConfig
+    cluster: ClusterConfig
     world_size: int
     root: Path
     run_dir: Path
@@ -177,10 +179,11 @@ def _check_paths(data: DataParams, tokenizer: TokenizerParams, errors: list[str]
 
 
 def config_fields(training: TrainingParams) -> dict[str, Any]:
-    """The gpt Config fields these parameters set; the preset fills the rest."""
+    """The gpt Config fields these parameters set; the preset fills the rest (device and precision
+    come from the cluster: see `job_device_and_precision`)."""
     t = training
     fields: dict[str, Any] = {
-        "tensor_parallel": t.tensor_parallel, "data_parallel_mode": t.data_parallel_mode, "device": t.device,
+        "tensor_parallel": t.tensor_parallel, "data_parallel_mode": t.data_parallel_mode,
         "compile": t.compile, "activation_checkpointing": t.activation_checkpointing,
         "benchmark": t.benchmark, "seed": t.seed,
     }
@@ -188,17 +191,19 @@ def config_fields(training: TrainingParams) -> dict[str, Any]:
                  "lr", "min_lr", "log_interval", "eval_interval", "eval_iters", "save_interval"):
         if getattr(t, name) is not None:
             fields[name] = getattr(t, name)
-    if t.precision != "auto":
-        fields["precision"] = t.precision
-    elif t.device == "cpu" or (t.device == "auto" and not _has_accelerator()):
-        fields["precision"] = "fp32"
     fields.update(t.overrides)
     return fields
 
 
-def _has_accelerator() -> bool:
-    import torch
-    return torch.cuda.is_available()
+def job_device_and_precision(training: TrainingParams, cluster: ClusterConfig, errors: list[str]) -> tuple[str, str]:
+    """What the training job runs on, decided from the cluster it is submitted to (never from the
+    machine that runs the flow), and its precision: the parameter's, or fp32 on CPU, bf16 on
+    accelerators, fp16 on GPUs before Ampere."""
+    device = cluster.job_device
+    if training.device not in ("auto", device):
+        errors.append(f"training.device: {training.device!r}, but cluster preset {cluster.name!r} runs on {device!r}; "
+                      f"leave training.device auto, or choose a preset (or cluster.overrides.device) for {training.device}")
+    return device, cluster.default_precision() if training.precision == "auto" else training.precision
 
 
 def _config_field(message: str, training: TrainingParams) -> str:
@@ -243,6 +248,8 @@ def check(model: str, data: DataParams, tokenizer: TokenizerParams, training: Tr
     config = None
     if model in PRESETS:
         fields = config_fields(training)
+        if cluster_cfg is not None:
+            fields["device"], fields["precision"] = job_device_and_precision(training, cluster_cfg, errors)
         if tokenizer.vocab_file and not is_remote(tokenizer.vocab_file) and os.path.isfile(local_path(tokenizer.vocab_file)):
             try:
                 fields.setdefault("vocab_size", _vocab_size(local_path(tokenizer.vocab_file)))

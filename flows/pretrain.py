@@ -111,7 +111,9 @@ def pretrain(
     plan = check(model, data, tokenizer, training, cluster, output)
     root, run_dir = plan.root / "data", plan.run_dir
     stages = Stages()
-    print(f"run folder {run_dir} ({plan.world_size} processes, cluster preset {cluster.preset!r})")
+    print(f"run folder {run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
+          f"cluster preset {cluster.preset!r})")
+    reporting.plan_table(plan)
 
     vocab_file, merge_file = _fetch_tokenizer(tokenizer, data, root, stages)
     blend = _fetch_prefixes(data, root, stages)
@@ -145,7 +147,7 @@ def pretrain(
     config = dataclasses.replace(config, data_index=index.path)
     config.validate(world_size=plan.world_size)
     compiled = None
-    if config.compile or plan.cluster.device == "neuron":
+    if config.compile or config.device == "neuron":
         compiled = stages.run("precompile", precompile_task, config, plan.cluster,
                               cache_root=str(root / "compile-cache"), run_dir=str(run_dir))
     else:

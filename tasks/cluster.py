@@ -43,6 +43,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2})(?::(\d{2}))?$")
 
 
+# GPU generations without fast bf16 (accelerator names, lower case).
+PRE_AMPERE_GPUS = frozenset({"v100", "t4", "p100", "p4", "k80", "m60", "rtx8000", "rtx6000", "titanv"})
+
+
 class ClusterError(ValueError):
     """A cluster configuration or submission problem; the message says what to change."""
 
@@ -60,7 +64,11 @@ class ClusterConfig(BaseModel):
 
     name: str = "custom"
     executor: Literal["auto", "slurm", "local"] = "auto"
-    device: Literal["cpu", "cuda", "neuron"] = "cpu"
+    # What the job runs on. "auto" (local executor only: the job runs on this machine) is CUDA when
+    # this machine has a GPU, else CPU. `accelerator` names the device generation where it matters
+    # (e.g. v100, a100, h100, trn1): GPUs before Ampere have no fast bf16, so they train in fp16.
+    device: Literal["auto", "cpu", "cuda", "neuron"] = "cpu"
+    accelerator: str | None = None
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -84,7 +92,7 @@ class ClusterConfig(BaseModel):
     signal_delay_s: int = Field(120, ge=10, description="USR2 this long before the time limit")
     max_requeues: int = Field(3, ge=0, description="requeues after time limit / preemption")
 
-    @field_validator("name", "partition", "account", "qos")
+    @field_validator("name", "partition", "account", "qos", "accelerator")
     @classmethod
     def _plain_name(cls, v: str | None, info: Any) -> str | None:
         if v is not None and not _NAME.match(v):
@@ -180,11 +188,33 @@ class ClusterConfig(BaseModel):
                 f"tasks_per_node={self.tasks_per_node} with gpus_per_node={self.gpus_per_node}: "
                 "use one task per GPU (tasks_per_node = gpus_per_node)"
             )
-        if self.gpus_per_node and self.device != "cuda":
+        if self.gpus_per_node and self.device not in ("cuda", "auto"):
             raise ValueError(f"gpus_per_node={self.gpus_per_node} needs device='cuda' (got {self.device!r})")
+        if self.device == "auto" and self.kind != "local":
+            raise ValueError("device='auto' is for the local executor only: a SLURM job runs on other machines, so "
+                             "say in the preset what they have (device: cuda, neuron or cpu)")
         if self.nodes > 1 and self.kind == "local":
             raise ValueError(f"nodes={self.nodes} needs SLURM: the local executor runs on one machine")
         return self
+
+    @property
+    def job_device(self) -> Literal["cpu", "cuda", "neuron"]:
+        """The device the job's ranks run on, decided from this configuration (and, for the local
+        executor's "auto", from this machine, which is where that job runs)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def default_precision(self) -> Literal["fp32", "bf16", "fp16"]:
+        """fp32 on CPU, bf16 on accelerators, fp16 on GPUs older than Ampere."""
+        device = self.job_device
+        if device == "cpu":
+            return "fp32"
+        if device == "cuda" and (self.accelerator or "").lower() in PRE_AMPERE_GPUS:
+            return "fp16"
+        return "bf16"
 
     @property
     def world_size(self) -> int:

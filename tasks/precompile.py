@@ -47,9 +47,9 @@ class PrecompileManifest(BaseModel):
 def cache_key(config: Config, cluster: ClusterConfig) -> str:
     parts: dict[str, Any] = {f: getattr(config, f) for f in GRAPH_FIELDS}
     parts.update(padded_vocab_size=config.padded_vocab_size(), nodes=cluster.nodes,
-                 tasks_per_node=cluster.tasks_per_node, torch=torch.__version__, device=cluster.device)
+                 tasks_per_node=cluster.tasks_per_node, torch=torch.__version__, device=cluster.job_device)
     blob = json.dumps(parts, sort_keys=True).encode()
-    return f"{config.model}-{cluster.device}-{cluster.nodes}x{cluster.tasks_per_node}-{hashlib.sha256(blob).hexdigest()[:12]}"
+    return f"{config.model}-{cluster.job_device}-{cluster.nodes}x{cluster.tasks_per_node}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
 def _manifest(cache_dir: Path, key: str, hit: bool, marker: dict[str, Any], device: str) -> PrecompileManifest:
@@ -67,7 +67,7 @@ def compile_config(config: Config, cache_dir: Path, run_dir: Path) -> Config:
 
 def launcher(cluster: ClusterConfig, cache_dir: Path) -> str | None:
     """How each task's Python starts: under neuron_parallel_compile on Trainium, plain elsewhere."""
-    return neuron_python(str(cache_dir), compile_graphs=True) if cluster.device == "neuron" else None
+    return neuron_python(str(cache_dir), compile_graphs=True) if cluster.job_device == "neuron" else None
 
 
 def sbatch_script(config: Config, cluster: ClusterConfig, *, cache_root: str, run_dir: str) -> str:
@@ -86,7 +86,7 @@ def precompile(config: Config, cluster: ClusterConfig, *, cache_root: str, run_d
     if marker_path.exists():
         marker = json.loads(marker_path.read_text())
         logger.info("compile cache hit: %s (compiled on %s)", cache_dir, marker.get("nodelist") or "this host")
-        return _manifest(cache_dir, key, True, marker, cluster.device)
+        return _manifest(cache_dir, key, True, marker, cluster.job_device)
     cache_dir.mkdir(parents=True, exist_ok=True)
     work = Path(run_dir).resolve() / "precompile"
     work.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def precompile(config: Config, cluster: ClusterConfig, *, cache_root: str, run_d
     cfg.validate(world_size=cluster.world_size)
     cfg.save(str(work / "config.json"))
     logger.info("compile cache miss: compiling %s for %d x %d %s tasks into %s",
-                config.model, cluster.nodes, cluster.tasks_per_node, cluster.device, cache_dir)
+                config.model, cluster.nodes, cluster.tasks_per_node, cluster.job_device, cache_dir)
     started = time.time()
     summary, job_id, nodes = submit(DistributedTask(cfg.to_dict()), cluster, run_dir=work,
                                     job_name=f"precompile-{config.model}", python=launcher(cluster, cache_dir))
@@ -102,11 +102,11 @@ def precompile(config: Config, cluster: ClusterConfig, *, cache_root: str, run_d
         raise TrainJobError(f"precompile job {job_id} returned status {summary.get('status')!r}")
     marker = {"key": key, "job_id": job_id, "nodelist": nodes if cluster.kind == "slurm" else None,
               "time_to_first_iteration_s": summary.get("time_to_first_iteration_s"),
-              "torch": torch.__version__, "device": cluster.device, "wall_s": round(time.time() - started, 3)}
+              "torch": torch.__version__, "device": cluster.job_device, "wall_s": round(time.time() - started, 3)}
     write_json(marker_path, marker)
     logger.info("compiled in %.1fs (time to first iteration %.2fs) on %s", marker["wall_s"],
                 marker["time_to_first_iteration_s"] or 0, nodes)
-    return _manifest(cache_dir, key, False, marker, cluster.device)
+    return _manifest(cache_dir, key, False, marker, cluster.job_device)
 
 
 # The cache on shared storage decides whether work is needed: a Prefect result cache could

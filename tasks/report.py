@@ -53,6 +53,23 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
     )
 
 
+def plan_rows(plan: Any) -> list[dict[str, str]]:
+    """What the run will do, decided before any stage runs (flows.params.Plan)."""
+    c, k = plan.config, plan.cluster
+    where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
+    rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
+            ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
+            ("parallel", f"tp {c.tensor_parallel} x dp {plan.world_size // c.tensor_parallel} ({c.data_parallel_mode})"),
+            ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
+            ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
+            ("compile", str(c.compile))]
+    return [{"item": item, "value": value} for item, value in rows]
+
+
+def plan_table(plan: Any, key: str = "pretrain-plan") -> None:
+    create_table_artifact(plan_rows(plan), key=key, description="The run's plan, decided once before any stage ran")
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The lines of a metrics.jsonl; a torn last line (a run still writing) is ignored."""
     rows = []

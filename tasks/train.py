@@ -500,7 +500,7 @@ def train(config: Config, cluster: ClusterConfig, *, run_dir: str,
             progress.update(int(m.group(1)), int(m.group(2)))
 
     python = None
-    if cluster.device == "neuron" and precompiled is not None:
+    if cluster.job_device == "neuron" and precompiled is not None:
         python = neuron_python(precompiled.cache_dir, compile_graphs=False)
     summary, job_id, nodes = submit(DistributedTask(resolved.to_dict()), cluster, run_dir=root,
                                     job_name=f"train-{resolved.model}", python=python, on_line=on_line)

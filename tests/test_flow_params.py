@@ -88,6 +88,36 @@ def test_data_parallel_must_match_the_cluster():
     assert any(e.startswith("cluster:") and "no-such-preset" in e for e in errors)
 
 
+ONE_GPU = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1}
+
+
+def test_device_and_precision_come_from_the_cluster_not_the_flow_host(tmp_path, monkeypatch):
+    """A CPU-only head node submitting to a GPU partition trains in bf16 on CUDA."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # this host: no GPU
+    gpu = _check(cluster=ClusterParams(preset="p4d-8gpu", overrides=ONE_GPU),
+                 output=OutputParams(root=str(tmp_path)))
+    assert (gpu.config.device, gpu.config.precision) == ("cuda", "bf16")
+    volta = _check(cluster=ClusterParams(preset="p4d-8gpu", overrides={**ONE_GPU, "accelerator": "v100"}),
+                   output=OutputParams(root=str(tmp_path)))
+    assert (volta.config.device, volta.config.precision) == ("cuda", "fp16")
+    trn = _check(cluster=ClusterParams(preset="trn1-32xl", overrides={"nodes": 1, "tasks_per_node": 1}), output=OutputParams(root=str(tmp_path)))
+    assert (trn.config.device, trn.config.precision) == ("neuron", "bf16")
+    local = _check(output=OutputParams(root=str(tmp_path)))                # the local executor runs here
+    assert (local.config.device, local.config.precision) == ("cpu", "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    here = _check(output=OutputParams(root=str(tmp_path)))
+    assert (here.config.device, here.config.precision) == ("cuda", "bf16")
+    explicit = _check(cluster=ClusterParams(preset="p4d-8gpu", overrides=ONE_GPU),
+                      training=TrainingParams(precision="fp32"), output=OutputParams(root=str(tmp_path)))
+    assert explicit.config.precision == "fp32"
+    errors = _errors(cluster=ClusterParams(preset="slurm-local"), training=TrainingParams(device="cuda"))
+    assert any(e.startswith("training.device: 'cuda', but cluster preset 'slurm-local' runs on 'cpu'") for e in errors)
+    errors = _errors(cluster=ClusterParams(preset="slurm-local", overrides={"device": "auto"}))
+    assert any("device='auto' is for the local executor only" in e for e in errors)
+
+
 def test_prefixes_need_the_vocabulary(tmp_path):
     errors = _errors(data=DataParams(prefixes=[WeightedPrefix(prefix="s3://bucket/data/corpus_text_document")]))
     assert any(e.startswith("tokenizer.vocab_file:") for e in errors)
