@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.config import Config
 from tasks.cluster import ClusterConfig
-from tasks.train import (DistributedTask, TrainJobError, neuron_python, retryable, run_logger, submit,
+from tasks.jobs import (DistributedTask, JobError, neuron_python, retryable, run_logger, submit,
                          write_json)
 
 MARKER = "precompile.json"
@@ -99,7 +99,7 @@ def precompile(config: Config, cluster: ClusterConfig, *, cache_root: str, run_d
     summary, job_id, nodes = submit(DistributedTask(cfg.to_dict()), cluster, run_dir=work,
                                     job_name=f"precompile-{config.model}", python=launcher(cluster, cache_dir))
     if summary.get("status") != "completed":
-        raise TrainJobError(f"precompile job {job_id} returned status {summary.get('status')!r}")
+        raise JobError(f"precompile job {job_id} returned status {summary.get('status')!r}")
     marker = {"key": key, "job_id": job_id, "nodelist": nodes if cluster.kind == "slurm" else None,
               "time_to_first_iteration_s": summary.get("time_to_first_iteration_s"),
               "torch": torch.__version__, "device": cluster.job_device, "wall_s": round(time.time() - started, 3)}

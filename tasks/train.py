@@ -1,9 +1,5 @@
-"""Distributed training through submitit: SLURM when available, local processes otherwise.
-
-One submitit task per device. Each task exports torch.distributed's variables from submitit's
-environment and calls ``gpt.train.main``. The submitting process watches the job itself (squeue /
-scontrol, no sacct needed), streams rank 0's iteration lines to the Prefect log, keeps a progress
-artifact, and cancels the job when the flow run is cancelled or the process exits.
+"""Train stage: the training job on the cluster (tasks.jobs), resumed from the run folder's last
+checkpoint when there is one.
 
 Run folder::
 
@@ -13,57 +9,25 @@ Run folder::
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import json
-import logging
-import os
-import random
 import re
-import shlex
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-import submitit
 from prefect import task
 from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel, ConfigDict
-from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 
-from gpt.config import Config, ConfigError
-from tasks.cluster import ClusterConfig, ClusterError, credential_variables
+from gpt.config import Config
+from tasks.cluster import ClusterConfig
+from tasks.jobs import (DistributedTask, JobError, JobRecord, _run_context, neuron_python, retryable, run_logger,
+                        submit, write_json)
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
 
-log = logging.getLogger(__name__)
-
-POLL_S = 2.0
-CANCEL_CHECK_S = 5.0
-RESULT_GRACE_S = 20.0
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-            "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
-# Pending reasons that no amount of waiting resolves: fail at once with SLURM's words.
-HOPELESS = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
-            "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
-            "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxWallDurationPerJobLimit"}
 ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
-SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Exited|Segmentation|Aborted|Terminated)")
 STREAMED = re.compile(r"\biteration\s+\d+\s*/|validation loss at iteration|^resumed from|stopping at iteration")
-
-
-class TrainJobError(RuntimeError):
-    """The training job failed; the message carries SLURM's state and the failing rank's log tail."""
-
-
-class FlowRunCancelled(TrainJobError):
-    """The flow run was cancelled while its job ran; the job has been scancelled."""
 
 
 class TrainResult(BaseModel):
@@ -75,169 +39,6 @@ class TrainResult(BaseModel):
     metrics_path: str
     executor: str
     nodelist: str | None = None
-
-
-class DistributedTask(submitit.helpers.Checkpointable):
-    """What every submitit task runs: torch.distributed env from submitit, then gpt.train.main.
-
-    On USR2 (time limit or preemption) gpt stops at an iteration boundary on all ranks and saves a
-    checkpoint; rank 0 then hands over to submitit's own handler (unless the job is being cancelled), which dumps this callable again
-    (``checkpoint``) and requeues the job: the next start resumes from that checkpoint.
-    """
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def __call__(self) -> dict[str, Any]:
-        import gpt.train
-
-        if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
-            # A requeued job keeps its id: a new port per restart avoids the old one's TIME_WAIT.
-            seed = f"{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-            os.environ["MASTER_PORT"] = str(15000 + random.Random(seed).randrange(15000))
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        requeue = signal.getsignal(signal.SIGUSR2)
-        summary = gpt.train.main(Config.from_dict(self.config))
-        if (summary.get("status") == "interrupted" and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-                and os.environ.get("RANK") == "0"):
-            signal.signal(signal.SIGUSR2, requeue)
-            # SIGTERM from scancel also interrupts training: a cancelled job must stay cancelled.
-            job = slurm_state(os.environ["SLURM_JOB_ID"])
-            if callable(requeue) and job is not None and job[0] == "RUNNING":
-                requeue(signal.SIGUSR2, None)  # rank 0: checkpoint + `scontrol requeue` + exit
-        return summary
-
-
-# ---------------------------------------------------------------- run folder
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    tmp.replace(path)
-
-
-class JobRecord:
-    """Appends job ids and state changes to <run_dir>/jobs.json."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "jobs.json"
-        self.jobs: list[dict[str, Any]] = json.loads(self.path.read_text()) if self.path.exists() else []
-
-    def add(self, job_id: str, kind: str, name: str, script: str | None) -> None:
-        self.jobs.append({"job_id": job_id, "executor": kind, "name": name, "sbatch_script": script,
-                          "submitted": time.time(), "states": [], "final": None})
-        write_json(self.path, self.jobs)
-
-    def state(self, job_id: str, state: str, reason: str, nodes: str) -> None:
-        job = next(j for j in self.jobs if j["job_id"] == job_id)
-        job["states"].append({"time": time.time(), "state": state, "reason": reason, "nodes": nodes})
-        if state in TERMINAL or state in {"FINISHED", "INTERRUPTED"}:
-            job["final"] = state
-        write_json(self.path, self.jobs)
-
-    def ids(self) -> list[str]:
-        return [j["job_id"] for j in self.jobs]
-
-
-# ---------------------------------------------------------------- SLURM queries (no sacct needed)
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-
-
-def slurm_state(job_id: str) -> tuple[str, str, str] | None:
-    """(state, reason, nodelist) from scontrol, falling back to sacct; None when SLURM forgot it."""
-    r = _run(["scontrol", "show", "job", "-o", job_id])
-    if r.returncode == 0 and r.stdout.strip():
-        fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
-        nodes = fields.get("NodeList", "")
-        return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None"), "" if nodes == "(null)" else nodes
-    r = _run(["sacct", "-n", "-X", "-P", "-o", "State,Reason,NodeList", "-j", job_id])
-    if r.returncode == 0 and r.stdout.strip():
-        state, reason, nodes = (r.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
-        return state.split()[0], reason, nodes
-    return None
-
-
-def scancel(job_id: str) -> None:
-    r = _run(["scancel", job_id])
-    if r.returncode != 0:
-        log.warning("scancel %s: %s", job_id, r.stderr.strip())
-
-
-_ACTIVE: dict[str, submitit.Job] = {}
-_ACTIVE_LOCK = threading.Lock()
-
-
-def _cancel_active() -> None:
-    """No orphans: jobs still running when this process exits are cancelled."""
-    with _ACTIVE_LOCK:
-        jobs = list(_ACTIVE.items())
-        _ACTIVE.clear()
-    for job_id, job in jobs:
-        if isinstance(job, submitit.SlurmJob):
-            scancel(job_id)
-        else:
-            job.cancel(check=False)
-
-
-atexit.register(_cancel_active)
-
-
-def _exit_on_sigterm() -> Callable[[], None]:
-    """Let SIGTERM unwind the waiting code (so its job is cancelled) where nothing else handles it;
-    under Prefect, its own SIGTERM handler already raises. Returns the undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is not signal.SIG_DFL:
-        return lambda: None
-
-    def terminate(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    return lambda: signal.signal(signal.SIGTERM, previous)
-
-
-# ---------------------------------------------------------------- Prefect glue (only inside a run)
-
-
-def _run_context() -> Any:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return TaskRunContext.get() or FlowRunContext.get()
-
-
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    if _run_context() is not None:
-        from prefect.logging import get_run_logger
-
-        return get_run_logger()
-    return log
-
-
-def _flow_run_id() -> Any:
-    ctx = _run_context()
-    if ctx is None:
-        return None
-    run = getattr(ctx, "task_run", None)
-    return run.flow_run_id if run is not None else ctx.flow_run.id
-
-
-def _flow_run_cancelled(flow_run_id: Any) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.objects import StateType
-
-    try:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run_id).state
-    except Exception as e:  # an unreachable API must not stop the watch; the next check retries
-        log.warning("could not read flow run %s: %s", flow_run_id, e)
-        return False
-    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
 class Progress:
@@ -260,196 +61,6 @@ class Progress:
             self.last = percent
 
 
-# ---------------------------------------------------------------- submission and monitoring
-
-
-class LogFollower:
-    """Reads lines appended to a file since the last call (the file may not exist yet)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = ""
-
-    def lines(self) -> list[str]:
-        try:
-            with self.path.open("r", errors="replace") as f:
-                f.seek(self.offset)
-                data = f.read()
-                self.offset = f.tell()
-        except FileNotFoundError:
-            return []
-        data = self.partial + data
-        *complete, self.partial = data.split("\n")
-        return complete
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        with path.open("r", errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except FileNotFoundError:
-        return ""
-
-
-def _load_result(paths: JobPaths) -> tuple[str, Any] | None:
-    try:
-        return pickle_load(paths.result_pickle)
-    except (FileNotFoundError, EOFError):
-        return None
-
-
-def _await_result(paths: JobPaths) -> tuple[str, Any] | None:
-    """Rank 0's result, allowing shared storage a moment to show it."""
-    deadline = time.monotonic() + RESULT_GRACE_S
-    result = _load_result(paths)
-    while result is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-        result = _load_result(paths)
-    return result
-
-
-def _requeued(job_id: str) -> bool:
-    """A preempted job may come back (PreemptMode=REQUEUE): is it queued or running again?"""
-    info = slurm_state(job_id)
-    return info is not None and info[0] not in TERMINAL
-
-
-def _failing_rank(folder: Path, job_id: str, num_tasks: int) -> int:
-    """The first task srun reported dead, else the first whose result is an error, else the first
-    with a traceback, else rank 0."""
-    paths = [JobPaths(folder, job_id=job_id, task_id=r) for r in range(num_tasks)]
-    reported = [int(r) for r in SRUN_TASK_FAILED.findall(_tail(paths[0].stderr, 400)) if int(r) < num_tasks]
-    if reported:
-        return reported[0]
-    for rank, p in enumerate(paths):
-        result = _load_result(p)
-        if result is not None and result[0] == "error":
-            return rank
-    for rank, p in enumerate(paths):
-        if "Traceback" in _tail(p.stderr, 200):
-            return rank
-    return 0
-
-
-def _failure_report(folder: Path, job_id: str, num_tasks: int, state: str, reason: str) -> str:
-    """SLURM's verdict plus the tail of the failing rank's log."""
-    rank = _failing_rank(folder, job_id, num_tasks)
-    paths = JobPaths(folder, job_id=job_id, task_id=rank)
-    err = _tail(paths.stderr)
-    out = _tail(paths.stdout, 10)
-    why = f" (reason: {reason})" if reason not in ("", "None") else ""
-    return (f"job {job_id} ended {state}{why}; rank {rank} log tail "
-            f"({paths.stderr}):\n{err or '(empty)'}\n--- stdout ({paths.stdout}):\n{out or '(empty)'}")
-
-
-class _SlurmExecutor(submitit.SlurmExecutor):
-    """submitit's SLURM executor with sbatch started without the submitter's credentials: sbatch
-    exports its environment to every rank and SLURM keeps a copy of it with the job."""
-
-    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-        unset = [arg for name in credential_variables() for arg in ("-u", name)]
-        return ["env", *unset, *super()._make_submission_command(submission_file_path)]
-
-
-def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str | None) -> submitit.Executor:
-    if cluster.kind == "slurm":
-        ex = _SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues, python=python)
-        ex.update_parameters(**cluster.slurm_parameters(job_name))
-        return ex
-    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
-    credentials = credential_variables()
-    ex.update_parameters(tasks_per_node=cluster.tasks_per_node, nodes=1, timeout_min=cluster.time_limit,
-                         setup=[*([f"unset {' '.join(credentials)}"] if credentials else []), *cluster.setup_lines()])
-    return ex
-
-
-def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
-           python: str | None = None, on_line: Callable[[str], None] | None = None) -> tuple[Any, str, str]:
-    """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
-
-    Raises ClusterError when SLURM refuses the request, TrainJobError when the job fails.
-    """
-    logger = run_logger()
-    folder = run_dir / "jobs"
-    folder.mkdir(parents=True, exist_ok=True)
-    record = JobRecord(run_dir)
-    ex = _executor(cluster, folder, job_name, python)
-    try:
-        job = ex.submit(fn)
-    except FailedJobError as e:
-        raise ClusterError(f"SLURM refused job {job_name!r} ({cluster.name}: nodes={cluster.nodes}, "
-                           f"partition={cluster.partition}): {str(e).strip()}") from e
-    job_id = str(job.job_id)
-    with _ACTIVE_LOCK:
-        _ACTIVE[job_id] = job
-    script = folder / f"{job_id}_submission.sh"
-    record.add(job_id, cluster.kind, job_name, str(script) if script.exists() else None)
-    logger.info("submitted %s job %s (%s, %d x %d tasks); logs in %s",
-                cluster.kind, job_id, cluster.name, cluster.nodes, cluster.tasks_per_node, folder)
-    result_paths = JobPaths(folder, job_id=job_id, task_id=0)
-    rank0 = LogFollower(result_paths.stdout)
-    flow_run_id = _flow_run_id()
-    last: tuple[str, str, str] | None = None
-    nodes = ""
-    next_cancel_check = time.monotonic() + CANCEL_CHECK_S
-    finished = False
-    restore_sigterm = _exit_on_sigterm()
-    try:
-        while True:
-            if cluster.kind == "slurm":
-                info = slurm_state(job_id) or ("GONE", "no longer known to SLURM", nodes)
-            else:
-                info = (str(job.state), "", os.uname().nodename)
-            if info != last:
-                state, reason, nodes = info
-                record.state(job_id, state, reason, nodes)
-                if state == "PENDING":
-                    logger.info("job %s PENDING (%s)", job_id, reason)
-                elif state == "RUNNING":
-                    logger.info("job %s RUNNING on %s", job_id, nodes)
-                else:
-                    logger.info("job %s %s%s", job_id, state, f" ({reason})" if reason not in ("", "None") else "")
-                last = info
-            for line in rank0.lines():
-                if on_line is not None:
-                    on_line(line)
-            state, reason, _ = info
-            if state == "PENDING" and reason.split(",")[0] in HOPELESS:
-                raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
-                                   f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
-                                   f"nodelist={cluster.nodelist}); change the cluster configuration")
-            if state in TERMINAL or state == "GONE" or (cluster.kind == "local" and job.done()):
-                result = _await_result(result_paths)
-                if result is not None or cluster.kind == "local" or not _requeued(job_id):
-                    break
-            if flow_run_id is not None and time.monotonic() > next_cancel_check:
-                next_cancel_check = time.monotonic() + CANCEL_CHECK_S
-                if _flow_run_cancelled(flow_run_id):
-                    raise FlowRunCancelled(f"flow run cancelled: job {job_id} cancelled")
-            if not threading.main_thread().is_alive():
-                raise TrainJobError(f"the submitting process is exiting: job {job_id} cancelled")
-            time.sleep(POLL_S)
-        for line in rank0.lines():
-            if on_line is not None:
-                on_line(line)
-        finished = True
-        if result is None or result[0] != "success":
-            raise TrainJobError(_failure_report(folder, job_id, cluster.world_size, state, reason))
-        return result[1], job_id, nodes
-    finally:
-        restore_sigterm()
-        with _ACTIVE_LOCK:
-            _ACTIVE.pop(job_id, None)
-        if not finished:
-            logger.warning("cancelling job %s", job_id)
-            if cluster.kind == "slurm":
-                scancel(job_id)
-            else:
-                job.cancel(check=False)
-            record.state(job_id, "CANCELLED", "cancelled by the submitting process", nodes)
-
-
 def resolved_config(config: Config, run_dir: Path, precompiled: "PrecompileManifest | None") -> Config:
     changes: dict[str, Any] = {"run_dir": str(run_dir)}
     if precompiled is not None:
@@ -462,19 +73,6 @@ def pinned(cluster: ClusterConfig, precompiled: "PrecompileManifest | None") -> 
     if precompiled is None or not precompiled.nodelist or cluster.kind != "slurm":
         return cluster
     return cluster.model_copy(update={"nodelist": precompiled.nodelist, "exclude": None})
-
-
-def neuron_python(cache_root: str, *, compile_graphs: bool) -> str:
-    """The command submitit starts each task with on Trainium: a per-node Neuron compile cache
-    (the Neuron cache's locks are unreliable on NFS), wrapped in neuron_parallel_compile for the
-    graph-extraction run."""
-    if re.search(r"\s", cache_root):
-        raise ClusterError(f"Neuron cache path {cache_root!r} contains whitespace, which NEURON_CC_FLAGS cannot "
-                           "carry; choose a cache_root without spaces")
-    launcher = "neuron_parallel_compile " if compile_graphs else ""
-    inner = ('export NEURON_CC_FLAGS="${NEURON_CC_FLAGS:-} --cache_dir=$0/${SLURMD_NODENAME:-$(hostname -s)}"; '
-             f'exec {launcher}{shlex.quote(sys.executable)} "$@"')
-    return f"/bin/bash -c {shlex.quote(inner)} {shlex.quote(cache_root)}"
 
 
 def train(config: Config, cluster: ClusterConfig, *, run_dir: str,
@@ -505,19 +103,13 @@ def train(config: Config, cluster: ClusterConfig, *, run_dir: str,
     summary, job_id, nodes = submit(DistributedTask(resolved.to_dict()), cluster, run_dir=root,
                                     job_name=f"train-{resolved.model}", python=python, on_line=on_line)
     if summary.get("status") != "completed":
-        raise TrainJobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
+        raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
     if total:
         progress.update(total, total)
     logger.info("training finished: iteration %s, train loss %s, time to first iteration %.2fs",
                 summary.get("iteration"), summary.get("train_loss"), summary.get("time_to_first_iteration_s") or 0)
     return TrainResult(run_dir=str(root), job_ids=JobRecord(root).ids(), summary=summary,
                        metrics_path=str(root / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
-
-
-def retryable(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry failed jobs, not refusals (the same request fails again) or cancellations."""
-    error = state.result(raise_on_failure=False)
-    return not isinstance(error, (ClusterError, FlowRunCancelled, ConfigError))
 
 
 def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from flows.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams, check
 from tasks.cluster import ClusterError, load_cluster
-from tasks.train import submit
+from tasks.jobs import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "marker-secret-3f9a1c"
