@@ -1,9 +1,13 @@
 """Sharded checkpoints with torch.distributed.checkpoint, saved atomically.
 
 Layout: ``<dir>/iter_0000100/`` holds DCP's shard files, ``.metadata`` and a ``COMPLETE`` marker.
-A save is written to ``iter_0000100.tmp`` and renamed only after every rank finished writing and
-the marker is on disk, so a save killed half-way leaves a ``.tmp`` folder that is never resumed
-from (and is removed by the next save).
+A save is written to ``iter_0000100.tmp-<writer>`` (a name of this job's own, so two writers never
+share one) and renamed only after every rank finished writing and the marker is on disk, so a save
+killed half-way leaves a ``.tmp-*`` folder that is never resumed from (and is removed by a later
+save of a newer iteration).
+
+Resuming verifies the newest checkpoint (marker, DCP metadata, every shard file as long as the
+metadata says) and falls back to the newest intact one, saying which and why.
 """
 from __future__ import annotations
 
@@ -34,6 +38,30 @@ from gpt.distributed import barrier
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^iter_(\d{7,})$")
+_TMP = re.compile(r"^iter_(\d{7,})\.tmp(?:-.*)?$")
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a saved checkpoint folder, or None when its files are all there: the DCP
+    metadata reads, and every shard file it names exists and is as long as the metadata says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a missing or torn .metadata
+        return f"its metadata cannot be read: {type(e).__name__}: {e}"
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        name = str(item.relative_path)
+        needed[name] = max(needed.get(name, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        try:
+            have = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"shard {name} is missing"
+        if have < size:
+            return f"shard {name} has {have} bytes, the metadata expects at least {size}"
+    return None
 
 
 def rng_state() -> bytes:
@@ -52,24 +80,52 @@ def set_rng_state(blob: bytes) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def writer_id() -> str:
+    """A name for this job's saves, the same on every rank: the SLURM job and its restart, or the
+    local executor's job."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env:
+        return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_RESTART_COUNT', '0')}"
+    return env.get("SUBMITIT_LOCAL_JOB_ID") or env.get("MASTER_PORT") or str(os.getpid())
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, keep_last: int, rank: int) -> None:
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
+        self.writer = writer_id()
+
+    def complete(self) -> list[Path]:
+        """Checkpoints with their marker, newest first."""
+        if not self.dir.is_dir():
+            return []
+        done = [p for p in self.dir.iterdir() if _NAME.match(p.name) and (p / MARKER).is_file()]
+        return sorted(done, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        if not self.dir.is_dir():
-            return None
-        done = [p for p in self.dir.iterdir() if _NAME.match(p.name) and (p / MARKER).is_file()]
-        return max(done, key=lambda p: int(_NAME.match(p.name).group(1)), default=None)
+        return next(iter(self.complete()), None)
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+               log: Any = print) -> tuple[Path | None, dict[str, Any]]:
+        """Load the newest intact checkpoint; a damaged newer one is skipped with a message naming
+        it and what is wrong. Returns (the checkpoint loaded or None, the training state)."""
+        for path in self.complete():
+            problem = damage(path)
+            if problem is None:
+                try:
+                    return path, self.load(path, model, optimizer, train_state)
+                except Exception as e:  # noqa: BLE001 - any failure to read it means: try an older one
+                    problem = f"{type(e).__name__}: {e}"
+            log(f"checkpoint {path} is damaged ({problem}); falling back to an older one", flush=True)
+        return None, train_state
 
     def save(self, iteration: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any]) -> Path:
         """Write on every rank; returns the final folder once it is complete."""
         final = self.dir / f"iter_{iteration:07d}"
-        tmp = self.dir / f"{final.name}.tmp"
+        tmp = self.dir / f"{final.name}.tmp-{self.writer}"
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -86,7 +142,7 @@ class Checkpointer:
         if self.rank == 0:
             _write_marker(tmp, iteration)
             os.rename(tmp, final)
-            self._prune()
+            self._prune(iteration)
         barrier()
         return final
 
@@ -109,10 +165,11 @@ class Checkpointer:
             set_rng_state(state[f"rng_rank{self.rank}"])
         return state["train"]
 
-    def _prune(self) -> None:
+    def _prune(self, iteration: int) -> None:
         for p in self.dir.iterdir():
-            if p.name.endswith(".tmp"):
-                shutil.rmtree(p, ignore_errors=True)  # remains of a save that was killed
+            m = _TMP.match(p.name)
+            if m and int(m.group(1)) <= iteration:
+                shutil.rmtree(p, ignore_errors=True)  # remains of a killed save, superseded by this one
         done = sorted((p for p in self.dir.iterdir() if _NAME.match(p.name)), key=lambda p: int(_NAME.match(p.name).group(1)))
         for p in done[:-self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)

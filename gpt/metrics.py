@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -84,16 +85,18 @@ class MetricsWriter:
 
 
 def _truncate_after(path: Path, iteration: int) -> None:
-    """Drop records past the checkpoint a run resumes from: those iterations run again."""
+    """Drop records past the checkpoint a run resumes from (those iterations run again), and a line
+    cut short when the previous run was killed. The file is cut in place, never replaced, so that
+    nothing that still holds it open writes into an unlinked copy."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["iteration"] <= iteration:
-                kept.append(line + "\n")
-        except (ValueError, KeyError):
-            continue  # a line cut short when the previous run was killed
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+    keep = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if not line.endswith(b"\n") or json.loads(line)["iteration"] > iteration:
+                    break
+            except (ValueError, KeyError):
+                break
+            keep += len(line)
+    os.truncate(path, keep)

@@ -265,15 +265,16 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
              "loss_scale": scaler.scale, "good_steps": 0}
     run_dir = Path(config.run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", config.keep_last, env.rank)
-    latest = None if config.precompile else ckpt.latest()
+    log = print if env.is_main else (lambda *a, **k: None)
+    latest = None
+    if not config.precompile:
+        latest, state = ckpt.resume(model, optimizer, state, log=log)
     if latest is not None:
-        state = ckpt.load(latest, model, optimizer, state)
         scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
     if env.is_main and not config.precompile:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "config.json")
     metrics = MetricsWriter(str(run_dir), env.is_main and not config.precompile, state["iteration"])
-    log = print if env.is_main else (lambda *a, **k: None)
     if latest is not None:
         log(f"resumed from {latest} at iteration {state['iteration']}", flush=True)
 

@@ -8,6 +8,8 @@ cancels the job when the flow run is cancelled or the process exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -15,11 +17,13 @@ import random
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +41,7 @@ RESULT_GRACE_S = 20.0
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 # Pending reasons that no amount of waiting resolves: fail at once with SLURM's words.
-HOPELESS = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
+PENDING_FOREVER = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
             "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
             "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxWallDurationPerJobLimit"}
 SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Exited|Segmentation|Aborted|Terminated)")
@@ -140,20 +144,17 @@ def scancel(job_id: str) -> None:
         log.warning("scancel %s: %s", job_id, r.stderr.strip())
 
 
-_ACTIVE: dict[str, submitit.Job] = {}
+_ACTIVE: dict[str, "RunningJob"] = {}
 _ACTIVE_LOCK = threading.Lock()
 
 
 def _cancel_active() -> None:
     """No orphans: jobs still running when this process exits are cancelled."""
     with _ACTIVE_LOCK:
-        jobs = list(_ACTIVE.items())
+        jobs = list(_ACTIVE.values())
         _ACTIVE.clear()
-    for job_id, job in jobs:
-        if isinstance(job, submitit.SlurmJob):
-            scancel(job_id)
-        else:
-            job.cancel(check=False)
+    for job in jobs:
+        job.cancel()
 
 
 atexit.register(_cancel_active)
@@ -317,29 +318,147 @@ def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str |
     return ex
 
 
+class RunBusy(JobError):
+    """Another process owns the run folder."""
+
+
+class RunOwner:
+    """One owner per run folder: an exclusive lock on ``<run_dir>/.owner`` that the operating system
+    drops when its holder dies, however it dies. The file names the holder, for the message a second
+    run gets."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".owner"
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunOwner":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunBusy(f"run folder {self.path.parent} is in use by {holder}: wait for that run to finish (or "
+                          "cancel it), or set output.run_name to train in another folder") from None
+        os.ftruncate(fd, 0)
+        flow_run = _flow_run_id()
+        os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}" + (f", flow run {flow_run}" if flow_run else "")
+                       + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}").encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)       # releases the lock
+            self.fd = None
+
+
+@dataclass
+class RunningJob:
+    """A job being followed: by its submitit handle when this process started it, else (re-attached
+    after the process that started it died) by its id alone."""
+    job_id: str
+    kind: str                           # "slurm" or "local"
+    handle: submitit.Job | None = None
+
+    def state(self, nodes: str) -> tuple[str, str, str]:
+        """(state, reason, nodes); for local jobs FINISHED once the controller is gone."""
+        if self.kind == "slurm":
+            return slurm_state(self.job_id) or ("GONE", "no longer known to SLURM", nodes)
+        running = not self.handle.done() if self.handle is not None else _local_alive(int(self.job_id))
+        return ("RUNNING" if running else "FINISHED"), "", os.uname().nodename
+
+    def cancel(self) -> None:
+        """scancel, or SIGTERM to every process of a local job (each rank saves and stops)."""
+        if self.kind == "slurm":
+            scancel(self.job_id)
+        else:
+            for pid in _process_tree(int(self.job_id)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+
+def _local_alive(pid: int) -> bool:
+    """Whether the submitit controller of a local job (or the shell that runs it) still runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"submitit" in cmdline
+
+
+def _process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (Linux /proc)."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return tree
+
+
+def _unfinished(record: JobRecord, job_name: str, kind: str) -> RunningJob | None:
+    """A job of this name that an earlier run started and never saw end, if it still runs; the ones
+    that ended meanwhile get their end recorded."""
+    for job in reversed(record.jobs):
+        if job["name"] != job_name or job["final"] is not None or job["executor"] != kind:
+            continue
+        running = RunningJob(job["job_id"], kind)
+        state, reason, nodes = running.state("")
+        if state not in TERMINAL and state not in ("GONE", "FINISHED"):
+            return running
+        record.state(job["job_id"], state, reason or "ended while no flow run followed it", nodes)
+    return None
+
+
 def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
            python: str | None = None, on_line: Callable[[str], None] | None = None) -> tuple[Any, str, str]:
     """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
 
-    Raises ClusterError when SLURM refuses the request, JobError when the job fails.
+    The run folder is owned for the whole time (RunOwner). A job of the same name that an earlier
+    run submitted and that still runs (the process that followed it died) is followed again
+    instead of submitting a second one. Raises ClusterError when SLURM refuses the request,
+    RunBusy when another process owns the folder, JobError when the job fails.
     """
-    logger = run_logger()
+    with RunOwner(run_dir):
+        record = JobRecord(run_dir)
+        running = _unfinished(record, job_name, cluster.kind)
+        if running is not None:
+            run_logger().info("job %s of an earlier run is still %s: following it instead of submitting another",
+                              running.job_id, running.state("")[0])
+        else:
+            running = _submit(fn, cluster, run_dir=run_dir, job_name=job_name, python=python, record=record)
+        return _follow(running, cluster, run_dir=run_dir, record=record, on_line=on_line)
+
+
+def _submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str, python: str | None,
+            record: JobRecord) -> RunningJob:
     folder = run_dir / "jobs"
     folder.mkdir(parents=True, exist_ok=True)
-    record = JobRecord(run_dir)
     ex = _executor(cluster, folder, job_name, python)
     try:
         job = ex.submit(fn)
     except FailedJobError as e:
         raise ClusterError(f"SLURM refused job {job_name!r} ({cluster.name}: nodes={cluster.nodes}, "
                            f"partition={cluster.partition}): {str(e).strip()}") from e
-    job_id = str(job.job_id)
+    running = RunningJob(str(job.job_id), cluster.kind, job)
+    script = folder / f"{running.job_id}_submission.sh"
+    record.add(running.job_id, cluster.kind, job_name, str(script) if script.exists() else None)
+    run_logger().info("submitted %s job %s (%s, %d x %d tasks); logs in %s",
+                      cluster.kind, running.job_id, cluster.name, cluster.nodes, cluster.tasks_per_node, folder)
+    return running
+
+
+def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
+            on_line: Callable[[str], None] | None) -> tuple[Any, str, str]:
+    logger = run_logger()
+    job_id, folder = running.job_id, run_dir / "jobs"
     with _ACTIVE_LOCK:
-        _ACTIVE[job_id] = job
-    script = folder / f"{job_id}_submission.sh"
-    record.add(job_id, cluster.kind, job_name, str(script) if script.exists() else None)
-    logger.info("submitted %s job %s (%s, %d x %d tasks); logs in %s",
-                cluster.kind, job_id, cluster.name, cluster.nodes, cluster.tasks_per_node, folder)
+        _ACTIVE[job_id] = running
     result_paths = JobPaths(folder, job_id=job_id, task_id=0)
     rank0 = LogFollower(result_paths.stdout)
     flow_run_id = _flow_run_id()
@@ -350,10 +469,7 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
     restore_sigterm = _exit_on_sigterm()
     try:
         while True:
-            if cluster.kind == "slurm":
-                info = slurm_state(job_id) or ("GONE", "no longer known to SLURM", nodes)
-            else:
-                info = (str(job.state), "", os.uname().nodename)
+            info = running.state(nodes)
             if info != last:
                 state, reason, nodes = info
                 record.state(job_id, state, reason, nodes)
@@ -368,13 +484,15 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
                 if on_line is not None:
                     on_line(line)
             state, reason, _ = info
-            if state == "PENDING" and reason.split(",")[0] in HOPELESS:
+            if state == "PENDING" and reason.split(",")[0] in PENDING_FOREVER:
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
                                    f"nodelist={cluster.nodelist}); change the cluster configuration")
-            if state in TERMINAL or state == "GONE" or (cluster.kind == "local" and job.done()):
+            if state == "PENDING" and reason == "BeginTime" and _requeued_by_itself(record, job_id):
+                _start_now(job_id)              # a requeued job would otherwise wait a while for nothing
+            if state in TERMINAL or state in ("GONE", "FINISHED"):
                 result = _await_result(result_paths)
-                if result is not None or cluster.kind == "local" or not _requeued(job_id):
+                if result is not None or running.kind == "local" or not _requeued(job_id):
                     break
             if flow_run_id is not None and time.monotonic() > next_cancel_check:
                 next_cancel_check = time.monotonic() + CANCEL_CHECK_S
@@ -396,11 +514,19 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
             _ACTIVE.pop(job_id, None)
         if not finished:
             logger.warning("cancelling job %s", job_id)
-            if cluster.kind == "slurm":
-                scancel(job_id)
-            else:
-                job.cancel(check=False)
+            running.cancel()
             record.state(job_id, "CANCELLED", "cancelled by the submitting process", nodes)
+
+
+def _requeued_by_itself(record: JobRecord, job_id: str) -> bool:
+    job = next((j for j in record.jobs if j["job_id"] == job_id), None)
+    return job is not None and any(s["state"] == "RUNNING" for s in job["states"])
+
+
+def _start_now(job_id: str) -> None:
+    r = _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    if r.returncode != 0:
+        log.warning("could not release requeued job %s: %s", job_id, r.stderr.strip())
 
 
 def neuron_python(cache_root: str, *, compile_graphs: bool) -> str:
@@ -419,4 +545,4 @@ def neuron_python(cache_root: str, *, compile_graphs: bool) -> str:
 def retryable(task: Any, task_run: Any, state: Any) -> bool:
     """Retry failed jobs, not refusals (the same request fails again) or cancellations."""
     error = state.result(raise_on_failure=False)
-    return not isinstance(error, (ClusterError, FlowRunCancelled, ConfigError))
+    return not isinstance(error, (ClusterError, FlowRunCancelled, ConfigError, RunBusy))

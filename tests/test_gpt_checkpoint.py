@@ -1,6 +1,9 @@
 """Checkpoints: stop on SIGTERM/SIGUSR2, a save killed half-way, bitwise-exact resume."""
 import json
+import os
 import re
+
+import pytest
 
 from gpt.config import Config
 from gpt.train import EXIT_INTERRUPTED, lr_at
@@ -50,7 +53,8 @@ def test_sigterm_then_killed_save_then_exact_resume(gpt_launcher, tmp_path):
 
     out = gpt_launcher.run(cfg, prelude=KILL_WHILE_SAVING_4, expect_rc=-9)
     assert "resumed from" in out and "at iteration 3" in out
-    assert (run / "checkpoints" / "iter_0000004.tmp" / ".metadata").is_file()
+    (killed,) = (run / "checkpoints").glob("iter_0000004.tmp-*")      # named after the job that wrote it
+    assert (killed / ".metadata").is_file()
     assert not (run / "checkpoints" / "iter_0000004").exists()
 
     out = gpt_launcher.run(cfg)
@@ -64,6 +68,26 @@ def test_sigterm_then_killed_save_then_exact_resume(gpt_launcher, tmp_path):
     assert [r["lr"] for r in records] == [lr_at(c, i) for i in range(1, 9)]
     # keep_last=2, the killed save's remains are gone.
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000004", "iter_0000008"]
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "missing metadata"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(gpt_launcher, tmp_path, damage):
+    config = {**SMALL, "keep_last": 3, "save_interval": 2}
+    reference = tmp_path / "reference"
+    gpt_launcher.run({**config, "run_dir": str(reference)})
+    run = tmp_path / "run"
+    cfg = {**config, "run_dir": str(run)}
+    gpt_launcher.run(cfg, prelude=SIGNAL_AT_3.format(rank=0, signal="SIGTERM"), expect_rc=EXIT_INTERRUPTED)
+    newest = run / "checkpoints" / "iter_0000003"
+    if damage == "truncated shard":
+        shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:
+        (newest / ".metadata").unlink()
+    out = gpt_launcher.run(cfg)
+    assert f"checkpoint {newest} is damaged (" in out and "falling back" in out
+    assert re.search(r"resumed from \S+iter_0000002 at iteration 2", out)
+    assert _losses(run) == _losses(reference)
 
 
 def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_path):
