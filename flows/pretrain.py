@@ -26,6 +26,7 @@ from prefect.settings import PREFECT_API_URL
 
 from flows.params import (SAMPLE_VOCAB_SIZE, ClusterParams, DataParams, ModelName, OutputParams, ParameterError,
                           TokenizerParams, TrainingParams, WeightedPrefix, check, is_remote, local_path)
+from gpt.data import MMapIndexedDataset
 from tasks import report as reporting
 from tasks.index import index_task
 from tasks.precompile import precompile_task
@@ -47,11 +48,47 @@ class Stages:
         print(f"stage {stage} skipped: {why}")
         self.records.append({"stage": stage, "state": "Skipped", "seconds": 0.0})
 
-    def run(self, stage: str, task_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(self, stage: str, task_fn: Any, *args: Any, intact: Any = None, **kwargs: Any) -> Any:
+        """Run a stage task; a cached result whose outputs are gone or damaged (``intact(result)``
+        is False) runs the stage again."""
         start = time.perf_counter()
         state = task_fn(*args, return_state=True, **kwargs)
+        if intact is not None and state.name == "Cached" and not intact(state.result()):
+            print(f"stage {stage}: the cached result's outputs are gone or damaged; running it again")
+            state = task_fn.with_options(refresh_cache=True)(*args, return_state=True, **kwargs)
         self.records.append({"stage": stage, "state": state.name, "seconds": time.perf_counter() - start})
         return state.result()  # raises the stage's error, failing the flow run
+
+
+def _tokenized_intact(manifest: Any) -> bool:
+    try:
+        for prefix in manifest.prefixes.values():
+            MMapIndexedDataset(prefix)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _index_intact(manifest: Any) -> bool:
+    try:
+        splits = json.loads(Path(manifest.path).read_text())["splits"]
+    except (OSError, ValueError, KeyError):
+        return False
+    folder = Path(manifest.path).parent
+    files = [part[k] for split in splits.values() for part in split["datasets"]
+             for k in ("document_index", "sample_index", "shuffle_index")]
+    files += [name for split in splits.values() if split.get("blend") for name in split["blend"].values()]
+    return all((folder / name).is_file() for name in files)
+
+
+def _check_vocabulary(index: Any, vocab_size: int, vocab_file: str | None) -> None:
+    """Token ids beyond the vocabulary would crash the embedding mid-training: say so now."""
+    bad = {p: m for p, m in index.max_token_ids.items() if m >= vocab_size}
+    if bad:
+        raise ParameterError([f"data: {p}.bin holds token id {m}, but the vocabulary "
+                              f"{vocab_file or '(the model preset)'} has only {vocab_size} entries: the data was "
+                              "tokenized with another vocabulary; give that vocabulary or tokenize again"
+                              for p, m in sorted(bad.items())])
 
 
 def _digest(*parts: Any) -> str:
@@ -134,7 +171,7 @@ def pretrain(
         train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else 50257)
         tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), vocab_file=vocab_file,
                                merge_file=merge_file, json_keys=list(data.json_keys),
-                               train_vocab_size=train_vocab)
+                               train_vocab_size=train_vocab, intact=_tokenized_intact)
         reporting.dataset_table(tokenized)
         blend += [(data.weight, p) for p in tokenized.prefixes.values()]
         vocab_size = tokenized.vocab_size
@@ -143,7 +180,9 @@ def pretrain(
 
     config = dataclasses.replace(plan.config, vocab_size=vocab_size, run_dir=str(run_dir))
     index = stages.run("index", index_task, blend, split=data.split, seq_length=config.seq_length,
-                       seed=config.seed, num_samples=config.num_samples(), out_dir=str(root / "index"))
+                       seed=config.seed, num_samples=config.num_samples(), out_dir=str(root / "index"),
+                       intact=_index_intact)
+    _check_vocabulary(index, vocab_size, tokenized.vocab_file if tokenized else vocab_file)
     config = dataclasses.replace(config, data_index=index.path)
     config.validate(world_size=plan.world_size)
     compiled = None

@@ -107,13 +107,24 @@ class MMapIndexedDataset:
                 f"{self.bin_path}: {bin_size} bytes, but {self.idx_path} lists {tokens} tokens of "
                 f"{self.dtype} ({tokens * self.dtype.itemsize} bytes): the pair is truncated or mismatched"
             )
-        if n and (self.pointers[0] != 0 or int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize != bin_size):
-            raise IndexFormatError(f"{self.idx_path}: sequence offsets do not match the sequence lengths")
+        step = self.dtype.itemsize
+        if n and (self.pointers[0] != 0 or int(self.pointers[-1]) + int(self.sizes[-1]) * step != bin_size
+                  or not np.array_equal(self.pointers[1:], self.pointers[:-1] + self.sizes[:-1].astype(np.int64) * step)):
+            bad = int(np.argmax(self.pointers[1:] != self.pointers[:-1] + self.sizes[:-1].astype(np.int64) * step)) + 1
+            raise IndexFormatError(f"{self.idx_path}: sequence offsets do not match the sequence lengths (first at "
+                                   f"sequence {bad if n > 1 else 0}): the index is corrupt; tokenize the data again")
+        if d > 1 and bool(np.any(np.diff(self.document_indices) < 0)):
+            raise IndexFormatError(f"{self.idx_path}: document indices go backwards: the index is corrupt")
         self._bin = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
 
     @property
     def num_tokens(self) -> int:
         return int(self.sizes.sum(dtype=np.int64))
+
+    def max_token_id(self, block: int = 1 << 26) -> int:
+        """The largest token id in the ``.bin`` (-1 when empty), read in blocks of ``block`` tokens."""
+        tokens = self._bin.view(self.dtype) if self._bin.size else np.empty(0, self.dtype)
+        return max((int(tokens[i:i + block].max()) for i in range(0, tokens.size, block)), default=-1)
 
     @property
     def num_documents(self) -> int:

@@ -41,6 +41,7 @@ class IndexManifest(BaseModel):
     seq_length: int
     num_samples: dict[str, int]
     digest: str
+    max_token_ids: dict[str, int] = {}     # per prefix: the largest token id in its .bin
 
 
 def parse_split(split: str) -> list[float]:
@@ -121,10 +122,17 @@ def _md5(text: str) -> str:
     return hashlib.md5(text.encode()).hexdigest()
 
 
-def _fingerprint(data: MMapIndexedDataset) -> list:
-    """Identity of a .bin/.idx pair: sizes and modification times (hashing gigabytes would dominate)."""
-    stats = [os.stat(data.idx_path), os.stat(data.bin_path)]
-    return [[st.st_size, st.st_mtime_ns] for st in stats]
+def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 1 << 16) -> list:
+    """Identity of a .bin/.idx pair by content, not by file times (tokenizing the same text again
+    gives the same identity): the sizes, the whole .idx (small: 12 bytes a document) and ``blocks``
+    blocks spread evenly over the .bin (hashing gigabytes would dominate)."""
+    digest = hashlib.md5(np.asarray(data._idx).data)
+    size = os.path.getsize(data.bin_path)
+    with open(data.bin_path, "rb") as f:
+        for i in range(blocks if size else 0):
+            f.seek(size * i // blocks)
+            digest.update(f.read(block_bytes))
+    return [os.path.getsize(data.idx_path), size, digest.hexdigest()]
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -240,7 +248,8 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
-    return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=digest)
+    return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=digest,
+                         max_token_ids={p: d.max_token_id() for (_, p), d in zip(entries, datasets)})
 
 
 def _build_blend(parts: list[dict], weights: list[float], sizes: list[int], target: int, split: str, out: Path) -> dict:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import submitit
 from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 
-from gpt.config import Config, ConfigError
+from gpt.config import Config
 from tasks.cluster import ClusterConfig, ClusterError, credential_variables
 
 log = logging.getLogger(__name__)
@@ -325,13 +325,21 @@ class RunBusy(JobError):
 class RunOwner:
     """One owner per run folder: an exclusive lock on ``<run_dir>/.owner`` that the operating system
     drops when its holder dies, however it dies. The file names the holder, for the message a second
-    run gets."""
+    run gets. Nested use in one process (a stage that owns the folder submitting a job into it)
+    holds the one lock."""
+
+    _held: dict[Path, int] = {}
+    _lock = threading.Lock()
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / ".owner"
+        self.path = Path(run_dir).resolve() / ".owner"
         self.fd: int | None = None
 
     def __enter__(self) -> "RunOwner":
+        with self._lock:
+            if self.path in self._held:
+                self._held[self.path] += 1
+                return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -345,10 +353,17 @@ class RunOwner:
         flow_run = _flow_run_id()
         os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}" + (f", flow run {flow_run}" if flow_run else "")
                        + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}").encode(), 0)
+        with self._lock:
+            self._held[self.path] = 1
         self.fd = fd
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._held[self.path] -= 1
+            if self._held[self.path]:
+                return
+            del self._held[self.path]
         if self.fd is not None:
             os.close(self.fd)       # releases the lock
             self.fd = None
@@ -545,4 +560,4 @@ def neuron_python(cache_root: str, *, compile_graphs: bool) -> str:
 def retryable(task: Any, task_run: Any, state: Any) -> bool:
     """Retry failed jobs, not refusals (the same request fails again) or cancellations."""
     error = state.result(raise_on_failure=False)
-    return not isinstance(error, (ClusterError, FlowRunCancelled, ConfigError, RunBusy))
+    return not isinstance(error, (ValueError, FlowRunCancelled, RunBusy))

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.config import Config
 from tasks.cluster import ClusterConfig
-from tasks.jobs import (DistributedTask, JobError, neuron_python, retryable, run_logger, submit,
+from tasks.jobs import (DistributedTask, JobError, RunOwner, neuron_python, retryable, run_logger, submit,
                          write_json)
 
 MARKER = "precompile.json"
@@ -89,7 +89,13 @@ def precompile(config: Config, cluster: ClusterConfig, *, cache_root: str, run_d
         return _manifest(cache_dir, key, True, marker, cluster.job_device)
     cache_dir.mkdir(parents=True, exist_ok=True)
     work = Path(run_dir).resolve() / "precompile"
-    work.mkdir(parents=True, exist_ok=True)
+    with RunOwner(work):
+        return _compile(config, cluster, key, cache_dir, work)
+
+
+def _compile(config: Config, cluster: ClusterConfig, key: str, cache_dir: Path, work: Path) -> PrecompileManifest:
+    logger = run_logger()
+    marker_path = cache_dir / MARKER
     cfg = compile_config(config, cache_dir, work)
     cfg.validate(world_size=cluster.world_size)
     cfg.save(str(work / "config.json"))

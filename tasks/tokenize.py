@@ -159,10 +159,47 @@ def open_stream(path: str) -> IO[bytes]:
     if path.endswith(".xz"):
         return lzma.open(path, "rb")
     if path.endswith(".zst"):
+        return _ZstdFrames(path)
+    return open(path, "rb")
+
+
+class _ZstdFrames:
+    """The decompressed bytes of a .zst file, frame after frame. A file that ends inside a frame
+    raises EOFError (zstandard's stream reader would just stop there, dropping the rest silently)."""
+
+    BLOCK = 1 << 20
+
+    def __init__(self, path: str) -> None:
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-    return open(path, "rb")
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._file = open(path, "rb")
+        self._frame = self._new()
+        self._in_frame = False
+        self._buffer = bytearray()
+
+    def read(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            block = self._file.read(self.BLOCK)
+            if not block:
+                if self._in_frame:
+                    raise EOFError("the file ends inside a zstd frame: it is truncated")
+                break
+            while block:
+                if self._frame.eof:
+                    self._frame = self._new()
+                self._buffer += self._frame.decompress(block)
+                self._in_frame = not self._frame.eof
+                block = self._frame.unused_data if self._frame.eof else b""
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    def __enter__(self) -> "_ZstdFrames":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
 
 
 def read_chunks(path: str, chunk_bytes: int | None = None) -> Iterator[bytes]:

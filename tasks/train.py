@@ -10,6 +10,7 @@ Run folder::
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,10 +19,11 @@ from prefect import task
 from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel, ConfigDict
 
+from gpt.checkpoint import Checkpointer
 from gpt.config import Config
 from tasks.cluster import ClusterConfig
-from tasks.jobs import (DistributedTask, JobError, JobRecord, _run_context, neuron_python, retryable, run_logger,
-                        submit, write_json)
+from tasks.jobs import (DistributedTask, JobError, JobRecord, RunOwner, _run_context, neuron_python, retryable,
+                        run_logger, submit, write_json)
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
@@ -75,18 +77,42 @@ def pinned(cluster: ClusterConfig, precompiled: "PrecompileManifest | None") -> 
     return cluster.model_copy(update={"nodelist": precompiled.nodelist, "exclude": None})
 
 
+class DataChanged(ValueError):
+    """The run folder holds checkpoints trained on other data than this run's."""
+
+
+def refuse_other_data(root: Path, config: Config) -> None:
+    """Resuming a run on other data would mix two corpora silently (or, with the old run finished,
+    train on nothing and report success): refuse, naming both."""
+    saved = root / "config.json"
+    if not saved.exists() or Checkpointer(root / "checkpoints", 1, 0).latest() is None:
+        return
+    before = json.loads(saved.read_text()).get("data_index")
+    if before and config.data_index and Path(before).name != Path(config.data_index).name:
+        raise DataChanged(f"run folder {root} holds checkpoints trained on {before}, but this run's data is "
+                          f"{config.data_index}: the sources or their tokenization changed. Set output.run_name "
+                          "(or change the seed) to train on the new data in a new folder, or restore the old data")
+
+
 def train(config: Config, cluster: ClusterConfig, *, run_dir: str,
           precompiled: "PrecompileManifest | None" = None) -> TrainResult:
     """Run (or resume) training in run_dir on the cluster; a second call resumes from the last
-    checkpoint in run_dir."""
-    logger = run_logger()
+    checkpoint in run_dir. The run folder has one owner while this runs (tasks.jobs.RunOwner)."""
     root = Path(run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     cluster = pinned(cluster, precompiled)
     resolved = resolved_config(config, root, precompiled)
     resolved.validate(world_size=cluster.world_size)
-    resolved.save(str(root / "config.json"))
-    write_json(root / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
+    with RunOwner(root):
+        refuse_other_data(root, resolved)
+        resolved.save(str(root / "config.json"))
+        write_json(root / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
+        return _train_owned(resolved, cluster, root, precompiled)
+
+
+def _train_owned(resolved: Config, cluster: ClusterConfig, root: Path,
+                 precompiled: "PrecompileManifest | None") -> TrainResult:
+    logger = run_logger()
     total = resolved.total_iters
     progress = Progress("training-progress", f"{resolved.model} on {cluster.name}: iterations done")
 

@@ -127,6 +127,26 @@ def test_corrupt_files_name_file_and_problem(tmp_path):
         MMapIndexedDataset(str(tmp_path / "missing"))
 
 
+def test_moved_offsets_and_swapped_lengths_are_found_on_open(tmp_path):
+    """Both keep the header, the file sizes and the token total right: only the offsets tell."""
+    p = str(tmp_path / "c")
+    with IndexedDatasetWriter(p, np.uint16) as w:
+        for doc in ([1, 2, 3], [4, 5], [6]):
+            w.add_document(doc)
+    idx = bytearray(open(p + ".idx", "rb").read())
+    header, n = 34, 3                        # magic 9, version 8, dtype 1, counts 8 + 8
+    sizes_at, pointers_at = header, header + 4 * n
+    moved = bytearray(idx)
+    moved[pointers_at + 8:pointers_at + 16] = struct.pack("<q", 4)
+    swapped = bytearray(idx)
+    swapped[sizes_at:sizes_at + 8] = struct.pack("<ii", 2, 3)
+    for content in (moved, swapped):
+        open(p + ".idx", "wb").write(bytes(content))
+        with pytest.raises(IndexFormatError, match="offsets do not match the sequence lengths") as e:
+            MMapIndexedDataset(p)
+        assert p + ".idx" in str(e.value)
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     p = str(tmp_path / "x")
     with pytest.raises(KeyboardInterrupt):

@@ -127,3 +127,29 @@ def test_tokenized_prefixes_and_vocabulary_from_s3(harness, corpus, tmp_path, s3
     assert weight == 1.0 and Path(local + ".bin").read_bytes() == Path(prefix + ".bin").read_bytes()
     config = json.loads((Path(out["run_dir"]) / "config.json").read_text())
     assert config["vocab_size"] == made.vocab_size and config["data_index"] == out["index"]
+
+
+def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(harness, corpus, tmp_path):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text(corpus.read_text())
+    root = tmp_path / "root"
+    first = _run(src, root, compile=False)
+    assert first.is_completed(), first.message
+    prefix = first.result()["dataset"][0][1]
+
+    Path(prefix + ".bin").unlink()                  # a cached stage's output is lost
+    again = _run(src, root, compile=False)
+    assert again.is_completed(), again.message
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[again.state_details.flow_run_id])))
+    tokenize = sorted(r.state.name for r in runs if r.name.startswith("tokenize"))
+    assert tokenize == ["Cached", "Completed"]      # found stale, run again
+    assert Path(prefix + ".bin").is_file()
+
+    with open(src, "a") as f:                        # new content at the same source path
+        f.write(json.dumps({"text": "Entirely new words that the first run never saw. " * 30}) + "\n")
+    changed = _run(src, root, compile=False)
+    assert changed.is_failed()
+    assert "holds checkpoints trained on" in changed.message and "set output.run_name" in changed.message.lower()
+    states = _task_states(changed.state_details.flow_run_id)
+    assert states["tokenize"] == "Completed" and states["index"] == "Completed"

@@ -230,3 +230,20 @@ def test_tokenize_task_in_a_flow_many_times_in_a_row_never_forks(tmp_path, bpe_v
     with prefect_test_harness():
         assert repeat(25) == [("Completed", len(TRICKY) * 20)] * 25
     assert not [t for t in threading.enumerate() if t.name.startswith("tokenize")]
+
+
+@pytest.mark.parametrize("kind", ["gz", "xz", "zst", "zst-two-frames"])
+def test_truncated_compressed_input_is_an_error_naming_the_file(tmp_path, bpe_vocab, kind):
+    vocab, merges = map(str, bpe_vocab)
+    raw = "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(3000)).encode()
+    whole = {"gz": gzip.compress, "xz": lzma.compress, "zst": zstandard.ZstdCompressor().compress,
+             "zst-two-frames": lambda b: (zstandard.ZstdCompressor().compress(b[:len(b) // 2])
+                                          + zstandard.ZstdCompressor().compress(b[len(b) // 2:]))}[kind](raw)
+    path = tmp_path / f"in.jsonl.{kind.split('-')[0]}"
+    path.write_bytes(whole)
+    full = tokenize([str(path)], str(tmp_path / "full"), vocab_file=vocab, merge_file=merges)
+    assert full.documents == 3000
+    path.write_bytes(whole[:len(whole) * 2 // 3])
+    with pytest.raises(TokenizeError, match=rf"{path}: cannot (read or )?decompress"):
+        tokenize([str(path)], str(tmp_path / "cut"), vocab_file=vocab, merge_file=merges)
+    assert not list(tmp_path.glob("cut*"))
