@@ -258,7 +258,8 @@ def check(model: str, data: DataParams, tokenizer: TokenizerParams, training: Tr
         try:
             config = Config.from_preset(model, **fields)
             # The data index is built later; stand mock data in for it while checking the rest.
-            dataclasses.replace(config, mock_data=True).validate(world_size=world_size)
+            for problem in dataclasses.replace(config, mock_data=True).problems(world_size=world_size):
+                errors.append(f"{_config_field(problem, training)}: {problem}")
         except ConfigError as e:
             errors.append(f"{_config_field(str(e), training)}: {e}")
         except TypeError as e:

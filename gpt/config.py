@@ -108,6 +108,7 @@ class Config:
     peak_flops: float | None = None            # per device, for MFU; default from gpt.backend.PEAK_FLOPS
 
     def __post_init__(self) -> None:
+        self._coerce_numbers()
         if self.model not in PRESETS:
             raise ConfigError(f"model={self.model!r} is not a preset; choose one of {', '.join(PRESETS)}")
         preset = PRESETS[self.model]
@@ -118,6 +119,24 @@ class Config:
         self._fill_schedule(preset)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    def _coerce_numbers(self) -> None:
+        """Numbers given as text (a form field, ``--set lr=3e-4`` read as YAML 1.1) become numbers;
+        text that is no number is an error naming the field."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = next((k for k in (bool, int, float) if k.__name__ in str(f.type)), None)
+            if not isinstance(value, str) or kind is None:
+                continue
+            try:
+                number = {"true": True, "false": False}[value.strip().lower()] if kind is bool else float(value)
+            except (KeyError, ValueError):
+                raise ConfigError(f"{f.name}={value!r}: expected {'true or false' if kind is bool else 'a number'}") from None
+            if kind is int:
+                if number != int(number):
+                    raise ConfigError(f"{f.name}={value!r}: expected a whole number")
+                number = int(number)
+            setattr(self, f.name, number)
 
     def _fill_schedule(self, preset: dict[str, Any]) -> None:
         """Take the preset's schedule whole when none is given; otherwise only its warmup of the same kind."""
@@ -191,71 +210,93 @@ class Config:
 
     # -- validation --------------------------------------------------------------------------
     def validate(self, world_size: int = 1) -> None:
-        """Raise ConfigError for a combination that cannot run on ``world_size`` ranks."""
+        """Raise ConfigError naming every problem that keeps this from running on ``world_size`` ranks."""
+        found = self.problems(world_size)
+        if found:
+            raise ConfigError("; ".join(found))
+
+    def problems(self, world_size: int = 1) -> list[str]:
+        """Every problem of this configuration on ``world_size`` ranks, one message each."""
+        found: list[str] = []
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+                found.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                      "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "log_interval",
                      "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a positive integer")
+                found.append(f"{name}={getattr(self, name)!r}: must be a positive integer")
         if world_size < 1:
-            raise ConfigError(f"world size {world_size} must be at least 1")
+            found.append(f"world size {world_size} must be at least 1")
+        if found:
+            return found            # the checks below do arithmetic on these
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                              f"{self.num_attention_heads}; change one so that heads divide the hidden size")
+            found.append(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                         f"{self.num_attention_heads}; change one so that heads divide the hidden size")
         if self.num_attention_heads % self.tensor_parallel:
-            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
-                              f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count")
+            found.append(f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
+                         f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count")
         if world_size % self.tensor_parallel:
-            raise ConfigError(f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel}; "
-                              f"use a number of ranks that is a multiple of it")
+            found.append(f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel}; "
+                         f"use a number of ranks that is a multiple of it")
+        if world_size % self.tensor_parallel:
+            return found + self._schedule_problems()
         dp = world_size // self.tensor_parallel
         if self.global_batch_size % (self.micro_batch_size * dp):
-            raise ConfigError(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
-                              f"{self.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
-                              f"of {self.micro_batch_size * dp}")
+            found.append(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+                         f"{self.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
+                         f"of {self.micro_batch_size * dp}")
         if self.seq_length > self.max_position_embeddings:
-            raise ConfigError(f"seq_length={self.seq_length} is longer than max_position_embeddings="
-                              f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
+            found.append(f"seq_length={self.seq_length} is longer than max_position_embeddings="
+                         f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
+        found += self._schedule_problems()
+        found += self._other_problems(dp)
+        return found
+
+    def _schedule_problems(self) -> list[str]:
         if (self.train_iters is None) == (self.train_samples is None):
-            raise ConfigError("set exactly one of train_iters and train_samples "
-                              f"(got train_iters={self.train_iters}, train_samples={self.train_samples})")
+            return ["set exactly one of train_iters and train_samples "
+                    f"(got train_iters={self.train_iters}, train_samples={self.train_samples})"]
+        found: list[str] = []
         own, other = (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES) if self.train_iters is not None else (_SCHEDULE_SAMPLES, _SCHEDULE_ITERS)
         for name in other[1:]:
             if getattr(self, name) is not None:
-                raise ConfigError(f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
+                found.append(f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
                                   f"or schedule by {other[0]}")
         total, warmup, decay = (getattr(self, n) for n in own)
         if total < 1:
-            raise ConfigError(f"{own[0]}={total}: must be at least 1" +
-                              (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is _SCHEDULE_SAMPLES else ""))
+            found.append(f"{own[0]}={total}: must be at least 1" +
+                         (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is _SCHEDULE_SAMPLES else ""))
         if self.train_samples is not None and self.train_samples < self.global_batch_size:
-            raise ConfigError(f"train_samples={self.train_samples} is less than one global batch ({self.global_batch_size}); raise it")
+            found.append(f"train_samples={self.train_samples} is less than one global batch ({self.global_batch_size}); raise it")
         if warmup < 0 or decay < 1:
-            raise ConfigError(f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1")
+            found.append(f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1")
         if warmup > decay:
-            raise ConfigError(f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup")
+            found.append(f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup")
+        return found
+
+    def _other_problems(self, dp: int) -> list[str]:
+        found: list[str] = []
         if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}")
+            found.append(f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}")
         if self.data_index is None and not self.mock_data:
-            raise ConfigError("no training data: set data_index to an index manifest (tasks.index) or mock_data=True")
+            found.append("no training data: set data_index to an index manifest (tasks.index) or mock_data=True")
         if self.data_index is not None and self.mock_data:
-            raise ConfigError("both data_index and mock_data are set; keep one")
+            found.append("both data_index and mock_data are set; keep one")
         if self.data_index is not None and not Path(self.data_index).is_file():
-            raise ConfigError(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
+            found.append(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
         if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1:
-            raise ConfigError("data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on more than one "
-                              "data-parallel rank; use data_parallel_mode='fsdp'")
+            found.append("data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on more than one "
+                         "data-parallel rank; use data_parallel_mode='fsdp'")
         if self.device == "neuron" and (self.tensor_parallel > 1 or self.data_parallel_mode == "fsdp"):
-            raise ConfigError("device='neuron' supports data parallel only: set tensor_parallel=1 and data_parallel_mode='ddp'")
+            found.append("device='neuron' supports data parallel only: set tensor_parallel=1 and data_parallel_mode='ddp'")
         if self.precompile and not self.compile_cache_dir:
-            raise ConfigError("precompile=True needs compile_cache_dir, where the compiled graphs are stored")
+            found.append("precompile=True needs compile_cache_dir, where the compiled graphs are stored")
         if self.clip_grad < 0 or self.weight_decay < 0:
-            raise ConfigError("clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)")
+            found.append("clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)")
         if self.peak_flops is not None and self.peak_flops <= 0:
-            raise ConfigError(f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)")
+            found.append(f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)")
+        return found
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

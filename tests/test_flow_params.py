@@ -81,6 +81,19 @@ def test_config_errors_name_the_training_field():
     assert any("no_such_field" in e for e in errors)
 
 
+def test_every_config_problem_at_once_and_numbers_given_as_text():
+    errors = _errors(training=TrainingParams(micro_batch_size=3, min_lr=5.0, train_iters=20,
+                                            overrides={"lr_warmup_iters": 10_000}))
+    assert any(e.startswith("training.global_batch_size:") for e in errors)
+    assert any(e.startswith("training.min_lr:") for e in errors)
+    assert any(e.startswith("training.overrides.lr_warmup_iters:") for e in errors)
+    errors = _errors(training=TrainingParams(overrides={"weight_decay": "lots"}))
+    assert errors == ["training.overrides.weight_decay: weight_decay='lots': expected a number"]
+    params = parse_args(["--set", "lr=3e-4", "--set", "adam_eps=1e-8"])     # YAML 1.1 reads both as text
+    plan = _check(training=params["training"])
+    assert (plan.config.lr, plan.config.adam_eps) == (3e-4, 1e-8)
+
+
 def test_data_parallel_must_match_the_cluster():
     errors = _errors(training=TrainingParams(data_parallel=2))
     assert any(e.startswith("training.data_parallel:") and "cluster runs 1" in e for e in errors)
