@@ -13,6 +13,7 @@ manifest; every array is memory-mapped, so every rank shares one copy in the pag
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -163,6 +164,26 @@ def write_index(path: str | os.PathLike, sizes: np.ndarray, document_indices: np
         f.write(document_indices.astype("<i8").tobytes())
 
 
+def _remove_stale_temps(prefix: str) -> None:
+    """Remove ``<prefix>.bin/.idx.tmp-<pid>`` left by a writer that was killed (its process is gone)."""
+    folder, name = os.path.split(prefix)
+    for entry in os.listdir(folder or "."):
+        stem, _, pid = entry.rpartition(".tmp-")
+        if stem in (name + ".bin", name + ".idx") and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, entry))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class IndexedDatasetWriter:
     """Writes ``<prefix>.bin/.idx`` under temporary names and renames them on ``finalize``.
 
@@ -175,6 +196,7 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         self._code = _dtype_code(self.dtype)
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(self.prefix)
         suffix = f".tmp-{os.getpid()}"
         self._bin_tmp = self.prefix + ".bin" + suffix
         self._idx_tmp = self.prefix + ".idx" + suffix

@@ -409,7 +409,13 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
         raise TokenizeError(f"--input {', '.join(files)}: empty input, nothing to tokenize")
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise TokenizeError(f"--output-prefix {output_prefix}: cannot write in {out_dir} ({e.strerror or e}); "
+                            "choose a folder you can write to") from None
     if vocab_file is None:
         print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}", flush=True)
         vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
@@ -447,6 +453,11 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
             raise TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {_nonzero(skipped)})")
         for w in writers.values():
             w.finalize()
+    except OSError as e:
+        for w in writers.values():
+            w.abort()
+        raise TokenizeError(f"--output-prefix {output_prefix}: writing the output failed ({e.strerror or e}); "
+                            "nothing was kept: free space (or fix the folder) and run it again") from e
     except BaseException:
         for w in writers.values():
             w.abort()

@@ -247,3 +247,36 @@ def test_truncated_compressed_input_is_an_error_naming_the_file(tmp_path, bpe_vo
     with pytest.raises(TokenizeError, match=rf"{path}: cannot (read or )?decompress"):
         tokenize([str(path)], str(tmp_path / "cut"), vocab_file=vocab, merge_file=merges)
     assert not list(tmp_path.glob("cut*"))
+
+
+def test_output_folder_problems_are_clear_errors_and_leave_nothing(tmp_path, shakespeare_jsonl, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where a folder should be")
+    with pytest.raises(TokenizeError, match=rf"--output-prefix {blocked}/out/c: cannot write in"):
+        tokenize([str(shakespeare_jsonl)], str(blocked / "out" / "c"), vocab_file=vocab, merge_file=merges)
+    if os.geteuid() != 0:
+        pytest.skip("a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
+    try:
+        with pytest.raises(TokenizeError, match="writing the output failed .*No space left on device"):
+            tokenize([str(shakespeare_jsonl)], str(small / "c"), vocab_file=vocab, merge_file=merges)
+        assert os.listdir(small) == []                     # no partial output, no temporary files
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_temporary_files_of_a_killed_tokenize_are_removed_by_the_next(tmp_path, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    src = write_jsonl(tmp_path / "in.jsonl", ["alpha beta"] * 10)
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                              # a pid that no longer runs
+    stale = [tmp_path / f"o_text_document.{ext}.tmp-{dead.pid}" for ext in ("bin", "idx")]
+    for f in stale:
+        f.write_bytes(b"left by a killed run")
+    live = tmp_path / f"o_text_document.bin.tmp-{os.getpid()}-other"
+    live.write_bytes(b"not ours to judge")
+    tokenize([src], str(tmp_path / "o"), vocab_file=vocab, merge_file=merges)
+    assert not any(f.exists() for f in stale) and live.exists()
