@@ -4,15 +4,19 @@
     python deployments/serve.py              # runs flow runs as subprocesses of this process
     prefect deployment run pretrain/gpt3 --param model=gpt3-125m --watch
 
-For a work pool instead (workers on other machines), see deployments/prefect.yaml.
+Flow runs started here send heartbeats, and the server gets the automation that marks a run
+Crashed when they stop (deployments/zombies.py). For a work pool instead (workers on other
+machines), see deployments/prefect.yaml.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 from prefect import serve
 from prefect.schedules import Cron
 
+from deployments.zombies import HEARTBEAT_S, ensure_automation
 from flows.benchmark import benchmark
 from flows.pretrain import pretrain
 
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--history", default="runs/benchmarks", help="benchmark history folder or s3:// prefix")
     p.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
     a = p.parse_args(argv)
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))   # for the runs started here
+    ensure_automation()
     serve(*deployments(a.cron, a.timezone, a.history), limit=a.limit)
 
 

@@ -28,6 +28,7 @@ from flows.params import (SAMPLE_VOCAB_SIZE, ClusterParams, DataParams, ModelNam
                           TokenizerParams, TrainingParams, WeightedPrefix, check, is_remote, local_path)
 from gpt.data import MMapIndexedDataset
 from tasks import report as reporting
+from tasks.export import export_task
 from tasks.index import index_task
 from tasks.precompile import precompile_task
 from tasks.sample_corpus import sample_corpus_task
@@ -192,11 +193,18 @@ def pretrain(
     else:
         stages.skip("precompile", "training.compile is off: nothing to compile")
     result = stages.run("train", train_task, config, plan.cluster, run_dir=str(run_dir), precompiled=compiled)
+    tokenizer_files = [tokenized.vocab_file, tokenized.merge_file] if tokenized else [vocab_file, merge_file]
+    exported = None
+    if all(tokenizer_files):
+        exported = stages.run("export", export_task, result.run_dir, *tokenizer_files,
+                              intact=lambda m: (Path(m.path) / "model.safetensors").is_file())
+    else:
+        stages.skip("export", "no vocabulary files: the model preset's vocabulary cannot be exported")
     url = flow_run.get_flow_run_ui_url() if PREFECT_API_URL.value() else None  # None: a temporary server
     figures = reporting.report_task(
         model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
         seq_length=config.seq_length, stages=stages.records, job_ids=result.job_ids,
-        uploaded_to=output.uri, flow_run_url=url,
+        uploaded_to=output.uri, flow_run_url=url, exported=exported,
     )
     if output.uri:  # last, so the upload holds the loss plot too
         stages.run("upload", upload_task, str(run_dir), output.uri, endpoint_url=output.endpoint_url,
@@ -206,7 +214,8 @@ def pretrain(
         "checkpoints": str(Path(result.run_dir) / "checkpoints"),
         "tensorboard": figures["tensorboard"], "loss_plot": figures["loss_plot"],
         "dataset": blend, "index": index.path, "compile_cache": compiled.cache_dir if compiled else None,
-        "tokenizer": [tokenized.vocab_file, tokenized.merge_file] if tokenized else [vocab_file, merge_file],
+        "tokenizer": tokenizer_files, "export": exported.path if exported else None,
+        "test_perplexity": figures["test_perplexity"],
         "uploaded_to": output.uri, "flow_run": url, "job_ids": result.job_ids,
         "first_loss": figures["first_loss"], "train_loss": figures["train_loss"],
         "valid_loss": figures["valid_loss"], "tokens_per_s": figures["tokens_per_s"],

@@ -106,6 +106,7 @@ class Config:
     keep_last: int = 2
     benchmark: bool = False                    # no evaluation
     peak_flops: float | None = None            # per device, for MFU; default from gpt.backend.PEAK_FLOPS
+    init_from_hf: str | None = None            # a HuggingFace GPT-2 folder (gpt.export) to start from
 
     def __post_init__(self) -> None:
         self._coerce_numbers()

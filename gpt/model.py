@@ -29,14 +29,37 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(h, h)
         self.head_dim = h // config.num_attention_heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is not None:
+            # Generation: a prompt (causal over itself) into an empty cache, then one token at a
+            # time, which sees everything before it.
+            k, v = cache.extend(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one layer's worth, for generation."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is not None and k.shape[2] > 1:
+            raise ValueError("KVCache: after the prompt, extend by one token at a time")
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
 
 
 class MLP(nn.Module):
@@ -57,8 +80,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -76,13 +99,17 @@ class GPT(nn.Module):
         if not self.wte.weight.is_meta:
             self.init_weights(config.seed)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, padded vocab) or, given targets, the mean cross-entropy loss."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: list[KVCache] | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) or, given targets, the mean cross-entropy loss. Both cover the real
+        vocabulary only: the padding rows exist for the matmul shapes, never as predictions.
+        ``cache`` (one KVCache per layer) continues a sequence for generation."""
+        start = cache[0].length if cache is not None else 0
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        for i, block in enumerate(self.h):
+            x = block(x) if cache is None else block(x, cache[i])
+        logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -109,24 +136,29 @@ class GPT(nn.Module):
 
     def load_hf_gpt2(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a HuggingFace GPT2LMHeadModel state dict (same sizes; vocab rows padded with zeros)."""
-        ours: dict[str, torch.Tensor] = {}
-        for key, value in state_dict.items():
-            key = key.removeprefix("transformer.")
-            if key.endswith(".attn.bias") or key.endswith(".attn.masked_bias") or key == "lm_head.weight":
-                continue  # causal-mask buffers; lm_head is tied to wte
-            if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
-                prefix, kind = key.rsplit(".c_attn.", 1)
-                # HF's Conv1D stores (in, out): q, k and v side by side along the last dimension.
-                for part, name in zip(value.chunk(3, dim=-1), ("q", "k", "v")):
-                    ours[f"{prefix}.{name}.{kind}"] = part.t() if kind == "weight" else part
-            elif key.endswith("c_proj.weight") or key.endswith("c_fc.weight"):
-                ours[key] = value.t()
-            elif key == "wte.weight":
-                ours[key] = F.pad(value, (0, 0, 0, self.vocab_size - value.shape[0]))
-            else:
-                ours[key] = value
-        ours["lm_head.weight"] = ours["wte.weight"]
-        self.load_state_dict({k: v.contiguous() for k, v in ours.items()})
+        self.load_state_dict(hf_to_ours(state_dict, self.vocab_size))
+
+
+def hf_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int) -> dict[str, torch.Tensor]:
+    """A GPT2LMHeadModel state dict under our names, the embedding padded to ``padded_vocab`` rows."""
+    ours: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith(".attn.bias") or key.endswith(".attn.masked_bias") or key == "lm_head.weight":
+            continue  # causal-mask buffers; lm_head is tied to wte
+        if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
+            prefix, kind = key.rsplit(".c_attn.", 1)
+            # HF's Conv1D stores (in, out): q, k and v side by side along the last dimension.
+            for part, name in zip(value.chunk(3, dim=-1), ("q", "k", "v")):
+                ours[f"{prefix}.{name}.{kind}"] = part.t() if kind == "weight" else part
+        elif key.endswith("c_proj.weight") or key.endswith("c_fc.weight"):
+            ours[key] = value.t()
+        elif key == "wte.weight":
+            ours[key] = F.pad(value, (0, 0, 0, padded_vocab - value.shape[0]))
+        else:
+            ours[key] = value
+    ours["lm_head.weight"] = ours["wte.weight"]
+    return {k: v.contiguous() for k, v in ours.items()}
 
 
 def _plain_name(name: str) -> str:

@@ -139,20 +139,22 @@ def micro_batches(dataset, start: int, count: int, config: Config, env: DistEnv,
     return out
 
 
-def load_datasets(config: Config) -> tuple[Any, Any]:
+def load_datasets(config: Config) -> tuple[Any, Any, Any]:
+    """The train, valid and test splits."""
     need = config.num_samples()
     if config.mock_data:
-        return (MockGPTDataset(need["train"], config.seq_length, config.vocab_size, config.seed),
-                MockGPTDataset(need["valid"], config.seq_length, config.vocab_size, config.seed + 1))
+        return tuple(MockGPTDataset(need[split], config.seq_length, config.vocab_size, config.seed + i)
+                     for i, split in enumerate(("train", "valid", "test")))
     train = GPTDataset.from_index(config.data_index, "train")
     valid = GPTDataset.from_index(config.data_index, "valid")
+    test = GPTDataset.from_index(config.data_index, "test")
     if len(train) < need["train"]:
         raise ConfigError(f"data_index={config.data_index}: the train split holds {len(train)} samples but the run "
                           f"needs {need['train']}; rebuild the index with num_samples=Config.num_samples()")
     if len(train[0]) != config.seq_length + 1:
         raise ConfigError(f"data_index={config.data_index} was built for seq_length={len(train[0]) - 1} but "
                           f"seq_length={config.seq_length}; rebuild the index or change seq_length")
-    return train, valid
+    return train, valid, test
 
 
 @torch.no_grad()
@@ -202,6 +204,27 @@ class StopSignal:
     def should_stop(self, device: torch.device) -> bool:
         flag = torch.tensor(float(self.received), device=device)
         return bool(all_reduce_sum(flag) > 0)
+
+
+def load_hf_weights(model: nn.Module, config: Config) -> None:
+    """Every rank loads the whole HuggingFace state dict and keeps its own shard of it."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from gpt.export import config_from_hf
+    from gpt.model import hf_to_ours
+
+    folder = Path(config.init_from_hf)
+    theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
+    shape = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads")
+    differ = [f"{n}: {getattr(theirs, n)} there, {getattr(config, n)} here" for n in shape
+              if getattr(theirs, n) != getattr(config, n)]
+    if theirs.max_position_embeddings != config.max_position_embeddings:
+        differ.append(f"positions: {theirs.max_position_embeddings} there, {config.max_position_embeddings} here")
+    if differ:
+        raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
+    weights = hf_to_ours(load_file(str(folder / "model.safetensors")), config.padded_vocab_size())
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
 # -- compile cache ---------------------------------------------------------------------------
@@ -257,7 +280,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     cache_hit = use_compile_cache(config, backend, env.rank) if config.compile else False
-    train_data, valid_data = load_datasets(config)
+    train_data, valid_data, test_data = load_datasets(config)
     model = build_model(config, env, device)
     optimizer = build_optimizer(model, config, backend)
     scaler = LossScaler(config.precision == "fp16")
@@ -271,6 +294,9 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
         latest, state = ckpt.resume(model, optimizer, state, log=log)
     if latest is not None:
         scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
+    elif config.init_from_hf:
+        load_hf_weights(model, config)
+        log(f"started from the HuggingFace weights in {config.init_from_hf}", flush=True)
     if env.is_main and not config.precompile:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "config.json")
@@ -350,6 +376,12 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
 
     if config.precompile and config.compile and backend.name != "neuron":
         save_compile_cache(config, env.rank)
+    test_loss = None
+    if status == "completed" and not config.precompile and not config.benchmark:
+        test_loss = evaluate(model, test_data, config, env, device, backend, config.eval_iters)
+        if test_loss is not None:
+            log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "
+                f"lm loss PPL: {math.exp(min(20.0, test_loss)):.6E} |", flush=True)
     metrics.close()
     tokens_per_s = timed_tokens / timed_s if timed_s else (g * seq / first_iter_s if first_iter_s else None)
     summary = {
@@ -357,7 +389,8 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
         "train_loss": last_loss, "valid_loss": valid_loss, "tokens_per_s": tokens_per_s,
         "mfu": mfu(tokens_per_s, flops_token, peak, env.world_size) if tokens_per_s else None,
         "time_to_first_iteration_s": first_iter_s, "wall_s": time.time() - start, "run_dir": str(run_dir),
-        "compile_cache_hit": cache_hit,
+        "compile_cache_hit": cache_hit, "test_loss": test_loss,
+        "test_perplexity": math.exp(min(20.0, test_loss)) if test_loss is not None else None,
     }
     return summary
 

@@ -128,6 +128,8 @@ def summary_rows(summary: dict, rows: list[dict], *, seq_length: int, stages: li
         ("iterations", f"{_fmt(summary.get('iteration'))} / {_fmt(summary.get('train_iters'))}"),
         ("final train loss", summary.get("train_loss", _last(rows, "lm_loss"))),
         ("final valid loss", summary.get("valid_loss", _last(rows, "valid_loss"))),
+        ("held-out test loss", summary.get("test_loss")),
+        ("held-out test perplexity", summary.get("test_perplexity")),
         ("tokens trained", tokens),
         ("tokens/s", summary.get("tokens_per_s")),
         ("MFU", f"{summary['mfu'] * 100:.2f}%" if summary.get("mfu") is not None else None),
@@ -140,9 +142,23 @@ def summary_rows(summary: dict, rows: list[dict], *, seq_length: int, stages: li
     return [{"item": k, "value": _fmt(v)} for k, v in table]
 
 
+def samples_markdown(model: str, samples: list[dict[str, str]], export_path: str) -> str:
+    """What the trained model writes for a few prompts, and how to load it elsewhere."""
+    fence = "`" * 3
+    lines = [f"## What {model} writes", ""]
+    for s in samples:
+        lines += [f"**{s['prompt']!r}**, {s['mode']}:", "", fence, s["text"].replace(fence, "' ' '"), fence, ""]
+    if not samples:
+        lines += ["(too large to generate samples on the machine that runs the flow)", ""]
+    lines += [f"HuggingFace folder: `{export_path}`", "",
+              f"`AutoModelForCausalLM.from_pretrained({export_path!r})`, or "
+              f"`python -m gpt.generate {export_path} --prompt \"...\"`"]
+    return "\n".join(lines) + "\n"
+
+
 def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_length: int,
            stages: list[dict], job_ids: list[str], uploaded_to: str | None = None,
-           flow_run_url: str | None = None) -> dict:
+           flow_run_url: str | None = None, exported: Any = None) -> dict:
     """Create the summary, loss-curve and links artifacts; return the figures they show."""
     rows = read_metrics(metrics_path)
     create_table_artifact(
@@ -175,6 +191,10 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
         links.append(f"- Uploaded to: `{uploaded_to}`")
     if flow_run_url:
         links.append(f"- Flow run: [{flow_run_url}]({flow_run_url})")
+    if exported is not None:
+        links.append(f"- HuggingFace export: `{exported.path}`")
+        create_markdown_artifact(samples_markdown(model, exported.samples, exported.path), key="pretrain-samples",
+                                 description="Samples from the trained model: greedy and sampled, with the seed")
     create_markdown_artifact("\n".join(links) + "\n", key="pretrain-links",
                              description="Where this run's files are")
     return {
@@ -182,6 +202,7 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
         "valid_loss": summary.get("valid_loss", _last(rows, "valid_loss")),
         "first_loss": next((r["lm_loss"] for r in rows if r.get("lm_loss") is not None), None),
         "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
+        "test_perplexity": summary.get("test_perplexity"),
         "loss_plot": str(plot_path) if plot_path else None, "tensorboard": tensorboard,
     }
 

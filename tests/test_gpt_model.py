@@ -10,9 +10,12 @@ from gpt.model import GPT
 from gpt.train import micro_batches
 
 
-def test_logits_match_huggingface_gpt2():
+@pytest.mark.parametrize("vocab, hidden, layers, heads", [(300, 64, 3, 4), (256, 32, 2, 2), (1000, 96, 2, 6)])
+def test_logits_and_loss_match_huggingface_gpt2(vocab, hidden, layers, heads):
+    """Random-weight GPT-2s of several shapes, vocabularies that need padding (300, 1000) and one
+    that does not (256): the same logits and the same loss, over the real vocabulary only."""
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+    hf_config = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=hidden, n_layer=layers, n_head=heads,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
@@ -20,15 +23,37 @@ def test_logits_match_huggingface_gpt2():
         for name, p in hf.named_parameters():
             if "ln" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    config = Config(vocab_size=300, seq_length=64, num_layers=3, hidden_size=64, num_attention_heads=4)
+    config = Config(vocab_size=vocab, seq_length=64, num_layers=layers, hidden_size=hidden, num_attention_heads=heads)
     ours = GPT(config).eval()
     ours.load_hf_gpt2(hf.state_dict())
     assert ours.lm_head.weight is ours.wte.weight
-    idx = torch.randint(0, 300, (2, 64))
+    idx = torch.randint(0, vocab, (2, 64))
     with torch.no_grad():
-        expected = hf(idx).logits
-        got = ours(idx)[..., :300]
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        expected = hf(idx, labels=idx)
+        got = ours(idx)
+        loss = ours(idx[:, :-1], targets=idx[:, 1:])
+    assert got.shape == expected.logits.shape                # no padding columns
+    torch.testing.assert_close(got, expected.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(loss, expected.loss, atol=1e-4, rtol=0)
+
+
+def test_generation_with_the_kv_cache_equals_recomputing_the_prefix():
+    from gpt.model import KVCache
+
+    config = Config(vocab_size=300, seq_length=32, num_layers=2, hidden_size=32, num_attention_heads=4)
+    model = GPT(config).eval()
+    prompt = torch.randint(0, 300, (1, 5))
+    cache = [KVCache() for _ in model.h]
+    with torch.no_grad():
+        step = model(prompt, cache=cache)[:, -1]
+        seq = prompt
+        for _ in range(6):
+            full = model(seq)[:, -1]
+            torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+            nxt = full.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+            step = model(nxt, cache=cache)[:, -1]
+    assert cache[0].length == seq.shape[1]
 
 
 def test_gpt2_initialisation():

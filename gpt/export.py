@@ -1,0 +1,206 @@
+"""A trained run as a HuggingFace GPT-2 folder, and such a folder back as our model.
+
+    python -m gpt.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--vocab-file F --merge-file F]
+
+writes ``config.json`` (GPT2LMHeadModel), ``model.safetensors`` (the real vocabulary only, no
+padding rows; the output layer tied to the embedding as GPT-2 has it), ``generation_config.json``
+and the tokenizer (``vocab.json``, ``merges.txt``, ``tokenizer.json``, ``tokenizer_config.json``),
+which ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load with no code of
+ours. The checkpoint may have been saved under any parallel layout (DDP, FSDP2, tensor parallel):
+torch.distributed.checkpoint reads it into one plain model, in one process, on the CPU.
+``load_hf`` reads such a folder back (``Config.init_from_hf`` starts training from it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from gpt.checkpoint import Checkpointer, _single_process_quiet
+from gpt.config import Config
+from gpt.model import GPT
+
+EOD = "<|endoftext|>"
+TOKENIZER_FILES = ("vocab.json", "merges.txt")
+
+
+class ExportError(ValueError):
+    """The run cannot be exported as asked; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------- our names <-> GPT-2's
+
+def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's tensors (HF's Conv1D keeps weights as (in, out); q, k, v side by side)."""
+    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    vocab = model.config.vocab_size
+    hf = {"transformer.wte.weight": ours["wte.weight"][:vocab], "transformer.wpe.weight": ours["wpe.weight"],
+          "transformer.ln_f.weight": ours["ln_f.weight"], "transformer.ln_f.bias": ours["ln_f.bias"]}
+    for i in range(model.config.num_layers):
+        o, h = f"h.{i}.", f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            hf[h + ln + ".weight"], hf[h + ln + ".bias"] = ours[o + ln + ".weight"], ours[o + ln + ".bias"]
+        hf[h + "attn.c_attn.weight"] = torch.cat([ours[f"{o}attn.{n}.weight"].t() for n in "qkv"], dim=1)
+        hf[h + "attn.c_attn.bias"] = torch.cat([ours[f"{o}attn.{n}.bias"] for n in "qkv"])
+        for layer in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            hf[h + layer + ".weight"] = ours[o + layer + ".weight"].t()
+            hf[h + layer + ".bias"] = ours[o + layer + ".bias"]
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+def hf_config(config: Config, eod_id: int | None) -> dict:
+    """GPT2Config fields for our configuration (GELU with the tanh approximation is GPT-2's gelu_new)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+        "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size, "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads, "n_inner": 4 * config.hidden_size, "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": eod_id, "eos_token_id": eod_id, "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(hf: dict) -> Config:
+    """Our Config for a GPT2Config; refuses what our model does not compute the same way."""
+    problems = []
+    if hf.get("model_type") != "gpt2":
+        problems.append(f"model_type={hf.get('model_type')!r} (only GPT-2 folders)")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation_function={hf['activation_function']!r} (ours is GELU, tanh approximation)")
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+        problems.append(f"n_inner={hf['n_inner']} (ours is 4 x n_embd)")
+    if not hf.get("tie_word_embeddings", True):
+        problems.append("tie_word_embeddings=false (ours ties the output layer to the embedding)")
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        problems.append("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn")
+    if problems:
+        raise ExportError("this GPT-2 folder uses what our model does not compute: " + "; ".join(problems))
+    return Config(model="tiny", vocab_size=hf["vocab_size"], num_layers=hf["n_layer"], hidden_size=hf["n_embd"],
+                  num_attention_heads=hf["n_head"], seq_length=hf["n_positions"],
+                  max_position_embeddings=hf["n_positions"], mock_data=True, device="cpu", precision="fp32")
+
+
+def load_hf(folder: str | os.PathLike) -> GPT:
+    """Our GPT with the weights of a HuggingFace GPT-2 folder (config.json + model.safetensors)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    model = GPT(config)
+    model.load_hf_gpt2(load_file(str(folder / "model.safetensors")))
+    return model
+
+
+# ---------------------------------------------------------------- reading a run
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Config]:
+    """The checkpoint folder and the run's Config, given a run folder or a checkpoint folder."""
+    path = Path(path).resolve()
+    if (path / "checkpoints").is_dir():
+        run_dir, checkpoint = path, Checkpointer(path / "checkpoints", 1, 0).latest()
+        if checkpoint is None:
+            raise ExportError(f"{path}/checkpoints holds no complete checkpoint: train first (or give a checkpoint)")
+    elif (path / ".metadata").is_file():
+        run_dir, checkpoint = path.parent.parent, path
+    else:
+        raise ExportError(f"{path}: neither a run folder (with checkpoints/) nor a checkpoint (with .metadata)")
+    if not (run_dir / "config.json").is_file():
+        raise ExportError(f"{run_dir}/config.json not found: the run's configuration is needed to rebuild the model")
+    return checkpoint, Config.load(run_dir / "config.json")
+
+
+def load_checkpoint(checkpoint: Path, config: Config) -> GPT:
+    """A plain fp32 GPT on the CPU holding the checkpoint's weights, whatever layout saved them."""
+    plain = Config(**{**config.to_dict(), "tensor_parallel": 1, "device": "cpu", "precision": "fp32",
+                      "compile": False, "activation_checkpointing": False})
+    model = GPT(plain)
+    state = {"model": model.state_dict()}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(checkpoint), planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file: str | None = None,
+           merge_file: str | None = None) -> Path:
+    """Write the HuggingFace folder for a run or a checkpoint; returns the folder. The tokenizer files
+    default to ``<run>/tokenizer/``. Written to a temporary folder and renamed when complete."""
+    from safetensors.torch import save_file
+
+    checkpoint, config = find_checkpoint(source)
+    run_dir = checkpoint.parent.parent
+    vocab_file = vocab_file or str(run_dir / "tokenizer" / "vocab.json")
+    merge_file = merge_file or str(run_dir / "tokenizer" / "merges.txt")
+    for flag, f in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not Path(f).is_file():
+            raise ExportError(f"{flag} {f}: not found; give the vocabulary the run was tokenized with")
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    if max(vocab.values()) + 1 != config.vocab_size:
+        raise ExportError(f"{vocab_file} has {max(vocab.values()) + 1} entries but the run's vocab_size is "
+                          f"{config.vocab_size}: give the vocabulary the run was tokenized with")
+    model = load_checkpoint(checkpoint, config)
+    out = Path(out_dir).resolve()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        eod = vocab.get(EOD)
+        save_file(to_hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(config, eod), indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": eod, "eos_token_id": eod, "max_length": config.max_position_embeddings}, indent=2) + "\n")
+        write_tokenizer(tmp, vocab_file, merge_file, config.max_position_embeddings)
+        (tmp / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint), "model": config.model}, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_length: int) -> None:
+    """GPT-2's byte-level BPE as transformers loads it: the two files plus tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    shutil.copyfile(vocab_file, folder / "vocab.json")
+    shutil.copyfile(merge_file, folder / "merges.txt")
+    tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([EOD])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length, "bos_token": EOD, "eos_token": EOD,
+        "unk_token": EOD, "add_prefix_space": False, "add_bos_token": False}, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": EOD, "eos_token": EOD, "unk_token": EOD}, indent=2) + "\n")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpt.export", description=__doc__.splitlines()[0])
+    p.add_argument("source", help="a run folder (its newest checkpoint) or a checkpoint folder")
+    p.add_argument("out_dir", help="the HuggingFace folder to write")
+    p.add_argument("--vocab-file", help="default: <run>/tokenizer/vocab.json")
+    p.add_argument("--merge-file", help="default: <run>/tokenizer/merges.txt")
+    a = p.parse_args(argv)
+    try:
+        out = export(a.source, a.out_dir, vocab_file=a.vocab_file, merge_file=a.merge_file)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

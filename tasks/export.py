@@ -1,0 +1,73 @@
+"""Export stage: the trained run as a HuggingFace GPT-2 folder, and what the model writes.
+
+Copies the tokenizer into ``<run_dir>/tokenizer/`` (so the run folder stands alone), writes
+``<run_dir>/hf/`` with gpt.export, and generates a few samples from it: greedy, and sampled with a
+fixed seed, for each prompt. Cached on the checkpoint it exported and the tokenizer files.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from pathlib import Path
+
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+
+from gpt.checkpoint import Checkpointer
+
+PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
+SAMPLE_TOKENS = 48
+SAMPLE_SEED = 1234
+# Generating on the machine that runs the flow: past this size, samples would take minutes there.
+MAX_SAMPLE_PARAMS = 2_000_000_000
+
+
+class ExportManifest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    checkpoint: str
+    samples: list[dict[str, str]]     # prompt, mode ("greedy" or "sampled, seed N"), text
+    seconds: float
+
+
+def export_run(run_dir: str, vocab_file: str, merge_file: str, prompts: tuple[str, ...] = PROMPTS) -> ExportManifest:
+    from gpt.export import export
+    from gpt.generate import complete, load
+    from gpt.model import param_count
+
+    started = time.perf_counter()
+    run = Path(run_dir)
+    tokenizer_dir = run / "tokenizer"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    for src, name in ((vocab_file, "vocab.json"), (merge_file, "merges.txt")):
+        shutil.copyfile(src, tokenizer_dir / f".{name}.tmp")
+        (tokenizer_dir / f".{name}.tmp").replace(tokenizer_dir / name)
+    out = export(run, run / "hf")
+    model, tokenizer = load(out)
+    samples = []
+    if param_count(model.config) <= MAX_SAMPLE_PARAMS:
+        for prompt in prompts:
+            for mode, options in (("greedy", {"greedy": True}),
+                                  (f"sampled, seed {SAMPLE_SEED}", {"temperature": 0.8, "top_k": 50, "seed": SAMPLE_SEED})):
+                text = "".join(complete(model, tokenizer, prompt, SAMPLE_TOKENS, **options))
+                samples.append({"prompt": prompt, "mode": mode, "text": prompt + text})
+    checkpoint = Checkpointer(run / "checkpoints", 1, 0).latest()
+    return ExportManifest(path=str(out), checkpoint=str(checkpoint), samples=samples,
+                          seconds=round(time.perf_counter() - started, 3))
+
+
+def _export_cache_key(context, parameters: dict) -> str | None:
+    """The newest checkpoint (its name and marker time) and the tokenizer files' contents."""
+    run = Path(parameters["run_dir"])
+    checkpoint = Checkpointer(run / "checkpoints", 1, 0).latest()
+    if checkpoint is None:
+        return None
+    digest = hashlib.sha256(f"{checkpoint}:{(checkpoint / 'COMPLETE').stat().st_mtime_ns}".encode())
+    for f in (parameters["vocab_file"], parameters["merge_file"]):
+        digest.update(Path(f).read_bytes())
+    return "export-" + digest.hexdigest()[:32]
+
+
+export_task = task(name="export", cache_key_fn=_export_cache_key, persist_result=True)(export_run)

@@ -1,0 +1,131 @@
+"""A model you can take away: HuggingFace export from any parallel layout, import, generation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt.export import ExportError, export, find_checkpoint, load_checkpoint, load_hf, to_hf_state_dict
+from gpt.generate import complete, generate, load
+from tasks.index import build_indices
+from tasks.tokenize import tokenize
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data(shakespeare_jsonl, bpe_vocab, tmp_path_factory) -> dict:
+    """The plays tokenized with the 2,000-entry BPE, and an index for 24 iterations of batch 8."""
+    vocab, merges = map(str, bpe_vocab)
+    out = tmp_path_factory.mktemp("data")
+    m = tokenize([str(shakespeare_jsonl)], str(out / "sp"), vocab_file=vocab, merge_file=merges)
+    index = build_indices([m.prefixes["text"]], seq_length=32, seed=1,
+                          num_samples={"train": 24 * 8, "valid": 64, "test": 64}, out_dir=str(out / "index"))
+    return {"vocab": vocab, "merges": merges, "vocab_size": m.vocab_size, "index": index.path}
+
+
+def _config(data: dict, run_dir: Path, **overrides) -> dict:
+    return {"model": "tiny", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "vocab_size": data["vocab_size"], "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 24,
+            "lr_warmup_iters": 2, "lr": 3e-3, "min_lr": 3e-4, "data_index": data["index"], "precision": "fp32",
+            "device": "cpu", "log_interval": 8, "eval_interval": 12, "eval_iters": 2, "save_interval": 12,
+            "run_dir": str(run_dir), **overrides}
+
+
+def _tokens(data: dict, n: int = 2) -> torch.Tensor:
+    from gpt.data import GPTDataset
+
+    test = GPTDataset.from_index(data["index"], "valid")
+    return torch.stack([torch.from_numpy(test[i][:-1].astype("int64")) for i in range(n)])   # 32 positions
+
+
+@pytest.mark.parametrize("layout, world, extra", [
+    ("single process", 1, {}),
+    ("DDP", 2, {}),
+    ("FSDP2", 2, {"data_parallel_mode": "fsdp"}),
+    ("tensor parallel", 2, {"tensor_parallel": 2, "data_parallel_mode": "fsdp"}),
+])
+def test_export_of_a_trained_run_loads_in_transformers_with_our_logits_and_loss(
+        gpt_launcher, data, tmp_path, layout, world, extra):
+    run = tmp_path / "run"
+    out = gpt_launcher.run(_config(data, run, **extra), world_size=world)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["test_loss"] is not None and summary["test_perplexity"] > 1
+    (run / "tokenizer").mkdir()
+    for name, src in (("vocab.json", data["vocab"]), ("merges.txt", data["merges"])):
+        (run / "tokenizer" / name).write_bytes(Path(src).read_bytes())
+    hf_dir = tmp_path / "hf"
+    result = subprocess.run([sys.executable, "-m", "gpt.export", str(run), str(hf_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in hf_dir.iterdir()) == [
+        "config.json", "export.json", "generation_config.json", "merges.txt", "model.safetensors",
+        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert hf.config.vocab_size == data["vocab_size"] == len(tok)            # real vocabulary, no padding rows
+    checkpoint, config = find_checkpoint(run)
+    ours = load_checkpoint(checkpoint, config)
+    idx = _tokens(data)
+    with torch.no_grad():
+        theirs = hf(idx, labels=idx)
+        torch.testing.assert_close(ours(idx), theirs.logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours(idx[:, :-1], targets=idx[:, 1:]), theirs.loss, atol=1e-4, rtol=0)
+    prompt = tok("To be, or not to be", return_tensors="pt")
+    text = tok.decode(hf.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)[0])
+    ours_text = "".join(complete(*load(hf_dir), "To be, or not to be", 12, greedy=True))
+    assert text.startswith("To be, or not to be") and text == "To be, or not to be" + ours_text
+
+
+def test_hf_to_ours_to_hf_is_bitwise_and_training_starts_from_it(gpt_launcher, data, tmp_path):
+    hf_config = transformers.GPT2Config(vocab_size=data["vocab_size"], n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(hf_config)
+    src = tmp_path / "hf-src"
+    hf.save_pretrained(src)
+    ours = load_hf(src)
+    again = to_hf_state_dict(ours)
+    original = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    original.pop("lm_head.weight")                                            # tied to the embedding
+    assert again.keys() == original.keys()
+    assert all(torch.equal(again[k], original[k]) for k in original)
+
+    run = tmp_path / "run"
+    out = gpt_launcher.run(_config(data, run, init_from_hf=str(src), train_iters=1, lr=1e-12, min_lr=0.0,
+                                   lr_warmup_iters=0, save_interval=1))
+    assert f"started from the HuggingFace weights in {src}" in out
+    trained = load_checkpoint(*find_checkpoint(run))
+    assert torch.allclose(trained.h[1].mlp.c_fc.weight, ours.h[1].mlp.c_fc.weight, atol=1e-6)
+
+
+def test_generation_is_reproducible_and_refuses_what_does_not_fit(data, tmp_path):
+    hf_config = transformers.GPT2Config(vocab_size=data["vocab_size"], n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    model = load_hf_folder(hf_config, tmp_path)
+    a = list(generate(model, [5, 6, 7], 10, temperature=0.9, top_k=20, seed=4))
+    assert a == list(generate(model, [5, 6, 7], 10, temperature=0.9, top_k=20, seed=4)) and len(a) == 10
+    with pytest.raises(ValueError, match="exceed the model's 32 positions"):
+        list(generate(model, [1] * 30, 5))
+
+
+def load_hf_folder(hf_config, tmp_path: Path):
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path / "m")
+    return load_hf(tmp_path / "m").eval()
+
+
+def test_export_errors_name_what_is_missing(tmp_path):
+    with pytest.raises(ExportError, match="neither a run folder"):
+        export(tmp_path, tmp_path / "out")
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        export(tmp_path, tmp_path / "out")
+    with pytest.raises(ExportError, match="activation_function"):
+        from gpt.export import config_from_hf
+        config_from_hf({"model_type": "gpt2", "n_embd": 8, "activation_function": "relu", "vocab_size": 10,
+                        "n_layer": 1, "n_head": 2, "n_positions": 8})
