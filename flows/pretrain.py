@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
           if out["first_loss"] is not None and out["train_loss"] is not None else f"pretrain finished in {wall:.0f} s")
     for label, key in [("run folder", "run_dir"), ("metrics", "metrics"), ("checkpoints", "checkpoints"),
                        ("loss plot", "loss_plot"), ("tensorboard", "tensorboard"), ("index", "index"),
-                       ("compile cache", "compile_cache"), ("uploaded to", "uploaded_to"), ("flow run", "flow_run")]:
+                       ("compile cache", "compile_cache"), ("HF export", "export"), ("uploaded to", "uploaded_to"),
+                       ("flow run", "flow_run")]:
         if out.get(key):
             print(f"{label:>14}: {out[key]}")
     print(f"{'tokenizer':>14}: {', '.join(str(t) for t in out['tokenizer'] if t) or '-'}")

@@ -31,7 +31,7 @@ def corpus(tmp_path_factory) -> Path:
 
 def _run(corpus: Path, root: Path, **training):
     return pretrain(
-        data=DataParams(sources=[str(corpus)]),
+        data=DataParams(sources=[str(corpus)], split="80,10,10"),   # 150 documents: a test split too
         tokenizer=TokenizerParams(train_vocab_size=1024),
         training=TrainingParams(train_iters=6, eval_interval=3, eval_iters=1, log_interval=1, save_interval=3,
                                 overrides={"lr_warmup_iters": 1}, **training),
@@ -60,25 +60,31 @@ def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, corp
     states = _task_states(state.state_details.flow_run_id)
     assert {k: states[k] for k in ("sync", "tokenize", "index", "train", "report")} == dict.fromkeys(
         ("sync", "tokenize", "index", "train", "report"), "Completed")
-    assert [s["stage"] for s in out["stages"]] == ["sync", "tokenize", "index", "precompile", "train"]
+    assert [s["stage"] for s in out["stages"]] == ["sync", "tokenize", "index", "precompile", "train", "export"]
+    assert states["export"] == "Completed" and out["test_perplexity"] > 1
+    hf = Path(out["export"])
+    assert hf == Path(out["run_dir"]) / "hf" and (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
     assert out["train_loss"] < out["first_loss"]
     run_dir = Path(out["run_dir"])
     assert run_dir.parent == tmp_path and (run_dir / "loss.png").stat().st_size > 5000
     assert (run_dir / "checkpoints").is_dir() and Path(out["index"]).is_file()
 
     arts = _artifacts(state.state_details.flow_run_id)
-    assert {"pretrain-dataset", "pretrain-summary", "pretrain-loss-curve", "pretrain-links"} <= set(arts)
+    assert {"pretrain-dataset", "pretrain-summary", "pretrain-loss-curve", "pretrain-links", "pretrain-samples",
+            "pretrain-plan"} <= set(arts)
+    samples = arts["pretrain-samples"].data
+    assert samples.count("greedy") == 3 and samples.count("sampled, seed 1234") == 3 and "To be, or not to be" in samples
     dataset = json.loads(arts["pretrain-dataset"].data)
     assert dataset[0]["documents"] == "150" and dataset[0]["dtype"] == "uint16"
     summary = {r["item"]: r["value"] for r in json.loads(arts["pretrain-summary"].data)}
     assert summary["iterations"] == "6 / 6" and summary["job ids"]
     assert {"stage sync (s)", "stage tokenize (s)", "stage index (s)", "stage train (s)"} <= set(summary)
-    assert "tokens/s" in summary and "MFU" in summary
+    assert "tokens/s" in summary and "MFU" in summary and float(summary["held-out test perplexity"]) > 1
 
     again = _run(corpus, tmp_path)
     assert again.is_completed(), again.message
     states = _task_states(again.state_details.flow_run_id)
-    assert [states[k] for k in ("sync", "tokenize", "index", "train")] == ["Cached"] * 4
+    assert [states[k] for k in ("sync", "tokenize", "index", "train", "export")] == ["Cached"] * 5
     assert again.result()["run_dir"] == out["run_dir"]
 
     # A different schedule reuses the data stages and trains into a new run folder.
@@ -122,7 +128,8 @@ def test_tokenized_prefixes_and_vocabulary_from_s3(harness, corpus, tmp_path, s3
         output=OutputParams(root=str(tmp_path / "runs")), return_state=True)
     assert state.is_completed(), state.message
     out = state.result()
-    assert [s["stage"] for s in out["stages"]] == ["sync-tokenizer", "sync-prefix-0", "index", "precompile", "train"]
+    assert [s["stage"] for s in out["stages"]] == ["sync-tokenizer", "sync-prefix-0", "index", "precompile", "train",
+                                                   "export"]
     [(weight, local)] = out["dataset"]
     assert weight == 1.0 and Path(local + ".bin").read_bytes() == Path(prefix + ".bin").read_bytes()
     config = json.loads((Path(out["run_dir"]) / "config.json").read_text())
