@@ -147,7 +147,7 @@ def task_states(served: SimpleNamespace, run_id: str) -> dict[str, list[str]]:
 def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     run, _ = deployment_run(served, params(served, "e2e-main", upload=True))
     states = task_states(served, run["id"])
-    for stage in ("sync", "tokenize", "index", "train", "upload", "report"):
+    for stage in ("sync", "tokenize", "index", "train", "export", "upload", "report"):
         assert states.get(stage) == ["Completed"], states
     run_dir = served.work / "runs" / "e2e-main"
     assert [j["executor"] for j in _jobs(run_dir)] == ["slurm"]
@@ -168,7 +168,8 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
 
     uploaded = served.s3.client().list_objects_v2(Bucket=served.bucket, Prefix="runs/e2e-main/")
     keys = {o["Key"] for o in uploaded.get("Contents", [])}
-    assert {"runs/e2e-main/metrics.jsonl", "runs/e2e-main/config.json", "runs/e2e-main/loss.png"} <= keys, keys
+    assert {"runs/e2e-main/metrics.jsonl", "runs/e2e-main/config.json", "runs/e2e-main/loss.png",
+            "runs/e2e-main/hf/model.safetensors", "runs/e2e-main/hf/tokenizer.json"} <= keys, keys
 
     # The flow used the S3 secret (sync and upload); it must be nowhere else: not in the run folder
     # (job scripts, rank logs), the serve log, Prefect's database, result storage or artifacts, nor

@@ -8,7 +8,8 @@ from prefect.utilities.callables import parameter_schema
 
 from flows.params import (ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams,
                           TrainingParams, WeightedPrefix, check)
-from flows.pretrain import parse_args, pretrain
+from flows.cli import parse_args
+from flows.pretrain import pretrain
 from gpt.config import PRESETS
 
 

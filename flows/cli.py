@@ -1,0 +1,106 @@
+"""`python -m flows.pretrain`: the pretrain flow's parameters from command-line flags, and what
+the run produced, printed at the end."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from flows.params import (ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams,
+                          WeightedPrefix)
+
+
+def _key_values(items: list[str], flag: str) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} {item!r}: expected key=value")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+    """Flow parameters from command-line flags (unset flags keep the flow's defaults)."""
+    p = argparse.ArgumentParser(prog="python -m flows.pretrain", description="Pretrain a GPT: the pretrain flow, run here.")
+    p.add_argument("--model", help="preset name, e.g. tiny, gpt3-125m, gpt3-1.3b")
+    p.add_argument("--source", action="append", default=[], help="JSONL input: s3:// URI, path or glob (repeatable)")
+    p.add_argument("--prefix", nargs=2, action="append", default=[], metavar=("WEIGHT", "PREFIX"),
+                   help="already tokenized .bin/.idx prefix with its blend weight (repeatable)")
+    p.add_argument("--json-key", action="append", help="JSON field with the text (repeatable; default text)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for sources and tokenizer files")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--train-iters", type=int)
+    p.add_argument("--train-samples", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--tp", type=int, dest="tensor_parallel")
+    p.add_argument("--dp", type=int, dest="data_parallel")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "neuron"])
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile with a precompile stage first (default on)")
+    p.add_argument("--benchmark", action="store_true", default=None)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any gpt Config field, e.g. --set lr_warmup_iters=50 (repeatable)")
+    p.add_argument("--cluster", help="cluster preset name or YAML path (default local)")
+    p.add_argument("--cluster-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="cluster field, e.g. --cluster-set partition=gpu --cluster-set nodes=2")
+    p.add_argument("--root", help="folder for data, indices, caches and runs (default ./runs)")
+    p.add_argument("--run-name")
+    p.add_argument("--output-uri", help="s3://bucket/prefix to upload the run folder to")
+    p.add_argument("--output-endpoint-url")
+    a = p.parse_args(argv)
+
+    def pick(**kw: Any) -> dict:
+        return {k: v for k, v in kw.items() if v is not None and v != []}
+
+    params: dict[str, Any] = pick(model=a.model)
+    params["data"] = DataParams(**pick(
+        sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url,
+        prefixes=[WeightedPrefix(weight=float(w), prefix=pr) for w, pr in a.prefix]))
+    params["tokenizer"] = TokenizerParams(vocab_file=a.vocab_file, merge_file=a.merge_file)
+    params["training"] = TrainingParams(**pick(
+        train_iters=a.train_iters, train_samples=a.train_samples, micro_batch_size=a.micro_batch_size,
+        global_batch_size=a.global_batch_size, seq_length=a.seq_length, tensor_parallel=a.tensor_parallel,
+        data_parallel=a.data_parallel, device=a.device, precision=a.precision, compile=a.compile,
+        benchmark=a.benchmark, seed=a.seed, overrides=_key_values(a.set, "--set")))
+    params["cluster"] = ClusterParams(**pick(preset=a.cluster, overrides=_key_values(a.cluster_set, "--cluster-set")))
+    params["output"] = OutputParams(**pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
+                                           endpoint_url=a.output_endpoint_url))
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Without PREFECT_API_URL, Prefect starts a temporary server for this run; keep it quiet.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.pretrain import pretrain
+
+    params = parse_args(argv)
+    started = time.perf_counter()
+    try:
+        out = pretrain(**params)
+    except ParameterError as e:
+        print(e, file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - started
+    print("\n" + "=" * 72)
+    print(f"pretrain finished in {wall:.0f} s: loss {out['first_loss']:.3f} -> {out['train_loss']:.3f}"
+          if out["first_loss"] is not None and out["train_loss"] is not None else f"pretrain finished in {wall:.0f} s")
+    for label, key in [("run folder", "run_dir"), ("metrics", "metrics"), ("checkpoints", "checkpoints"),
+                       ("loss plot", "loss_plot"), ("tensorboard", "tensorboard"), ("index", "index"),
+                       ("compile cache", "compile_cache"), ("HF export", "export"), ("uploaded to", "uploaded_to"),
+                       ("flow run", "flow_run")]:
+        if out.get(key):
+            print(f"{label:>14}: {out[key]}")
+    print(f"{'tokenizer':>14}: {', '.join(str(t) for t in out['tokenizer'] if t) or '-'}")
+    print(f"{'dataset':>14}: {', '.join(f'{w:g} x {p}' for w, p in out['dataset'])}")
+    print(f"{'stages':>14}: " + ", ".join(f"{s['stage']} {s['seconds']:.1f}s ({s['state'].lower()})" for s in out["stages"]))
+    return 0

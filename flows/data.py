@@ -1,0 +1,105 @@
+"""The data half of the pretrain DAG: tokenizer files and tokenized prefixes from S3, sources synced
+and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flows.layout import Layout
+from flows.params import SAMPLE_VOCAB_SIZE, DataParams, ParameterError, TokenizerParams, is_remote, local_path
+from flows.stages import Stages, tokenized_intact
+from tasks import report as reporting
+from tasks.sample_corpus import sample_corpus_task
+from tasks.sync import sync_task
+from tasks.tokenize import tokenize_task
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst")
+
+
+@dataclass
+class Dataset:
+    blend: list[tuple[float, str]] = field(default_factory=list)   # (weight, local prefix) for the index stage
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None                                    # None: the model preset's
+    tokenized: Any = None                                            # tasks.tokenize.TokenizeManifest
+
+
+def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages) -> Dataset:
+    """Everything the index stage needs, each piece by a cached stage."""
+    out = Dataset()
+    out.vocab_file, out.merge_file = fetch_tokenizer(tokenizer, data, layout, stages)
+    out.blend = fetch_prefixes(data, layout, stages)
+    sources = list(data.sources)
+    if not sources and not out.blend:
+        sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
+    if sources:
+        out.tokenized = sync_and_tokenize(sources, data, tokenizer, out, layout, stages)
+        out.vocab_file, out.merge_file = out.tokenized.vocab_file, out.tokenized.merge_file
+        out.blend += [(data.weight, p) for p in out.tokenized.prefixes.values()]
+        out.vocab_size = out.tokenized.vocab_size
+    elif out.vocab_file:
+        out.vocab_size = len(json.loads(Path(out.vocab_file).read_text()))
+    return out
+
+
+def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams, dataset: Dataset,
+                      layout: Layout, stages: Stages) -> Any:
+    raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)),
+                     endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
+    inputs = [f for f in synced_files(raw) if f.endswith(JSONL_SUFFIXES)]
+    if not inputs:
+        raise ParameterError([f"data.sources: no JSONL files ({', '.join(JSONL_SUFFIXES)}) among "
+                              f"the {len(raw.files)} files synced to {raw.dest}"])
+    out_prefix = layout.tokenized(raw.digest, dataset.vocab_file, dataset.merge_file, data.json_keys,
+                                  tokenizer.train_vocab_size)
+    train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else 50257)
+    tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), vocab_file=dataset.vocab_file,
+                           merge_file=dataset.merge_file, json_keys=list(data.json_keys),
+                           train_vocab_size=train_vocab, intact=tokenized_intact)
+    reporting.dataset_table(tokenized)
+    return tokenized
+
+
+def synced_files(manifest: Any) -> list[str]:
+    return sorted(str(Path(manifest.local_dir) / f.path) for f in manifest.files)
+
+
+def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout,
+                    stages: Stages) -> tuple[str | None, str | None]:
+    """Local paths of the tokenizer files, syncing them first when they are in S3."""
+    files = [tokenizer.vocab_file, tokenizer.merge_file]
+    if not any(f and is_remote(f) for f in files):
+        return tuple(local_path(f) if f else None for f in files)  # type: ignore[return-value]
+    remote = [f for f in files if f and is_remote(f)]
+    manifest = stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)),
+                          endpoint_url=data.endpoint_url, profile=data.profile,
+                          no_sign_request=data.no_sign_request)
+    local = {Path(p).name: p for p in synced_files(manifest)}
+    return tuple(local[Path(f).name] if f and is_remote(f) else f for f in files)  # type: ignore[return-value]
+
+
+def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages) -> list[tuple[float, str]]:
+    """(weight, local prefix) for each tokenized input, syncing the .bin/.idx pairs from S3."""
+    out = []
+    for i, p in enumerate(data.prefixes):
+        if not is_remote(p.prefix):
+            out.append((p.weight, local_path(p.prefix)))
+            continue
+        local = layout.prefix(p.prefix)
+        stages.run(f"sync-prefix-{i}", sync_task, [p.prefix + ".bin", p.prefix + ".idx"], str(local.parent),
+                   endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
+        out.append((p.weight, str(local)))
+    return out
+
+
+def check_vocabulary(index: Any, dataset: Dataset, vocab_size: int) -> None:
+    """Token ids beyond the vocabulary would crash the embedding mid-training: say so now."""
+    bad = {p: m for p, m in index.max_token_ids.items() if m >= vocab_size}
+    if bad:
+        raise ParameterError([f"data: {p}.bin holds token id {m}, but the vocabulary "
+                              f"{dataset.vocab_file or '(the model preset)'} has only {vocab_size} entries: the data "
+                              "was tokenized with another vocabulary; give that vocabulary or tokenize again"
+                              for p, m in sorted(bad.items())])

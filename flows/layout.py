@@ -1,0 +1,47 @@
+"""Where a run's files live under ``output.root``: run folders beside ``data/``, which holds what
+runs share (synced sources, tokenizers, tokenized data, indices, compile caches), each in a folder
+named by a digest of what it was made from, so that other inputs never land on top of it."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def digest(*parts: Any) -> str:
+    """A short, stable name for some inputs."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path                      # output.root, resolved
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def sample(self) -> Path:
+        return self.data / "sample"
+
+    def raw(self, sources: list[str], endpoint_url: str | None) -> Path:
+        return self.data / "raw" / digest(sources, endpoint_url)
+
+    def tokenizer(self, uris: list[str]) -> Path:
+        return self.data / "tokenizer" / digest(uris)
+
+    def prefix(self, uri: str) -> Path:
+        """A tokenized .bin/.idx pair synced from S3: the local prefix."""
+        return self.data / "prefixes" / digest(uri) / Path(uri).name
+
+    def tokenized(self, *made_from: Any) -> Path:
+        """The output prefix of the tokenize stage."""
+        return self.data / "tokenized" / digest(*made_from) / "corpus"
+
+    def index(self) -> Path:
+        return self.data / "index"
+
+    def compile_cache(self) -> Path:
+        return self.data / "compile-cache"

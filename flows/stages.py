@@ -1,0 +1,57 @@
+"""Running the stages of a flow: each stage a cached task, its wall time and state recorded, a
+cached result whose outputs are gone or damaged run again; and the checks that tell."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gpt.data import MMapIndexedDataset
+
+
+class Stages:
+    """Runs stage tasks in order, recording wall time and final state (Completed or Cached)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def skip(self, stage: str, why: str) -> None:
+        print(f"stage {stage} skipped: {why}")
+        self.records.append({"stage": stage, "state": "Skipped", "seconds": 0.0})
+
+    def run(self, stage: str, task_fn: Any, *args: Any, intact: Any = None, **kwargs: Any) -> Any:
+        """Run a stage task; a cached result whose outputs are gone or damaged (``intact(result)``
+        is False) runs the stage again."""
+        start = time.perf_counter()
+        state = task_fn(*args, return_state=True, **kwargs)
+        if intact is not None and state.name == "Cached" and not intact(state.result()):
+            print(f"stage {stage}: the cached result's outputs are gone or damaged; running it again")
+            state = task_fn.with_options(refresh_cache=True)(*args, return_state=True, **kwargs)
+        self.records.append({"stage": stage, "state": state.name, "seconds": time.perf_counter() - start})
+        return state.result()  # raises the stage's error, failing the flow run
+
+
+def tokenized_intact(manifest: Any) -> bool:
+    try:
+        for prefix in manifest.prefixes.values():
+            MMapIndexedDataset(prefix)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def index_intact(manifest: Any) -> bool:
+    try:
+        splits = json.loads(Path(manifest.path).read_text())["splits"]
+    except (OSError, ValueError, KeyError):
+        return False
+    folder = Path(manifest.path).parent
+    files = [part[k] for split in splits.values() for part in split["datasets"]
+             for k in ("document_index", "sample_index", "shuffle_index")]
+    files += [name for split in splits.values() if split.get("blend") for name in split["blend"].values()]
+    return all((folder / name).is_file() for name in files)
+
+
+def export_intact(manifest: Any) -> bool:
+    return (Path(manifest.path) / "model.safetensors").is_file()
