@@ -184,10 +184,9 @@ class Config:
             raise ConfigError(f"{path}: {e}") from e
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        from gpt.files import write_json
+
+        write_json(path, self.to_dict())
 
     # -- derived values ----------------------------------------------------------------------
     def padded_vocab_size(self, tp: int | None = None) -> int:

@@ -26,6 +26,7 @@ from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer
 from gpt.config import Config, ConfigError, read_config_file
 from gpt.data import GPTDataset, MockGPTDataset
+from gpt.files import write_atomic
 from gpt.distributed import (
     DistEnv, all_reduce_sum, build_model, grad_norm, gradient_sync, init_distributed, scale_grads, shutdown,
 )
@@ -255,10 +256,7 @@ def save_compile_cache(config: Config, rank: int) -> None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
-    path = Path(config.compile_cache_dir) / f"artifacts-rank{rank}.bin"
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(saved[0])
-    os.replace(tmp, path)
+    write_atomic(Path(config.compile_cache_dir) / f"artifacts-rank{rank}.bin", saved[0])
 
 
 # -- main --------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ fixed seed, for each prompt. Cached on the checkpoint it exported and the tokeni
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer
+from gpt.files import write_atomic
 
 PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
 SAMPLE_TOKENS = 48
@@ -42,8 +42,7 @@ def export_run(run_dir: str, vocab_file: str, merge_file: str, prompts: tuple[st
     tokenizer_dir = run / "tokenizer"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
     for src, name in ((vocab_file, "vocab.json"), (merge_file, "merges.txt")):
-        shutil.copyfile(src, tokenizer_dir / f".{name}.tmp")
-        (tokenizer_dir / f".{name}.tmp").replace(tokenizer_dir / name)
+        write_atomic(tokenizer_dir / name, Path(src).read_bytes())
     out = export(run, run / "hf")
     model, tokenizer = load(out)
     samples = []

@@ -22,6 +22,7 @@ import numpy as np
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
+from gpt.files import replaced, write_atomic
 from gpt.data import MMapIndexedDataset
 from native import build_blending_indices, build_sample_idx
 
@@ -136,10 +137,8 @@ def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with replaced(path) as tmp, open(tmp, "wb") as f:
         np.save(f, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[int, int], split: str, split_str: str,
@@ -183,9 +182,7 @@ def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[in
     _save_npy(out_dir / names["document_index"], document_index)
     _save_npy(out_dir / names["sample_index"], sample_index)
     _save_npy(out_dir / names["shuffle_index"], shuffle_index)
-    tmp = desc_path.with_name(desc_path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(description)
-    os.replace(tmp, desc_path)
+    write_atomic(desc_path, description)
     return entry, len(shuffle_index)
 
 
@@ -245,9 +242,7 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     text = json.dumps(manifest, indent=1, sort_keys=True)
     digest = _md5(text)
     path = out / f"{digest}-index.json"
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text)
     return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=digest,
                          max_token_ids={p: d.max_token_id() for (_, p), d in zip(entries, datasets)})
 

