@@ -212,27 +212,6 @@ def _flow_run_cancelled(flow_run_id: Any) -> bool:
 # ---------------------------------------------------------------- submission and monitoring
 
 
-class LogFollower:
-    """Reads lines appended to a file since the last call (the file may not exist yet)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = ""
-
-    def lines(self) -> list[str]:
-        try:
-            with self.path.open("r", errors="replace") as f:
-                f.seek(self.offset)
-                data = f.read()
-                self.offset = f.tell()
-        except FileNotFoundError:
-            return []
-        data = self.partial + data
-        *complete, self.partial = data.split("\n")
-        return complete
-
-
 def _tail(path: Path, n: int = 40) -> str:
     try:
         with path.open("r", errors="replace") as f:
@@ -426,8 +405,9 @@ def _unfinished(record: JobRecord, job_name: str, kind: str) -> RunningJob | Non
 
 
 def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
-           python: str | None = None, on_line: Callable[[str], None] | None = None) -> tuple[Any, str, str]:
+           python: str | None = None, on_poll: Callable[[], None] | None = None) -> tuple[Any, str, str]:
     """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
+    ``on_poll`` runs each time the job's state is checked (every POLL_S) and once at the end.
 
     The run folder is owned for the whole time (RunOwner). A job of the same name that an earlier
     run submitted and that still runs (the process that followed it died) is followed again
@@ -442,7 +422,7 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
                               running.job_id, running.state("")[0])
         else:
             running = _submit(fn, cluster, run_dir=run_dir, job_name=job_name, python=python, record=record)
-        return _follow(running, cluster, run_dir=run_dir, record=record, on_line=on_line)
+        return _follow(running, cluster, run_dir=run_dir, record=record, on_poll=on_poll or (lambda: None))
 
 
 def _submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str, python: str | None,
@@ -464,13 +444,12 @@ def _submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job
 
 
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
-            on_line: Callable[[str], None] | None) -> tuple[Any, str, str]:
+            on_poll: Callable[[], None]) -> tuple[Any, str, str]:
     logger = run_logger()
     job_id, folder = running.job_id, run_dir / "jobs"
     with _ACTIVE_LOCK:
         _ACTIVE[job_id] = running
     result_paths = JobPaths(folder, job_id=job_id, task_id=0)
-    rank0 = LogFollower(result_paths.stdout)
     flow_run_id = _flow_run_id()
     last: tuple[str, str, str] | None = None
     nodes = ""
@@ -490,9 +469,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 else:
                     logger.info("job %s %s%s", job_id, state, f" ({reason})" if reason not in ("", "None") else "")
                 last = info
-            for line in rank0.lines():
-                if on_line is not None:
-                    on_line(line)
+            on_poll()
             state, reason, _ = info
             if state == "PENDING" and reason.split(",")[0] in PENDING_FOREVER:
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
@@ -511,9 +488,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             if not threading.main_thread().is_alive():
                 raise JobError(f"the submitting process is exiting: job {job_id} cancelled")
             time.sleep(POLL_S)
-        for line in rank0.lines():
-            if on_line is not None:
-                on_line(line)
+        on_poll()
         finished = True
         if result is None or result[0] != "success":
             raise JobError(_failure_report(folder, job_id, cluster.world_size, state, reason))

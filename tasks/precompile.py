@@ -21,9 +21,17 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from gpt.config import Config
+from gpt.files import write_json
 from tasks.cluster import ClusterConfig
-from tasks.jobs import (DistributedTask, JobError, RunOwner, neuron_python, retryable, run_logger, submit,
-                         write_json)
+from tasks.jobs import (
+    DistributedTask,
+    JobError,
+    RunOwner,
+    neuron_python,
+    retryable,
+    run_logger,
+    submit,
+)
 
 MARKER = "precompile.json"
 # Fields that change the compiled graphs (global batch size only changes how often they run).

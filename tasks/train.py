@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,15 +20,56 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer
 from gpt.config import Config
+from gpt.files import write_json
+from gpt.metrics import train_line, valid_line
 from tasks.cluster import ClusterConfig
-from tasks.jobs import (DistributedTask, JobError, JobRecord, RunOwner, _run_context, neuron_python, retryable,
-                        run_logger, submit, write_json)
+from tasks.jobs import (
+    DistributedTask,
+    JobError,
+    JobRecord,
+    RunOwner,
+    _run_context,
+    neuron_python,
+    retryable,
+    run_logger,
+    submit,
+)
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
 
-ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
-STREAMED = re.compile(r"\biteration\s+\d+\s*/|validation loss at iteration|^resumed from|stopping at iteration")
+
+
+class MetricsFollower:
+    """Records appended to a metrics.jsonl since the last call (a line still being written waits).
+    The job cuts the file back when it resumes from a checkpoint: records up to the newest one
+    already read are skipped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+        self.seen: dict[str, int] = {}
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            if self.path.stat().st_size < self.offset:
+                self.offset, self.partial = 0, b""
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return []
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in complete:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record["iteration"] > self.seen.get(record["kind"], 0):
+                self.seen[record["kind"]] = record["iteration"]
+                out.append(record)
+        return out
 
 
 class TrainResult(BaseModel):
@@ -116,18 +156,27 @@ def _train_owned(resolved: Config, cluster: ClusterConfig, root: Path,
     total = resolved.total_iters
     progress = Progress("training-progress", f"{resolved.model} on {cluster.name}: iterations done")
 
-    def on_line(line: str) -> None:
-        if STREAMED.search(line):
-            logger.info("%s", line.strip())
-        m = ITERATION.search(line)
-        if m:
-            progress.update(int(m.group(1)), int(m.group(2)))
+    records = MetricsFollower(root / "metrics.jsonl")
+
+    def on_poll() -> None:
+        """The job's new metrics records: progress, and a log line per logged iteration."""
+        for r in records.new():
+            if r["kind"] == "valid":
+                logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
+                continue
+            progress.update(r["iteration"], total)
+            if r["iteration"] % resolved.log_interval == 0 or r["iteration"] == total:
+                logger.info("%s", train_line(
+                    iteration=r["iteration"], total=total, consumed=r["consumed_samples"], elapsed_ms=r["elapsed_ms"],
+                    lr=r["lr"], batch=resolved.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
+                    grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
+                    mfu_value=r["mfu"]))
 
     python = None
     if cluster.job_device == "neuron" and precompiled is not None:
         python = neuron_python(precompiled.cache_dir, compile_graphs=False)
     summary, job_id, nodes = submit(DistributedTask(resolved.to_dict()), cluster, run_dir=root,
-                                    job_name=f"train-{resolved.model}", python=python, on_line=on_line)
+                                    job_name=f"train-{resolved.model}", python=python, on_poll=on_poll)
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
     if total:

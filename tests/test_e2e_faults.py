@@ -20,7 +20,7 @@ from tasks.sample_corpus import sample_corpus
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ROOT = Path(__file__).resolve().parent.parent
-ITERS = 300
+ITERS = 100
 
 
 def _wait(predicate, timeout: float, what: str, every: float = 0.5):
