@@ -4,7 +4,10 @@
 // messages (files, or the parts of a multipart upload) are independent, so they are hashed side
 // by side in SIMD lanes: 32 with AVX-512 (two registers), 8 with AVX2, one otherwise. The
 // instruction set is chosen when the module loads, from what the CPU has.
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(MD5_PORTABLE)
+#define MD5_X86 1
 #include <immintrin.h>
+#endif
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <unistd.h>
@@ -71,13 +74,17 @@ struct V {
   static R i(R b, R c, R d) { return c ^ (b | ~d); }
   static R gather(const uint8_t *base, R offset) {
     uint32_t w;
-    std::memcpy(&w, base + offset, 4);   // x86 is little-endian, as MD5's words
+    std::memcpy(&w, base + offset, 4);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap32(w);            // MD5's words are little-endian
+#endif
     return w;
   }
 };
 #include "md5_lanes.inc"
 }  // namespace scalar
 
+#ifdef MD5_X86
 #pragma GCC push_options
 #pragma GCC target("avx2")
 namespace avx2 {
@@ -150,6 +157,7 @@ struct V {
 }  // namespace avx512x2
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+#endif  // MD5_X86
 
 using Engine = void (*)(const std::vector<Job> &, size_t &, std::vector<Stream> &, std::vector<Digest> &, size_t);
 enum class Isa { kNone, kAvx2, kAvx512 };
@@ -158,15 +166,23 @@ struct Width {
   Engine run;
   Isa needs;
 };
-const Width kWidths[] = {{32, avx512x2::hash_jobs, Isa::kAvx512},
-                         {16, avx512::hash_jobs, Isa::kAvx512},
-                         {8, avx2::hash_jobs, Isa::kAvx2},
-                         {1, scalar::hash_jobs, Isa::kNone}};
+// Widest first; on CPUs other than x86 (aarch64 head nodes) the portable one-lane engine.
+const Width kWidths[] = {
+#ifdef MD5_X86
+    {32, avx512x2::hash_jobs, Isa::kAvx512},
+    {16, avx512::hash_jobs, Isa::kAvx512},
+    {8, avx2::hash_jobs, Isa::kAvx2},
+#endif
+    {1, scalar::hash_jobs, Isa::kNone}};
 
 bool supported(const Width &w) {
+#ifdef MD5_X86
   static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")),
                     avx2 = __builtin_cpu_supports("avx2");
   return w.needs == Isa::kAvx512 ? avx512 : w.needs == Isa::kAvx2 ? avx2 : true;
+#else
+  return w.needs == Isa::kNone;
+#endif
 }
 
 size_t best_lanes() {

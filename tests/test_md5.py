@@ -69,3 +69,31 @@ def test_hasher_batches_concurrent_callers(tmp_path: Path) -> None:
     parts = [hashlib.md5(files[big][i:i + 50_000]).digest() for i in range(0, size, 50_000)]
     assert multipart_etag(big, 50_000) == f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
     assert HASHER.digests(big, [(size, 1)]) == [None]
+
+
+def test_the_portable_build_for_cpus_without_x86_simd(tmp_path, data_file) -> None:
+    """What aarch64 head nodes build: the same module with only the one-lane engine, same digests."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    import pybind11
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "native"
+    out.mkdir()
+    (out / "__init__.py").write_text("")
+    target = out / f"_native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-DMD5_PORTABLE",
+                    f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}",
+                    str(root / "native" / "index.cpp"), str(root / "native" / "md5.cpp"), "-o", str(target)],
+                   check=True, timeout=300)
+    fd, data = data_file
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from native._native import md5_lanes, md5_ranges; "
+            "fd = os.open(sys.argv[2], os.O_RDONLY); "
+            "print(md5_lanes(), *[d.hex() for d in md5_ranges([(fd, 0, 3_000_000), (fd, 7, 1000), (fd, 5, 0)])])")
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    lanes, *digests = subprocess.run([sys.executable, "-c", code, str(tmp_path), path], capture_output=True, text=True,
+                                     check=True, timeout=120).stdout.split()
+    assert lanes == "1"
+    assert digests == [hashlib.md5(data).hexdigest(), hashlib.md5(data[7:1007]).hexdigest(), hashlib.md5(b"").hexdigest()]
