@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tasks.sync as sync_module
-from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, Obj, PartFollower, SyncError, TransientSyncError,
+from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, Source, PartFollower, SyncError, TransientSyncError,
                         multipart_etag, sync, upload)
 from tests.fixtures_s3 import LIST_ONLY_BUCKET, SECRET_KEY, S3Server
 
@@ -105,8 +105,8 @@ def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypa
     submit = sync_module.HASHER.submit
     monkeypatch.setattr(sync_module.HASHER, "submit", lambda ranges: submitted.append((time.monotonic(), len(ranges)))
                         or submit(ranges))
-    big = Obj(f"s3://{bucket}/big.bin", "big.bin", len(data), etag)
-    copy = Obj(f"s3://{bucket}/copy.bin", "copy.bin", len(data), etag)
+    big = Source(f"s3://{bucket}/big.bin", "big.bin", len(data), etag)
+    copy = Source(f"s3://{bucket}/copy.bin", "copy.bin", len(data), etag)
     follower = PartFollower([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client())
     try:
         temp = tmp_path / "big.bin123456"       # how s5cmd names a download in progress
@@ -194,7 +194,7 @@ def test_large_objects_are_verified_with_the_stores_crc(s3: S3Server, monkeypatc
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config as BotoConfig
 
-    monkeypatch.setattr(sync_module, "CRC_MIN_BYTES", MIB)
+    monkeypatch.setattr("tasks.sync.integrity.CRC_MIN_BYTES", MIB)
     bucket, client = s3.new_bucket(), s3.client()
     files = {"whole.bin": blob(3 * MIB + 5, 1), "composite.bin": blob(11 * MIB + 7, 2), "plain.bin": blob(2 * MIB, 3),
              "small.txt": b"tiny"}
@@ -363,7 +363,7 @@ def test_transfer_errors_from_s5cmd_are_one_line(s3: S3Server, monkeypatch, tmp_
 
 
 def test_concurrent_sync_into_one_folder_is_refused(tmp_path: Path) -> None:
-    from tasks.sync import _lock
+    from tasks.sync.download import _lock
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a").write_text("a")
     (tmp_path / "dest" / PARTIAL_DIR).mkdir(parents=True)

