@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks import benchmark_history as bh
+from tasks import benchmark_history
 from tasks.report import png_markdown
 
 MODULES = {
@@ -96,7 +96,7 @@ def benchmark(
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
         raise ValueError(f"suite: labels {duplicates} appear more than once; give each entry its own label")
-    store = bh.History(history, endpoint_url=endpoint_url)
+    store = benchmark_history.History(history, endpoint_url=endpoint_url)
     past = store.read()
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
@@ -110,21 +110,21 @@ def benchmark(
         else:
             errors[spec.key] = str(state.message or state.name)
     record = {
-        "time": bh.now(), "flow_run_id": str(flow_run.get_id() or ""), "machine": bh.machine_facts(),
+        "time": benchmark_history.now(), "flow_run_id": str(flow_run.get_id() or ""), "machine": benchmark_history.machine_facts(),
         "params": {"suite": [s.model_dump() for s in suite], "regression_threshold": regression_threshold},
-        "results": results, "metrics": bh.flatten(results), "errors": errors, "wall_s": seconds,
+        "results": results, "metrics": benchmark_history.flatten(results), "errors": errors, "wall_s": seconds,
     }
     store.append(record)
-    rows = bh.compare(record, past, regression_threshold)
+    rows = benchmark_history.compare(record, past, regression_threshold)
     regressions = [r["metric"] for r in rows if r["regression"]]
     create_table_artifact(
-        bh.table_rows(rows), key="benchmark-results",
+        benchmark_history.table_rows(rows), key="benchmark-results",
         description=f"{len(rows)} metrics on {record['machine']['cpu']} / {record['machine']['gpu'] or 'no GPU'}; "
                     f"regressions (worse than {regression_threshold:.0%} vs previous): "
                     f"{', '.join(regressions) or 'none'}; failed: {', '.join(errors) or 'none'}; history {store.uri}",
     )
     same = [h for h in past if h.get("machine", {}).get("key") == record["machine"]["key"]] + [record]
-    png = bh.trend_png(same, sorted(record["metrics"]))
+    png = benchmark_history.trend_png(same, sorted(record["metrics"]))
     if png:
         create_markdown_artifact(f"## Benchmark trends ({len(same)} runs on this hardware)\n\n"
                                  f"{png_markdown(png, 'trend per metric')}\n", key="benchmark-trends")

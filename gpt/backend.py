@@ -62,10 +62,6 @@ class Backend:
             import torch_xla.core.xla_model as xm
             xm.mark_step()
 
-    def synchronize(self) -> None:
-        if self.name == "cuda":
-            torch.cuda.synchronize()
-
     def peak_flops(self, precision: str) -> float | None:
         """Peak FLOP/s of one device from PEAK_FLOPS, or None when unknown (CPU)."""
         if self.name == "cuda":

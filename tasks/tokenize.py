@@ -517,7 +517,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--vocab-size", type=int, default=50257, help="size of the BPE trained when no vocab is given")
-    p.add_argument("--log-interval", type=int, default=None, help="accepted for compatibility; progress prints every 2 s")
     a = p.parse_args(argv)
     try:
         m = tokenize(a.input, a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,

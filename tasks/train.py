@@ -110,7 +110,7 @@ def resolved_config(config: Config, run_dir: Path, precompiled: "PrecompileManif
     return dataclasses.replace(config, **changes)
 
 
-def pinned(cluster: ClusterConfig, precompiled: "PrecompileManifest | None") -> ClusterConfig:
+def on_compiled_nodes(cluster: ClusterConfig, precompiled: "PrecompileManifest | None") -> ClusterConfig:
     """Training runs on the nodes the compile ran on."""
     if precompiled is None or not precompiled.nodelist or cluster.kind != "slurm":
         return cluster
@@ -140,7 +140,7 @@ def train(config: Config, cluster: ClusterConfig, *, run_dir: str,
     checkpoint in run_dir. The run folder has one owner while this runs (tasks.jobs.RunOwner)."""
     root = Path(run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    cluster = pinned(cluster, precompiled)
+    cluster = on_compiled_nodes(cluster, precompiled)
     resolved = resolved_config(config, root, precompiled)
     resolved.validate(world_size=cluster.world_size)
     with RunOwner(root):
@@ -191,8 +191,8 @@ def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Inputs that decide what training produces: a precompile result counts by which cache and
     nodes it names, not by whether that cache was just built or found (the hit flag, timings)."""
     pre = parameters.get("precompiled")
-    pinned = (pre.cache_dir, pre.key, pre.nodelist) if pre is not None else None
-    return hash_objects(parameters["config"], parameters["cluster"], parameters["run_dir"], pinned)
+    compiled = (pre.cache_dir, pre.key, pre.nodelist) if pre is not None else None
+    return hash_objects(parameters["config"], parameters["cluster"], parameters["run_dir"], compiled)
 
 
 train_task = task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retryable,

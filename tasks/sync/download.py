@@ -46,7 +46,7 @@ from tasks.sync.s5cmd import _raise_first, run_s5cmd
 VERIFY_THREADS = 32
 
 
-def _settle(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
+def _await_verifications(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
             remote: Remote, mismatch: str) -> None:
     """Wait for the verifications still running, then raise the transfer's first error, if any."""
     for fut in cf.as_completed(futures):
@@ -226,7 +226,7 @@ def _sync_locked(sources: list[str], objs: list[Source], root: Path, partial: Pa
             errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in run.fetching.values()], remote,
                                workers=workers, part_size_mb=part_size_mb, concurrency=concurrency,
                                on_done=run.downloaded) if run.fetching else []
-            _settle(run.futures, run.progress, errors, run.failures, remote, "does not match its ETag after download")
+            _await_verifications(run.futures, run.progress, errors, run.failures, remote, "does not match its ETag after download")
             ok = True
         finally:
             run.close()

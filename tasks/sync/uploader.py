@@ -8,7 +8,7 @@ from typing import Any
 
 import botocore.exceptions as bexc
 
-from tasks.sync.download import VERIFY_THREADS, _settle
+from tasks.sync.download import VERIFY_THREADS, _await_verifications
 from tasks.sync.integrity import Check, verify
 from tasks.sync.listing import (
     MANIFEST_NAME,
@@ -95,7 +95,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
                            part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
         try:
-            _settle(futures, progress, errors, failures, remote, "does not match its local file after upload")
+            _await_verifications(futures, progress, errors, failures, remote, "does not match its local file after upload")
         finally:
             progress.show(final=True)
     files = [entries[o.rel] for o in objs]
