@@ -4,7 +4,7 @@ GPU/CPU: a few torch.compile steps whose compiled artifacts gpt saves into ``com
 training loads them. Trainium: the same command under ``neuron_parallel_compile`` with a Neuron
 cache per node (``NEURON_CC_FLAGS=--cache_dir=<cache>/<node>``). The cache is keyed by model
 shape, parallel layout, torch version and device type; an existing cache skips the stage, and
-training is on_compiled_nodes to the nodelist the compile ran on.
+training is pinned to the nodelist the compile ran on.
 """
 from __future__ import annotations
 
