@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt.data import MMapIndexedDataset, write_index
+from gpt.data import DataIndex, MMapIndexedDataset, write_index
 from native import build_sample_idx
 from tasks.index import build_indices
 
@@ -183,14 +183,13 @@ def bench_stage(work: Path, tokens: int, documents: int, seq_length: int, split:
 
 def _same_arrays(manifest_path: Path, megatron_cache: Path) -> bool:
     """Every split's document, sample and shuffle index equals megatron-core's."""
-    manifest = json.loads(manifest_path.read_text())
-    for split, entry in manifest["splits"].items():
-        for part in entry["datasets"]:
+    for split, entry in DataIndex.read(manifest_path).splits.items():
+        for part in entry.datasets:
             for kind in ("document_index", "sample_index", "shuffle_index"):
                 theirs = list(megatron_cache.glob(f"*-GPTDataset-{split}-{kind}.npy"))
                 if len(theirs) != 1:
                     return False
-                ours = np.load(manifest_path.parent / part[kind])
+                ours = np.load(manifest_path.parent / getattr(part, kind))
                 if not np.array_equal(ours, np.load(theirs[0])):
                     return False
     return True

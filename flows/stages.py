@@ -2,12 +2,11 @@
 cached result whose outputs are gone or damaged run again; and the checks that tell."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from gpt.data import MMapIndexedDataset
+from gpt.data import DataIndex, MMapIndexedDataset
 
 
 class Stages:
@@ -43,14 +42,10 @@ def tokenized_intact(manifest: Any) -> bool:
 
 def index_intact(manifest: Any) -> bool:
     try:
-        splits = json.loads(Path(manifest.path).read_text())["splits"]
-    except (OSError, ValueError, KeyError):
+        files = DataIndex.read(manifest.path).files()
+    except ValueError:
         return False
-    folder = Path(manifest.path).parent
-    files = [part[k] for split in splits.values() for part in split["datasets"]
-             for k in ("document_index", "sample_index", "shuffle_index")]
-    files += [name for split in splits.values() if split.get("blend") for name in split["blend"].values()]
-    return all((folder / name).is_file() for name in files)
+    return all((Path(manifest.path).parent / name).is_file() for name in files)
 
 
 def export_intact(manifest: Any) -> bool:

@@ -12,10 +12,12 @@ manifest; every array is memory-mapped, so every rank shares one copy in the pag
 """
 from __future__ import annotations
 
-import json
 import contextlib
+import dataclasses
+import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -291,14 +293,71 @@ def _load_npy(path: Path) -> np.ndarray:
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
+@dataclass(frozen=True)
+class IndexedPart:
+    """One prefix's indices for one split; file names are relative to the manifest's folder."""
+    prefix: str
+    description: str
+    document_index: str
+    sample_index: str
+    shuffle_index: str
+
+
+@dataclass(frozen=True)
+class Blend:
+    """For each sample of a blended split: which part, and which sample of that part."""
+    dataset_index: str
+    dataset_sample_index: str
+
+
+@dataclass(frozen=True)
+class IndexedSplit:
+    datasets: list[IndexedPart]
+    blend: Blend | None
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class DataIndex:
+    """The index manifest (``<digest>-index.json``): written by tasks.index, read by GPTDataset."""
+    seq_length: int
+    add_extra_token: int
+    seed: int
+    split: str
+    splits: dict[str, IndexedSplit]
+    version: int = 1
+
+    def files(self) -> list[str]:
+        """Every index file the manifest names."""
+        out = [getattr(p, k) for s in self.splits.values() for p in s.datasets
+               for k in ("document_index", "sample_index", "shuffle_index")]
+        return out + [getattr(s.blend, k) for s in self.splits.values() if s.blend
+                      for k in ("dataset_index", "dataset_sample_index")]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "DataIndex":
+        try:
+            raw = json.loads(Path(path).read_text())
+            splits = {name: IndexedSplit([IndexedPart(**p) for p in s["datasets"]],
+                                         Blend(**s["blend"]) if s.get("blend") else None, s["num_samples"])
+                      for name, s in raw["splits"].items()}
+            return cls(raw["seq_length"], raw.get("add_extra_token", 1), raw["seed"], raw["split"], splits,
+                       raw.get("version", 1))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: cannot read the index manifest ({e}); build it with `python -m tasks.index`") from e
+
+
 class _SplitPart:
     """One prefix's samples within a split: the document, sample and shuffle indices over its tokens."""
 
-    def __init__(self, entry: dict, root: Path, seq_length: int, add_extra_token: int) -> None:
-        self.data = MMapIndexedDataset(entry["prefix"])
-        self.document_index = _load_npy(root / entry["document_index"])
-        self.sample_index = _load_npy(root / entry["sample_index"])
-        self.shuffle_index = _load_npy(root / entry["shuffle_index"])
+    def __init__(self, part: IndexedPart, root: Path, seq_length: int, add_extra_token: int) -> None:
+        self.data = MMapIndexedDataset(part.prefix)
+        self.document_index = _load_npy(root / part.document_index)
+        self.sample_index = _load_npy(root / part.sample_index)
+        self.shuffle_index = _load_npy(root / part.shuffle_index)
         self.length = seq_length + add_extra_token
         self.add_extra_token = add_extra_token
 
@@ -337,23 +396,17 @@ class GPTDataset:
     @classmethod
     def from_index(cls, manifest_path: str | os.PathLike, split: str) -> "GPTDataset":
         manifest_path = Path(manifest_path)
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{manifest_path}: cannot read the index manifest ({e}); build it with `python -m tasks.index`") from e
-        splits = manifest.get("splits", {})
-        if split not in splits:
-            raise ValueError(f"{manifest_path}: no split {split!r}; it holds {sorted(splits)}")
-        entry = splits[split]
-        seq_length = int(manifest["seq_length"])
-        add_extra = int(manifest.get("add_extra_token", 1))
+        manifest = DataIndex.read(manifest_path)
+        if split not in manifest.splits:
+            raise ValueError(f"{manifest_path}: no split {split!r}; it holds {sorted(manifest.splits)}")
+        entry = manifest.splits[split]
         root = manifest_path.parent
-        parts = [_SplitPart(p, root, seq_length, add_extra) for p in entry["datasets"]]
-        if entry.get("blend"):
-            dataset_index = _load_npy(root / entry["blend"]["dataset_index"])
-            dataset_sample_index = _load_npy(root / entry["blend"]["dataset_sample_index"])
-            return cls(parts, seq_length, len(dataset_index), dataset_index, dataset_sample_index)
-        return cls(parts, seq_length, len(parts[0]) if parts else 0)
+        parts = [_SplitPart(p, root, manifest.seq_length, manifest.add_extra_token) for p in entry.datasets]
+        if entry.blend:
+            dataset_index = _load_npy(root / entry.blend.dataset_index)
+            dataset_sample_index = _load_npy(root / entry.blend.dataset_sample_index)
+            return cls(parts, manifest.seq_length, len(dataset_index), dataset_index, dataset_sample_index)
+        return cls(parts, manifest.seq_length, len(parts[0]) if parts else 0)
 
     def __len__(self) -> int:
         return self.num_samples

@@ -22,8 +22,8 @@ import numpy as np
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
+from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
 from gpt.files import replaced, write_atomic
-from gpt.data import MMapIndexedDataset
 from native import build_blending_indices, build_sample_idx
 
 SPLITS = ("train", "valid", "test")
@@ -142,7 +142,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[int, int], split: str, split_str: str,
-                num_samples: int, seq_length: int, seed: int, out_dir: Path) -> tuple[dict, int]:
+                num_samples: int, seq_length: int, seed: int, out_dir: Path) -> tuple[IndexedPart, int]:
     """Build (or find) one prefix's indices for one split; returns its manifest entry and sample count."""
     description = json.dumps({
         "class": "GPTDataset", "prefix": os.path.abspath(data.prefix), "files": fingerprint,
@@ -152,7 +152,7 @@ def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[in
     }, sort_keys=True)
     key = _md5(description)
     names = {k: f"{key}-GPTDataset-{split}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")}
-    entry = {"prefix": os.path.abspath(data.prefix), "description": description, **names}
+    entry = IndexedPart(prefix=os.path.abspath(data.prefix), description=description, **names)
     desc_path = out_dir / f"{key}-GPTDataset-{split}-description.txt"
     if all((out_dir / n).exists() for n in names.values()) and desc_path.exists():
         return entry, len(np.load(out_dir / names["shuffle_index"], mmap_mode="r"))
@@ -216,13 +216,13 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     blended = len(datasets) > 1
     bounds = [split_bounds(weights_split, len(d)) for d in datasets]
 
-    splits: dict[str, dict] = {}
+    splits: dict[str, IndexedSplit] = {}
     counts: dict[str, int] = {}
     for s, name in enumerate(SPLITS):
         target = int(num_samples.get(name, 0))
-        parts: list[dict] = []
+        parts: list[IndexedPart] = []
         if target == 0 or any(b[s + 1] <= b[s] for b in bounds):
-            splits[name] = {"datasets": [], "blend": None, "num_samples": 0}
+            splits[name] = IndexedSplit(datasets=[], blend=None, num_samples=0)
             counts[name] = 0
             continue
         sizes = []
@@ -234,12 +234,11 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
         blend = None
         if blended:
             blend = _build_blend(parts, weights, sizes, target, name, out)
-        splits[name] = {"datasets": parts, "blend": blend, "num_samples": target if blended else sizes[0]}
+        splits[name] = IndexedSplit(datasets=parts, blend=blend, num_samples=target if blended else sizes[0])
         counts[name] = target if blended else sizes[0]
 
-    manifest = {"version": 1, "seq_length": seq_length, "add_extra_token": ADD_EXTRA_TOKEN, "seed": seed,
-                "split": split, "splits": splits}
-    text = json.dumps(manifest, indent=1, sort_keys=True)
+    text = DataIndex(seq_length=seq_length, add_extra_token=ADD_EXTRA_TOKEN, seed=seed, split=split,
+                     splits=splits).to_json()
     digest = _md5(text)
     path = out / f"{digest}-index.json"
     write_atomic(path, text)
@@ -247,13 +246,14 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
                          max_token_ids={p: d.max_token_id() for (_, p), d in zip(entries, datasets)})
 
 
-def _build_blend(parts: list[dict], weights: list[float], sizes: list[int], target: int, split: str, out: Path) -> dict:
+def _build_blend(parts: list[IndexedPart], weights: list[float], sizes: list[int], target: int, split: str,
+                 out: Path) -> Blend:
     description = json.dumps({"class": "BlendedDataset", "weights": weights, "size": target,
-                              "datasets": [p["description"] for p in parts]}, sort_keys=True)
+                              "datasets": [p.description for p in parts]}, sort_keys=True)
     key = _md5(description)
-    names = {"dataset_index": f"{key}-BlendedDataset-{split}-dataset_index.npy",
-             "dataset_sample_index": f"{key}-BlendedDataset-{split}-dataset_sample_index.npy"}
-    if all((out / n).exists() for n in names.values()):
+    names = Blend(dataset_index=f"{key}-BlendedDataset-{split}-dataset_index.npy",
+                  dataset_sample_index=f"{key}-BlendedDataset-{split}-dataset_sample_index.npy")
+    if (out / names.dataset_index).exists() and (out / names.dataset_sample_index).exists():
         return names
     dataset_index = np.zeros(target, dtype=np.int16)
     dataset_sample_index = np.zeros(target, dtype=np.int64)
@@ -262,9 +262,9 @@ def _build_blend(parts: list[dict], weights: list[float], sizes: list[int], targ
     for d, size in enumerate(sizes):
         used = dataset_sample_index[dataset_index == d]
         if used.size and int(used.max()) >= size:
-            raise ValueError(f"{parts[d]['prefix']}: split {split!r} needs {int(used.max()) + 1} samples but holds {size}")
-    _save_npy(out / names["dataset_index"], dataset_index)
-    _save_npy(out / names["dataset_sample_index"], dataset_sample_index)
+            raise ValueError(f"{parts[d].prefix}: split {split!r} needs {int(used.max()) + 1} samples but holds {size}")
+    _save_npy(out / names.dataset_index, dataset_index)
+    _save_npy(out / names.dataset_sample_index, dataset_sample_index)
     return names
 
 
