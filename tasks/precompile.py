@@ -68,9 +68,12 @@ def _manifest(cache_dir: Path, key: str, hit: bool, marker: dict[str, Any], devi
 
 
 def compile_config(config: Config, cache_dir: Path, run_dir: Path) -> Config:
-    """The graph-extraction run: few steps, no checkpoints; metrics and TensorBoard go to run_dir."""
-    return dataclasses.replace(config, compile=True, precompile=True, compile_cache_dir=str(cache_dir),
-                               run_dir=str(run_dir))
+    """The graph-extraction run: few steps, no checkpoints; metrics and TensorBoard go to run_dir.
+    On Trainium the graphs come from neuron_parallel_compile tracing the XLA program, with
+    torch.compile off (inductor generates no code for XLA devices; torch-neuronx has no
+    torch.compile)."""
+    return dataclasses.replace(config, compile=config.device != "neuron", precompile=True,
+                               compile_cache_dir=str(cache_dir), run_dir=str(run_dir))
 
 
 def launcher(cluster: ClusterConfig, cache_dir: Path) -> str | None:

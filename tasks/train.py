@@ -105,8 +105,8 @@ class Progress:
 
 def resolved_config(config: Config, run_dir: Path, precompiled: "PrecompileManifest | None") -> Config:
     changes: dict[str, Any] = {"run_dir": str(run_dir)}
-    if precompiled is not None:
-        changes.update(compile=True, compile_cache_dir=precompiled.cache_dir)
+    if precompiled is not None:   # on Trainium the cache is Neuron's, filled with torch.compile off
+        changes.update(compile=config.device != "neuron", compile_cache_dir=precompiled.cache_dir)
     return dataclasses.replace(config, **changes)
 
 

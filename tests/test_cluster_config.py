@@ -132,3 +132,17 @@ def test_cache_key_follows_model_layout_and_device() -> None:
     assert base != cache_key(Config.from_preset("tiny", train_iters=10, seq_length=64), load_cluster("slurm-local"))
     assert base != cache_key(tiny, load_cluster("slurm-local", nodes=1))
     assert base != cache_key(tiny, load_cluster("slurm-local", device="cuda"))
+
+
+def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_off(tmp_path: Path) -> None:
+    """Inductor has no code generation for XLA devices: on Trainium neither the compile job nor
+    training may turn torch.compile on; CUDA and CPU jobs compile."""
+    from tasks.precompile import PrecompileManifest, compile_config
+    from tasks.train import resolved_config
+
+    manifest = PrecompileManifest(cache_dir=str(tmp_path), key="k", hit=False, nodelist=None,
+                                  time_to_first_iteration_s=None, device="neuron", digest="d")
+    for device, compiled in (("neuron", False), ("cuda", True), ("cpu", True)):
+        config = Config.from_preset("gpt3-1.3b", train_iters=100, device=device)
+        assert compile_config(config, tmp_path, tmp_path).compile is compiled
+        assert resolved_config(config, tmp_path, manifest).compile is compiled
