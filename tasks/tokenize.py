@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import glob
 import gzip
 import hashlib
@@ -40,9 +41,10 @@ from gpt.data import IndexedDatasetWriter, best_dtype
 EOD = "<|endoftext|>"
 CHUNK_BYTES = 4 << 20
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
-# grows without bound (about 7 MB per MB of random words). A worker whose memory has grown by more
-# than this since its engine was built starts a fresh engine; repetitive text never reaches it.
-ENCODER_CACHE_BYTES = 128 << 20
+# grows without bound (about 7 MB per MB of random words, on each encoding thread). Once this
+# process has grown by more than this since its engine was built, a fresh engine takes over;
+# repetitive text never reaches it.
+ENCODER_CACHE_BYTES = 64 << 20
 # A 4 MiB chunk encodes in well under a second; a chunk not done after this long means a stuck engine.
 CHUNK_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_KIND = 20
@@ -236,6 +238,15 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _release_free_memory() -> None:
+    """Hand freed heap memory back to the system (glibc keeps it otherwise, and resident memory
+    would ratchet up with every engine rebuilt)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class _Encoder:
     """The engine and what to encode, shared by the encoding threads."""
 
@@ -251,6 +262,7 @@ class _Encoder:
         finish on the engine they started with)."""
         if _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
             self.engine = build_encoder(self.vocab_file, self.merge_file)
+            _release_free_memory()          # what the old engine's caches held, once its chunks finish
             self.base_rss = _rss_bytes()
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
