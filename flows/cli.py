@@ -10,8 +10,15 @@ from typing import Any
 
 import yaml
 
-from flows.params import (ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams,
-                          WeightedPrefix)
+from flows.params import (
+    ClusterParams,
+    DataParams,
+    OutputParams,
+    ParameterError,
+    TokenizerParams,
+    TrainingParams,
+    WeightedPrefix,
+)
 
 
 def _key_values(items: list[str], flag: str) -> dict[str, Any]:

@@ -8,11 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from flows.layout import Layout
-from flows.params import SAMPLE_VOCAB_SIZE, DataParams, ParameterError, TokenizerParams, is_remote, local_path
+from flows.params import (
+    SAMPLE_VOCAB_SIZE,
+    DataParams,
+    ParameterError,
+    TokenizerParams,
+    is_remote,
+)
 from flows.stages import Stages, tokenized_intact
 from tasks import report as reporting
 from tasks.sample_corpus import sample_corpus_task
-from tasks.sync import sync_task
+from tasks.sync import local_path, sync_task
 from tasks.tokenize import tokenize_task
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst")

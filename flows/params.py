@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpt.config import PRESETS, Config, ConfigError
 from tasks.cluster import ClusterConfig, load_cluster
 from tasks.index import parse_split
+from tasks.sync import local_path
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 
@@ -133,10 +134,6 @@ class Plan:
 
 def is_remote(uri: str) -> bool:
     return uri.startswith("s3://")
-
-
-def local_path(uri: str) -> str:
-    return uri[len("file://"):] if uri.startswith("file://") else uri
 
 
 def _jsonable(params: dict[str, BaseModel | str]) -> dict:

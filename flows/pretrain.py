@@ -19,7 +19,15 @@ from prefect.settings import PREFECT_API_URL
 
 from flows import data as data_stages
 from flows.layout import Layout
-from flows.params import ClusterParams, DataParams, ModelName, OutputParams, TokenizerParams, TrainingParams, check
+from flows.params import (
+    ClusterParams,
+    DataParams,
+    ModelName,
+    OutputParams,
+    TokenizerParams,
+    TrainingParams,
+    check,
+)
 from flows.stages import Stages, export_intact, index_intact
 from tasks import report as reporting
 from tasks.export import export_task

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "deployments" / "clusters"
 PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"

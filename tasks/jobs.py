@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -17,7 +16,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +31,8 @@ from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster import ClusterConfig, ClusterError, credential_variables
+from tasks.run_context import flow_run_cancelled, flow_run_id, run_logger
+from tasks.run_owner import RunBusy, RunOwner
 
 log = logging.getLogger(__name__)
 
@@ -171,44 +171,6 @@ def _exit_on_sigterm() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-# ---------------------------------------------------------------- Prefect glue (only inside a run)
-
-
-def _run_context() -> Any:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return TaskRunContext.get() or FlowRunContext.get()
-
-
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    if _run_context() is not None:
-        from prefect.logging import get_run_logger
-
-        return get_run_logger()
-    return log
-
-
-def _flow_run_id() -> Any:
-    ctx = _run_context()
-    if ctx is None:
-        return None
-    run = getattr(ctx, "task_run", None)
-    return run.flow_run_id if run is not None else ctx.flow_run.id
-
-
-def _flow_run_cancelled(flow_run_id: Any) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.objects import StateType
-
-    try:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run_id).state
-    except Exception as e:  # an unreachable API must not stop the watch; the next check retries
-        log.warning("could not read flow run %s: %s", flow_run_id, e)
-        return False
-    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
-
-
 # ---------------------------------------------------------------- submission and monitoring
 
 
@@ -290,57 +252,6 @@ def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str |
     ex.update_parameters(tasks_per_node=cluster.tasks_per_node, nodes=1, timeout_min=cluster.time_limit,
                          setup=[*([f"unset {' '.join(credentials)}"] if credentials else []), *cluster.setup_lines()])
     return ex
-
-
-class RunBusy(JobError):
-    """Another process owns the run folder."""
-
-
-class RunOwner:
-    """One owner per run folder: an exclusive lock on ``<run_dir>/.owner`` that the operating system
-    drops when its holder dies, however it dies. The file names the holder, for the message a second
-    run gets. Nested use in one process (a stage that owns the folder submitting a job into it)
-    holds the one lock."""
-
-    _held: dict[Path, int] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir).resolve() / ".owner"
-        self.fd: int | None = None
-
-    def __enter__(self) -> "RunOwner":
-        with self._lock:
-            if self.path in self._held:
-                self._held[self.path] += 1
-                return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise RunBusy(f"run folder {self.path.parent} is in use by {holder}: wait for that run to finish (or "
-                          "cancel it), or set output.run_name to train in another folder") from None
-        os.ftruncate(fd, 0)
-        flow_run = _flow_run_id()
-        os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}" + (f", flow run {flow_run}" if flow_run else "")
-                       + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}").encode(), 0)
-        with self._lock:
-            self._held[self.path] = 1
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._lock:
-            self._held[self.path] -= 1
-            if self._held[self.path]:
-                return
-            del self._held[self.path]
-        if self.fd is not None:
-            os.close(self.fd)       # releases the lock
-            self.fd = None
 
 
 @dataclass
@@ -450,7 +361,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
     with _ACTIVE_LOCK:
         _ACTIVE[job_id] = running
     result_paths = JobPaths(folder, job_id=job_id, task_id=0)
-    flow_run_id = _flow_run_id()
+    followed_run = flow_run_id()
     last: tuple[str, str, str] | None = None
     nodes = ""
     next_cancel_check = time.monotonic() + CANCEL_CHECK_S
@@ -481,9 +392,9 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 result = _await_result(result_paths)
                 if result is not None or running.kind == "local" or not _requeued(job_id):
                     break
-            if flow_run_id is not None and time.monotonic() > next_cancel_check:
+            if followed_run is not None and time.monotonic() > next_cancel_check:
                 next_cancel_check = time.monotonic() + CANCEL_CHECK_S
-                if _flow_run_cancelled(flow_run_id):
+                if flow_run_cancelled(followed_run):
                     raise FlowRunCancelled(f"flow run cancelled: job {job_id} cancelled")
             if not threading.main_thread().is_alive():
                 raise JobError(f"the submitting process is exiting: job {job_id} cancelled")

@@ -23,15 +23,9 @@ from pydantic import BaseModel, ConfigDict
 from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster import ClusterConfig
-from tasks.jobs import (
-    DistributedTask,
-    JobError,
-    RunOwner,
-    neuron_python,
-    retryable,
-    run_logger,
-    submit,
-)
+from tasks.jobs import DistributedTask, JobError, neuron_python, retryable, submit
+from tasks.run_context import run_logger
+from tasks.run_owner import RunOwner
 
 MARKER = "precompile.json"
 # Fields that change the compiled graphs (global batch size only changes how often they run).

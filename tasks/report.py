@@ -15,9 +15,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from gpt.files import write_atomic
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from gpt.files import write_atomic
 
 
 def _fmt(value: Any, digits: int = 4) -> str:

@@ -29,7 +29,6 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from typing import IO, Iterator
 
 import numpy as np
@@ -37,8 +36,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
+from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe
 
-EOD = "<|endoftext|>"
 CHUNK_BYTES = 4 << 20
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
 # grows without bound (about 7 MB per MB of random words, on each encoding thread). Once this
@@ -50,10 +49,6 @@ CHUNK_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_KIND = 20
 SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "blank_line")
 COMPRESSED = (".gz", ".xz", ".zst")
-
-
-class TokenizeError(ValueError):
-    """Bad input or arguments; the message names the file, line or flag."""
 
 
 class TokenizeManifest(BaseModel):
@@ -72,65 +67,6 @@ class TokenizeManifest(BaseModel):
     vocab_size: int
     eod_id: int
     digest: str
-
-
-# ---------------------------------------------------------------------------------- tokenizer
-
-def load_vocab(vocab_file: str, merge_file: str) -> tuple[dict[str, int], int]:
-    """The GPT-2 vocabulary and its end-of-document id; a clear error for unusable files."""
-    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-        if not os.path.isfile(path):
-            raise TokenizeError(f"{flag} {path}: file not found")
-    try:
-        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise TokenizeError(f"{vocab_file}: not a GPT-2 vocab.json ({e})") from e
-    if not isinstance(vocab, dict) or not vocab:
-        raise TokenizeError(f"{vocab_file}: expected a JSON object mapping tokens to ids")
-    if EOD not in vocab:
-        raise TokenizeError(f"{vocab_file}: no {EOD} entry; add it as the end-of-document token")
-    return vocab, int(vocab[EOD])
-
-
-def build_hf_tokenizer(vocab_file: str, merge_file: str):
-    """HuggingFace byte-level BPE from GPT-2 files, with no special tokens (EOD text stays text)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    try:
-        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
-    except Exception as e:
-        raise TokenizeError(f"{vocab_file} / {merge_file}: cannot build a BPE tokenizer ({e})") from e
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def build_encoder(vocab_file: str, merge_file: str):
-    import gigatoken
-
-    return gigatoken.Tokenizer(build_hf_tokenizer(vocab_file, merge_file))
-
-
-def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = 50257) -> tuple[str, str]:
-    """Train a byte-level BPE and save it as GPT-2's ``vocab.json``/``merges.txt`` in ``out_dir``.
-
-    ``<|endoftext|>`` takes the last id, as in GPT-2.
-    """
-    from tokenizers import ByteLevelBPETokenizer
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=vocab_size - 1, min_frequency=2, show_progress=False)
-    tmp_dir = Path(out_dir) / f".bpe-tmp-{os.getpid()}"
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    bpe.save_model(str(tmp_dir))
-    vocab = json.loads((tmp_dir / "vocab.json").read_text(encoding="utf-8"))
-    vocab[EOD] = len(vocab)
-    (tmp_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    vocab_file, merge_file = str(Path(out_dir) / "vocab.json"), str(Path(out_dir) / "merges.txt")
-    os.replace(tmp_dir / "merges.txt", merge_file)
-    os.replace(tmp_dir / "vocab.json", vocab_file)
-    tmp_dir.rmdir()
-    return vocab_file, merge_file
 
 
 # ---------------------------------------------------------------------------------- input

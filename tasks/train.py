@@ -27,13 +27,12 @@ from tasks.jobs import (
     DistributedTask,
     JobError,
     JobRecord,
-    RunOwner,
-    _run_context,
     neuron_python,
     retryable,
-    run_logger,
     submit,
 )
+from tasks.run_context import run_context, run_logger
+from tasks.run_owner import RunOwner
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
@@ -89,7 +88,7 @@ class Progress:
     def __init__(self, key: str, description: str) -> None:
         self.id = None
         self.last = -1.0
-        if _run_context() is not None:
+        if run_context() is not None:
             from prefect.artifacts import create_progress_artifact
 
             self.id = create_progress_artifact(progress=0.0, key=key, description=description)

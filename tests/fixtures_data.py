@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.tokenize import shakespeare_documents, shakespeare_texts
 
+
 @pytest.fixture(scope="session")
 def shakespeare_dir(tmp_path_factory) -> Path:
     """Directory of Shakespeare's plays as plain-text files (about 9 MB)."""
@@ -28,7 +29,8 @@ def shakespeare_jsonl(shakespeare_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bpe_vocab(shakespeare_jsonl, tmp_path_factory) -> tuple[Path, Path]:
     """(vocab.json, merges.txt): a 2,000-entry GPT-2-format byte-level BPE trained on the plays."""
-    from tasks.tokenize import iter_texts, train_bpe
+    from tasks.bpe import train_bpe
+    from tasks.tokenize import iter_texts
 
     out = tmp_path_factory.mktemp("bpe")
     vocab, merges = train_bpe(iter_texts([str(shakespeare_jsonl)], "text", 1 << 20), str(out), vocab_size=2000)

@@ -17,8 +17,8 @@ from prefect import flow
 
 from gpt.config import Config
 from tasks.cluster import ClusterError, load_cluster
-from tasks.precompile import precompile
 from tasks.jobs import slurm_state
+from tasks.precompile import precompile
 from tasks.train import train, train_task
 
 pytestmark = pytest.mark.slurm

@@ -6,8 +6,15 @@ import struct
 import numpy as np
 import pytest
 
-from gpt.data import (DTYPE_CODES, IndexedDatasetWriter, IndexFormatError, MMapIndexedDataset, MockGPTDataset,
-                      best_dtype, merge)
+from gpt.data import (
+    DTYPE_CODES,
+    IndexedDatasetWriter,
+    IndexFormatError,
+    MMapIndexedDataset,
+    MockGPTDataset,
+    best_dtype,
+    merge,
+)
 
 
 def independent_read(prefix: str) -> tuple[np.dtype, list[np.ndarray], list[int]]:

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt.export import ExportError, export, find_checkpoint, load_checkpoint, load_hf, to_hf_state_dict
+from gpt.export import (
+    ExportError,
+    export,
+    find_checkpoint,
+    load_checkpoint,
+    load_hf,
+    to_hf_state_dict,
+)
 from gpt.generate import complete, generate, load
 from tasks.index import build_indices
 from tasks.tokenize import tokenize

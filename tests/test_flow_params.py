@@ -6,9 +6,17 @@ import json
 import pytest
 from prefect.utilities.callables import parameter_schema
 
-from flows.params import (ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams,
-                          TrainingParams, WeightedPrefix, check)
 from flows.cli import parse_args
+from flows.params import (
+    ClusterParams,
+    DataParams,
+    OutputParams,
+    ParameterError,
+    TokenizerParams,
+    TrainingParams,
+    WeightedPrefix,
+    check,
+)
 from flows.pretrain import pretrain
 from gpt.config import PRESETS
 

@@ -9,7 +9,14 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams
+from flows.params import (
+    ClusterParams,
+    DataParams,
+    OutputParams,
+    ParameterError,
+    TokenizerParams,
+    TrainingParams,
+)
 from flows.pretrain import pretrain
 from tasks.sample_corpus import sample_corpus
 

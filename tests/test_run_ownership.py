@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tasks.cluster import load_cluster
-from tasks.jobs import RunBusy, slurm_state
+from tasks.jobs import slurm_state
+from tasks.run_owner import RunBusy
 from tasks.train import train
 from tests.test_cluster_slurm import tiny
 

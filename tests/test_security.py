@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from flows.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams, check
+from flows.params import (
+    ClusterParams,
+    DataParams,
+    OutputParams,
+    ParameterError,
+    TokenizerParams,
+    TrainingParams,
+    check,
+)
 from tasks.cluster import ClusterError, load_cluster
 from tasks.jobs import submit
 

@@ -14,8 +14,17 @@ from pathlib import Path
 import pytest
 
 import tasks.sync as sync_module
-from tasks.sync import (MANIFEST_NAME, PARTIAL_DIR, Source, PartFollower, SyncError, TransientSyncError,
-                        multipart_etag, sync, upload)
+from tasks.sync import (
+    MANIFEST_NAME,
+    PARTIAL_DIR,
+    PartFollower,
+    Source,
+    SyncError,
+    TransientSyncError,
+    multipart_etag,
+    sync,
+    upload,
+)
 from tests.fixtures_s3 import LIST_ONLY_BUCKET, SECRET_KEY, S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -449,6 +458,7 @@ def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, 
                                                                   prefect_harness) -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
+
     from tasks.sync import sync_task
 
     bucket, files = corpus

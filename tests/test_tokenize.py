@@ -12,7 +12,8 @@ import pytest
 import zstandard
 
 from gpt.data import MMapIndexedDataset
-from tasks.tokenize import EOD, TokenizeError, build_hf_tokenizer, tokenize
+from tasks.bpe import EOD, build_hf_tokenizer
+from tasks.tokenize import TokenizeError, tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
