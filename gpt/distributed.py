@@ -150,6 +150,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
+def shutdown(finished: bool) -> None:
+    """Leave the process group. After a run every rank finished, wait for all of them first: a
+    rank that tears down while its peer still talks to it can take the peer down at exit. After
+    an error, leave at once (the others may be inside another collective)."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()

@@ -265,11 +265,14 @@ def main(config: Config) -> dict[str, Any]:
     start = time.time()
     backend = get_backend(config.device, config.precision)
     env = init_distributed(backend, config.tensor_parallel)
+    finished = False
     try:
         config.validate(env.world_size)
-        return _run(config, backend, env, start)
+        summary = _run(config, backend, env, start)
+        finished = True
+        return summary
     finally:
-        shutdown()
+        shutdown(finished)
 
 
 def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[str, Any]:
