@@ -386,8 +386,6 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
                                    f"nodelist={cluster.nodelist}); change the cluster configuration")
-            if state == "PENDING" and reason == "BeginTime" and _requeued_by_itself(record, job_id):
-                _start_now(job_id)              # a requeued job would otherwise wait a while for nothing
             if state in TERMINAL or state in ("GONE", "FINISHED"):
                 result = _await_result(result_paths)
                 if result is not None or running.kind == "local" or not _requeued(job_id):
@@ -412,17 +410,6 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             logger.warning("cancelling job %s", job_id)
             running.cancel()
             record.state(job_id, "CANCELLED", "cancelled by the submitting process", nodes)
-
-
-def _requeued_by_itself(record: JobRecord, job_id: str) -> bool:
-    job = next((j for j in record.jobs if j["job_id"] == job_id), None)
-    return job is not None and any(s["state"] == "RUNNING" for s in job["states"])
-
-
-def _start_now(job_id: str) -> None:
-    r = _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
-    if r.returncode != 0:
-        log.warning("could not release requeued job %s: %s", job_id, r.stderr.strip())
 
 
 def neuron_python(cache_root: str, *, compile_graphs: bool) -> str:
