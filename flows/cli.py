@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tp", type=int, dest="tensor_parallel")
     p.add_argument("--dp", type=int, dest="data_parallel")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "neuron"])
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16", "fp8"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile with a precompile stage first (default on)")
     p.add_argument("--benchmark", action="store_true", default=None)

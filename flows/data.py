@@ -2,7 +2,6 @@
 and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from flows.params import (
 )
 from flows.stages import Stages, tokenized_intact
 from tasks import report as reporting
+from tasks.bpe import load_vocab, vocabulary_size
 from tasks.sample_corpus import sample_corpus_task
 from tasks.sync import local_path, sync_task
 from tasks.tokenize import tokenize_task
@@ -29,7 +29,7 @@ class Dataset:
     blend: list[tuple[float, str]] = field(default_factory=list)   # (weight, local prefix) for the index stage
     vocab_file: str | None = None
     merge_file: str | None = None
-    vocab_size: int | None = None                                    # None: the model preset's
+    vocab_size: int = 0                                              # the vocabulary's, decided here only
     tokenized: Any = None                                            # tasks.tokenize.TokenizeManifest
 
 
@@ -45,9 +45,7 @@ def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages
         out.tokenized = sync_and_tokenize(sources, data, tokenizer, out, layout, stages)
         out.vocab_file, out.merge_file = out.tokenized.vocab_file, out.tokenized.merge_file
         out.blend += [(data.weight, p) for p in out.tokenized.prefixes.values()]
-        out.vocab_size = out.tokenized.vocab_size
-    elif out.vocab_file:
-        out.vocab_size = len(json.loads(Path(out.vocab_file).read_text()))
+    out.vocab_size = vocabulary_size(load_vocab(out.vocab_file, out.merge_file)[0])
     return out
 
 
@@ -101,11 +99,11 @@ def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages) -> list[tup
     return out
 
 
-def check_vocabulary(index: Any, dataset: Dataset, vocab_size: int) -> None:
+def check_vocabulary(index: Any, dataset: Dataset) -> None:
     """Token ids beyond the vocabulary would crash the embedding mid-training: say so now."""
-    bad = {p: m for p, m in index.max_token_ids.items() if m >= vocab_size}
+    bad = {p: m for p, m in index.max_token_ids.items() if m >= dataset.vocab_size}
     if bad:
         raise ParameterError([f"data: {p}.bin holds token id {m}, but the vocabulary "
-                              f"{dataset.vocab_file or '(the model preset)'} has only {vocab_size} entries: the data "
+                              f"{dataset.vocab_file} has only {dataset.vocab_size} entries: the data "
                               "was tokenized with another vocabulary; give that vocabulary or tokenize again"
                               for p, m in sorted(bad.items())])

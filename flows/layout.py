@@ -1,23 +1,29 @@
 """Where a run's files live under ``output.root``: run folders beside ``data/``, which holds what
 runs share (synced sources, tokenizers, tokenized data, indices, compile caches), each in a folder
-named by a digest of what it was made from, so that other inputs never land on top of it."""
+named by a digest of what it was made from, so that other inputs never land on top of it.
+
+Run folder (written by the train stage and the training job)::
+
+    config.json     the gpt Config the ranks ran    cluster.json   the cluster it ran on
+    jobs.json       job ids, state history          jobs/          sbatch scripts, per-rank logs
+    metrics.jsonl   tensorboard/   checkpoints/     hf/ (the export)   loss.png
+"""
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-def digest(*parts: Any) -> str:
-    """A short, stable name for some inputs."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+from tasks.digest import digest
 
 
 @dataclass(frozen=True)
 class Layout:
     root: Path                      # output.root, resolved
+
+    def run(self, name: str) -> Path:
+        """A run folder."""
+        return self.root / name
 
     @property
     def data(self) -> Path:
@@ -43,5 +49,6 @@ class Layout:
     def index(self) -> Path:
         return self.data / "index"
 
-    def compile_cache(self) -> Path:
-        return self.data / "compile-cache"
+    def compile_cache(self, key: str) -> Path:
+        """The graph cache of one model shape and parallel layout (tasks.precompile.cache_key)."""
+        return self.data / "compile-cache" / key

@@ -9,7 +9,6 @@ parameters; `--help` lists them (flows/cli.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from flows import data as data_stages
-from flows.layout import Layout
 from flows.params import (
     ClusterParams,
     DataParams,
@@ -26,8 +24,8 @@ from flows.params import (
     OutputParams,
     TokenizerParams,
     TrainingParams,
-    check,
 )
+from flows.plan import make_plan
 from flows.stages import Stages, export_intact, index_intact
 from tasks import report as reporting
 from tasks.export import export_task
@@ -56,49 +54,42 @@ def pretrain(
         cluster: Where training runs: a preset from deployments/clusters plus overrides.
         output: Root folder on shared storage, run name, and an s3:// URI to upload the run to.
     """
-    plan = check(model, data, tokenizer, training, cluster, output)
-    layout, run_dir, stages = Layout(plan.root), str(plan.run_dir), Stages()
-    print(f"run folder {run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
+    plan = make_plan(model, data, tokenizer, training, cluster, output)
+    stages = Stages()
+    print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {cluster.preset!r})")
     reporting.plan_table(plan)
 
-    dataset = data_stages.prepare(data, tokenizer, layout, stages)
-    config = dataclasses.replace(plan.config, vocab_size=dataset.vocab_size or plan.config.vocab_size, run_dir=run_dir)
-    index = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=config.seq_length,
-                       seed=config.seed, num_samples=config.num_samples(), out_dir=str(layout.index()),
+    dataset = data_stages.prepare(data, tokenizer, plan.layout, stages)
+    index = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=plan.config.seq_length,
+                       seed=plan.config.seed, num_samples=plan.config.num_samples(), out_dir=str(plan.layout.index()),
                        intact=index_intact)
-    data_stages.check_vocabulary(index, dataset, config.vocab_size)
-    config = dataclasses.replace(config, data_index=index.path)
-    config.validate(world_size=plan.world_size)
+    data_stages.check_vocabulary(index, dataset)
+    plan = plan.with_data(dataset.vocab_size, index.path)
 
     compiled = None
-    if config.compile or config.device == "neuron":
-        compiled = stages.run("precompile", precompile_task, config, plan.cluster,
-                              cache_root=str(layout.compile_cache()), run_dir=run_dir)
+    if plan.precompiles:
+        compiled = stages.run("precompile", precompile_task, plan.config, plan.cluster)
     else:
         stages.skip("precompile", "training.compile is off: nothing to compile")
-    result = stages.run("train", train_task, config, plan.cluster, run_dir=run_dir, precompiled=compiled)
+    result = stages.run("train", train_task, plan.config, plan.cluster, precompiled=compiled)
 
-    exported = None
-    if dataset.vocab_file and dataset.merge_file:
-        exported = stages.run("export", export_task, run_dir, dataset.vocab_file, dataset.merge_file,
-                              intact=export_intact)
-    else:
-        stages.skip("export", "no vocabulary files: the model preset's vocabulary cannot be exported")
+    exported = stages.run("export", export_task, result.run_dir, dataset.vocab_file, dataset.merge_file,
+                          intact=export_intact)
     url = flow_run.get_flow_run_ui_url() if PREFECT_API_URL.value() else None  # None: a temporary server
     figures = reporting.report_task(
         model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
-        seq_length=config.seq_length, stages=stages.records, job_ids=result.job_ids,
+        seq_length=plan.config.seq_length, stages=stages.records, job_ids=result.job_ids,
         uploaded_to=output.uri, flow_run_url=url, exported=exported,
     )
     if output.uri:  # last, so the upload holds the loss plot and the export too
-        stages.run("upload", upload_task, run_dir, output.uri, endpoint_url=output.endpoint_url,
+        stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
                    profile=output.profile or data.profile)
     return {
         **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,
         "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": [dataset.vocab_file, dataset.merge_file],
-        "export": exported.path if exported else None, "uploaded_to": output.uri, "flow_run": url,
+        "export": exported.path, "uploaded_to": output.uri, "flow_run": url,
         "job_ids": result.job_ids, "stages": stages.records,
     }
 

@@ -53,7 +53,10 @@ _CHOICES = {
     "lr_decay_style": ("cosine", "linear", "constant"),
     "data_parallel_mode": ("fsdp", "ddp"),
     "device": ("auto", "cpu", "cuda", "neuron"),
-    "precision": ("fp32", "bf16", "fp16"),
+    "precision": ("fp32", "bf16", "fp16", "fp8"),
+    "fp8_recipe": ("tensorwise", "rowwise"),
+    "compile_scope": ("blocks", "model"),
+    "activation_checkpointing_scope": ("block", "attention", "mlp"),
 }
 
 
@@ -61,7 +64,7 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and what to change."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: str = "tiny"                        # preset name: fills every field below left as None
     num_layers: int | None = None
@@ -92,9 +95,12 @@ class Config:
     tensor_parallel: int = 1
     data_parallel_mode: str = "ddp"            # "ddp" or "fsdp" (FSDP2 fully_shard)
     device: str = "auto"
-    precision: str = "bf16"
+    precision: str = "bf16"                    # fp8: bf16 autocast with torchao float8 linears (Hopper or later)
+    fp8_recipe: str = "tensorwise"             # torchao float8 scaling: "tensorwise" or "rowwise"
     compile: bool = False
+    compile_scope: str = "blocks"              # "blocks": each block a graph; "model": the whole forward and loss
     activation_checkpointing: bool = False
+    activation_checkpointing_scope: str = "block"  # recompute in backward: the whole "block", "attention" or "mlp"
     compile_cache_dir: str | None = None       # torch.compile caches: loaded at start, filled by precompile
     precompile: bool = False                   # compile-only run: precompile_iters steps, no checkpoints/metrics
     precompile_iters: int = 3
@@ -109,6 +115,8 @@ class Config:
     init_from_hf: str | None = None            # a HuggingFace GPT-2 folder (gpt.export) to start from
 
     def __post_init__(self) -> None:
+        """Completes the fields left empty from the preset; once built, a Config does not change
+        (``dataclasses.replace`` makes another)."""
         self._coerce_numbers()
         if self.model not in PRESETS:
             raise ConfigError(f"model={self.model!r} is not a preset; choose one of {', '.join(PRESETS)}")
@@ -116,10 +124,10 @@ class Config:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "micro_batch_size", "global_batch_size", "lr", "min_lr"):
             if getattr(self, name) is None:
-                setattr(self, name, preset[name])
+                self._set(name, preset[name])
         self._fill_schedule(preset)
         if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+            self._set("max_position_embeddings", self.seq_length)
 
     def _coerce_numbers(self) -> None:
         """Numbers given as text (a form field, ``--set lr=3e-4`` read as YAML 1.1) become numbers;
@@ -137,7 +145,7 @@ class Config:
                 if number != int(number):
                     raise ConfigError(f"{f.name}={value!r}: expected a whole number")
                 number = int(number)
-            setattr(self, f.name, number)
+            self._set(f.name, number)
 
     def _fill_schedule(self, preset: dict[str, Any]) -> None:
         """Take the preset's schedule whole when none is given; otherwise only its warmup of the same kind."""
@@ -145,19 +153,22 @@ class Config:
         if not given:
             for n in _SCHEDULE_ITERS + _SCHEDULE_SAMPLES:
                 if n in preset:
-                    setattr(self, n, preset[n])
+                    self._set(n, preset[n])
         else:  # the preset's warmup, at most a tenth of the run
             for kind in (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES):
                 if getattr(self, kind[0]) is not None and getattr(self, kind[1]) is None and kind[1] in preset:
-                    setattr(self, kind[1], min(preset[kind[1]], getattr(self, kind[0]) // 10))
+                    self._set(kind[1], min(preset[kind[1]], getattr(self, kind[0]) // 10))
         if self.lr_warmup_iters is None and self.train_iters is not None:
-            self.lr_warmup_iters = 0
+            self._set("lr_warmup_iters", 0)
         if self.lr_warmup_samples is None and self.train_samples is not None:
-            self.lr_warmup_samples = 0
+            self._set("lr_warmup_samples", 0)
         if self.lr_decay_iters is None and self.train_iters is not None:
-            self.lr_decay_iters = self.train_iters
+            self._set("lr_decay_iters", self.train_iters)
         if self.lr_decay_samples is None and self.train_samples is not None:
-            self.lr_decay_samples = self.train_samples
+            self._set("lr_decay_samples", self.train_samples)
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)   # only while __post_init__ completes the fields
 
     # -- construction and serialisation ------------------------------------------------------
     @classmethod
@@ -294,6 +305,12 @@ class Config:
             found.append("precompile=True needs compile_cache_dir, where the compiled graphs are stored")
         if self.clip_grad < 0 or self.weight_decay < 0:
             found.append("clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)")
+        if self.precision == "fp8" and self.device in ("cpu", "neuron"):
+            found.append(f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (float8 matmuls), "
+                         f"not device={self.device!r}; use bf16 there")
+        if self.precision == "fp8" and self.hidden_size % 16:
+            found.append(f"precision='fp8' needs hidden_size divisible by 16 (float8 matmul shapes), not "
+                         f"{self.hidden_size}; use bf16 or another hidden_size")
         if self.peak_flops is not None and self.peak_flops <= 0:
             found.append(f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)")
         return found

@@ -196,7 +196,6 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        self._code = _dtype_code(self.dtype)
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(self.prefix)
         suffix = f".tmp-{os.getpid()}"
@@ -232,19 +231,6 @@ class IndexedDatasetWriter:
         self._sequences += len(lengths)
         self._tokens += tokens.size
 
-    def add_index(self, prefix: str | os.PathLike) -> None:
-        """Append every sequence and document of another pair (Megatron's ``add_index``)."""
-        other = MMapIndexedDataset(prefix)
-        if other.dtype != self.dtype:
-            raise ValueError(f"{other.idx_path}: dtype {other.dtype} differs from the output's {self.dtype}; merge only pairs of one dtype")
-        self._sizes.append(np.array(other.sizes, dtype=np.int32))
-        self._doc_ends.append(self._sequences + np.asarray(other.document_indices[1:], dtype=np.int64))
-        self._sequences += len(other)
-        self._tokens += other.num_tokens
-        with open(other.bin_path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                self._bin.write(chunk)
-
     def finalize(self) -> None:
         """Write the ``.idx`` and move both files to their final names."""
         self._bin.close()
@@ -277,16 +263,6 @@ class IndexedDatasetWriter:
             self.finalize()
         else:
             self.abort()
-
-
-def merge(prefixes: list[str], out_prefix: str) -> None:
-    """Concatenate several ``.bin/.idx`` pairs of one dtype into ``out_prefix``."""
-    if not prefixes:
-        raise ValueError("merge: no input prefixes given")
-    dtype = MMapIndexedDataset(prefixes[0]).dtype
-    with IndexedDatasetWriter(out_prefix, dtype) as writer:
-        for prefix in prefixes:
-            writer.add_index(prefix)
 
 
 def _load_npy(path: Path) -> np.ndarray:

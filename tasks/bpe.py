@@ -31,6 +31,11 @@ def load_vocab(vocab_file: str, merge_file: str) -> tuple[dict[str, int], int]:
     return vocab, int(vocab[EOD])
 
 
+def vocabulary_size(vocab: dict[str, int]) -> int:
+    """Entries the model's embedding must hold for this vocabulary: its largest id plus one."""
+    return max(vocab.values()) + 1
+
+
 def build_hf_tokenizer(vocab_file: str, merge_file: str):
     """HuggingFace byte-level BPE from GPT-2 files, with no special tokens (EOD text stays text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -6,7 +6,6 @@ fixed seed, for each prompt. Cached on the checkpoint it exported and the tokeni
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer
 from gpt.files import write_atomic
+from tasks.digest import Digest
 
 PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
 SAMPLE_TOKENS = 48
@@ -63,10 +63,10 @@ def _export_cache_key(context, parameters: dict) -> str | None:
     checkpoint = Checkpointer(run / "checkpoints", 1, 0).latest()
     if checkpoint is None:
         return None
-    digest = hashlib.sha256(f"{checkpoint}:{(checkpoint / 'COMPLETE').stat().st_mtime_ns}".encode())
+    key = Digest(str(checkpoint), (checkpoint / "COMPLETE").stat().st_mtime_ns)
     for f in (parameters["vocab_file"], parameters["merge_file"]):
-        digest.update(Path(f).read_bytes())
-    return "export-" + digest.hexdigest()[:32]
+        key.add_file(f)
+    return "export-" + key.hex(32)
 
 
-export_task = task(name="export", cache_key_fn=_export_cache_key, persist_result=True)(export_run)
+export_task = task(export_run, name="export", cache_key_fn=_export_cache_key, persist_result=True)

@@ -3,7 +3,7 @@
 For each split of each prefix: the split's documents repeated for enough epochs and shuffled with
 ``numpy.random.RandomState(seed)``; the sample index over them (native C++); the shuffled sample
 order. Several weighted prefixes are blended greedily (native C++). Every array is written once as
-``.npy`` named by the md5 of its description, so a rebuild with the same inputs reads them back;
+``.npy`` named by the digest of its description, so a rebuild with the same inputs reads them back;
 ``gpt.data.GPTDataset.from_index`` memory-maps them through the JSON manifest written here.
 
 ``python -m tasks.index --data-path 0.3 A 0.7 B --seq-length 2048 --train-samples N ... --out-dir D``
@@ -11,7 +11,6 @@ order. Several weighted prefixes are blended greedily (native C++). Every array 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
 from gpt.files import replaced, write_atomic
 from native import build_blending_indices, build_sample_idx
+from tasks.digest import Digest, digest
 
 SPLITS = ("train", "valid", "test")
 ADD_EXTRA_TOKEN = 1
@@ -119,21 +119,17 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def _md5(text: str) -> str:
-    return hashlib.md5(text.encode()).hexdigest()
-
-
 def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 1 << 16) -> list:
     """Identity of a .bin/.idx pair by content, not by file times (tokenizing the same text again
     gives the same identity): the sizes, the whole .idx (small: 12 bytes a document) and ``blocks``
     blocks spread evenly over the .bin (hashing gigabytes would dominate)."""
-    digest = hashlib.md5(np.asarray(data._idx).data)
+    content = Digest().add_bytes(np.asarray(data._idx).data)
     size = os.path.getsize(data.bin_path)
     with open(data.bin_path, "rb") as f:
         for i in range(blocks if size else 0):
             f.seek(size * i // blocks)
-            digest.update(f.read(block_bytes))
-    return [os.path.getsize(data.idx_path), size, digest.hexdigest()]
+            content.add_bytes(f.read(block_bytes))
+    return [os.path.getsize(data.idx_path), size, content.hex()]
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -150,7 +146,7 @@ def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[in
         "seq_length": seq_length, "seed": seed, "add_extra_token_to_sequence": ADD_EXTRA_TOKEN,
         "drop_last_partial_sequence": True,
     }, sort_keys=True)
-    key = _md5(description)
+    key = digest(description, length=32)
     names = {k: f"{key}-GPTDataset-{split}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")}
     entry = IndexedPart(prefix=os.path.abspath(data.prefix), description=description, **names)
     desc_path = out_dir / f"{key}-GPTDataset-{split}-description.txt"
@@ -239,10 +235,10 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
 
     text = DataIndex(seq_length=seq_length, add_extra_token=ADD_EXTRA_TOKEN, seed=seed, split=split,
                      splits=splits).to_json()
-    digest = _md5(text)
-    path = out / f"{digest}-index.json"
+    name = digest(text, length=32)
+    path = out / f"{name}-index.json"
     write_atomic(path, text)
-    return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=digest,
+    return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=name,
                          max_token_ids={p: d.max_token_id() for (_, p), d in zip(entries, datasets)})
 
 
@@ -250,7 +246,7 @@ def _build_blend(parts: list[IndexedPart], weights: list[float], sizes: list[int
                  out: Path) -> Blend:
     description = json.dumps({"class": "BlendedDataset", "weights": weights, "size": target,
                               "datasets": [p.description for p in parts]}, sort_keys=True)
-    key = _md5(description)
+    key = digest(description, length=32)
     names = Blend(dataset_index=f"{key}-BlendedDataset-{split}-dataset_index.npy",
                   dataset_sample_index=f"{key}-BlendedDataset-{split}-dataset_sample_index.npy")
     if (out / names.dataset_index).exists() and (out / names.dataset_sample_index).exists():
@@ -276,10 +272,10 @@ def _index_cache_key(context, parameters: dict) -> str:
         for ext in (".idx", ".bin"):
             st = os.stat(prefix + ext)
             stamps.append([os.path.abspath(prefix + ext), st.st_size, st.st_mtime_ns])
-    return "index-" + _md5(json.dumps([parameters, stamps], sort_keys=True, default=str))
+    return "index-" + digest(parameters, stamps, length=32)
 
 
-index_task = task(name="index", cache_key_fn=_index_cache_key, persist_result=True)(build_indices)
+index_task = task(build_indices, name="index", cache_key_fn=_index_cache_key, persist_result=True)
 
 
 def main(argv: list[str] | None = None) -> None:

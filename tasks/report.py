@@ -56,7 +56,7 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
 
 
 def plan_rows(plan: Any) -> list[dict[str, str]]:
-    """What the run will do, decided before any stage runs (flows.params.Plan)."""
+    """What the run will do, decided before any stage runs (flows.plan.Plan)."""
     c, k = plan.config, plan.cluster
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
     rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),

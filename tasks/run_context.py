@@ -3,9 +3,20 @@ Outside a run each answers as plain Python would (the module logger, None, False
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 log = logging.getLogger("tasks")
+
+
+def log_to_stderr() -> None:
+    """Command lines: this package's log lines (progress, summaries) on stderr, whatever logging
+    setup importing Prefect made."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def run_context() -> Any:

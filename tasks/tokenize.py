@@ -21,22 +21,23 @@ import collections
 import ctypes
 import glob
 import gzip
-import hashlib
-import json
 import lzma
 import os
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import IO, Iterator
 
 import numpy as np
 import orjson
+from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
-from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe
+from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
+from tasks.digest import digest, file_digest
+from tasks.progress import Progress
+from tasks.run_context import log_to_stderr
 
 CHUNK_BYTES = 4 << 20
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
@@ -48,7 +49,6 @@ ENCODER_CACHE_BYTES = 64 << 20
 CHUNK_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_KIND = 20
 SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "blank_line")
-COMPRESSED = (".gz", ".xz", ".zst")
 
 
 class TokenizeManifest(BaseModel):
@@ -294,33 +294,6 @@ def _result(index: int, future: Future, timeout_s: float) -> dict:
 
 # ---------------------------------------------------------------------------------- stage
 
-class _Progress:
-    def __init__(self, interval_s: float = 2.0) -> None:
-        self.start = self.last = time.perf_counter()
-        self.interval = interval_s
-        self.tty = sys.stdout.isatty()
-
-    def update(self, docs: int, nbytes: int, done: bool = False) -> None:
-        now = time.perf_counter()
-        if not done and now - self.last < (0.2 if self.tty else self.interval):
-            return
-        self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        line = f"Processed {docs} documents ({docs / elapsed:.1f} docs/s, {nbytes / elapsed / 1e6:.1f} MB/s)."
-        if self.tty:
-            print(f"\r{line}", end="\n" if done else "", flush=True)
-        else:
-            print(line, flush=True)
-
-
-def _md5_file(path: str) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def iter_texts(files: list[str], key: str, limit_bytes: int) -> Iterator[str]:
     seen = 0
     for path in files:
@@ -368,13 +341,13 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
         print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}", flush=True)
         vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
     vocab, eod_id = load_vocab(vocab_file, merge_file)
-    vocab_size = max(vocab.values()) + 1
+    vocab_size = vocabulary_size(vocab)
     dtype = best_dtype(vocab_size)
     prefixes = {k: f"{os.path.abspath(output_prefix)}_{k}_document" for k in json_keys}
     writers = {k: IndexedDatasetWriter(prefixes[k], dtype) for k in json_keys}
     skipped = {kind: 0 for kind in SKIP_KINDS}
-    documents = total_bytes = 0
-    progress = _Progress()
+    documents = 0
+    progress = Progress("tokenize", "documents", log_every_s=2.0)
     try:
         items = ((i, chunk) for i, path in enumerate(files) for chunk in read_chunks(path))
         line_of = [1] * len(files)  # line number where each file's next chunk starts
@@ -394,9 +367,9 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
             for k, (tokens, lengths) in result["encoded"].items():
                 writers[k].add_documents(tokens, lengths)
             documents += result["documents"]
-            total_bytes += result["bytes"]
-            progress.update(documents, total_bytes)
-        progress.update(documents, total_bytes, done=True)
+            progress.add(result["bytes"], items=result["documents"])
+            progress.show()
+        progress.show(final=True)
         if documents == 0:
             raise TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {_nonzero(skipped)})")
         for w in writers.values():
@@ -415,14 +388,14 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     tokens = writers[json_keys[0]].num_tokens
     stamp = {
         "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
-        "vocab": _md5_file(vocab_file), "merges": _md5_file(merge_file),
-        "args": [list(json_keys), append_eod], "outputs": [_md5_file(p + ".idx") for p in prefixes.values()],
+        "vocab": file_digest(vocab_file), "merges": file_digest(merge_file),
+        "args": [list(json_keys), append_eod], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
     }
     return TokenizeManifest(
         prefixes=prefixes, documents=documents, tokens=tokens, dtype=dtype.name, skipped=skipped,
         files=[os.path.abspath(f) for f in files], vocab_file=os.path.abspath(vocab_file),
         merge_file=os.path.abspath(merge_file), vocab_size=vocab_size, eod_id=eod_id,
-        digest=hashlib.md5(json.dumps(stamp, sort_keys=True).encode()).hexdigest(),
+        digest=digest(stamp, length=32),
     )
 
 
@@ -436,21 +409,13 @@ def _tokenize_cache_key(context, parameters: dict) -> str:
     stamp = {
         "args": {k: v for k, v in parameters.items() if k != "workers"},
         "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-        "tokenizer": [_md5_file(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file")) if p],
+        "tokenizer": [file_digest(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file")) if p],
     }
-    return "tokenize-" + hashlib.md5(json.dumps(stamp, sort_keys=True, default=str).encode()).hexdigest()
+    return "tokenize-" + digest(stamp, length=32)
 
 
-def __getattr__(name: str):
-    # The Prefect wrapper is built on first use so that the command line does not pay for
-    # importing Prefect (most of its start-up time).
-    if name == "tokenize_task":
-        from prefect import task
-
-        wrapped = task(name="tokenize", cache_key_fn=_tokenize_cache_key, persist_result=True, log_prints=True)(tokenize)
-        globals()["tokenize_task"] = wrapped
-        return wrapped
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+tokenize_task = task(tokenize, name="tokenize", cache_key_fn=_tokenize_cache_key, persist_result=True,
+                     log_prints=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -466,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--vocab-size", type=int, default=50257, help="size of the BPE trained when no vocab is given")
     a = p.parse_args(argv)
+    log_to_stderr()
     try:
         m = tokenize(a.input, a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,
                      json_keys=a.json_keys, append_eod=a.append_eod, workers=a.workers, strict=a.strict,

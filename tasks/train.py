@@ -1,15 +1,8 @@
-"""Train stage: the training job on the cluster (tasks.jobs), resumed from the run folder's last
-checkpoint when there is one.
-
-Run folder::
-
-    <run_dir>/config.json     resolved gpt Config        cluster.json   resolved ClusterConfig
-    <run_dir>/jobs.json       job ids, state history     jobs/          sbatch scripts, per-rank logs
-    <run_dir>/metrics.jsonl   <run_dir>/tensorboard/     <run_dir>/checkpoints/
-"""
+"""The train stage, on the orchestration side: submits the training job (gpt.train on every rank)
+to the cluster through tasks.jobs, follows its metrics records, and resumes the run folder's last
+checkpoint when there is one. The run folder's files are listed in flows/layout.py."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,11 +20,12 @@ from tasks.jobs import (
     DistributedTask,
     JobError,
     JobRecord,
-    neuron_python,
+    neuron_launch,
     retryable,
     submit,
 )
-from tasks.run_context import run_context, run_logger
+from tasks.progress import Progress
+from tasks.run_context import run_logger
 from tasks.run_owner import RunOwner
 
 if TYPE_CHECKING:
@@ -82,33 +76,6 @@ class TrainResult(BaseModel):
     nodelist: str | None = None
 
 
-class Progress:
-    """A Prefect progress artifact (percent of iterations done); a no-op outside a run."""
-
-    def __init__(self, key: str, description: str) -> None:
-        self.id = None
-        self.last = -1.0
-        if run_context() is not None:
-            from prefect.artifacts import create_progress_artifact
-
-            self.id = create_progress_artifact(progress=0.0, key=key, description=description)
-
-    def update(self, iteration: int, total: int) -> None:
-        percent = round(100.0 * iteration / max(total, 1), 1)
-        if self.id is not None and percent != self.last:
-            from prefect.artifacts import update_progress_artifact
-
-            update_progress_artifact(self.id, percent)
-            self.last = percent
-
-
-def resolved_config(config: Config, run_dir: Path, precompiled: "PrecompileManifest | None") -> Config:
-    changes: dict[str, Any] = {"run_dir": str(run_dir)}
-    if precompiled is not None:   # on Trainium the cache is Neuron's, filled with torch.compile off
-        changes.update(compile=config.device != "neuron", compile_cache_dir=precompiled.cache_dir)
-    return dataclasses.replace(config, **changes)
-
-
 def on_compiled_nodes(cluster: ClusterConfig, precompiled: "PrecompileManifest | None") -> ClusterConfig:
     """Training runs on the nodes the compile ran on."""
     if precompiled is None or not precompiled.nodelist or cluster.kind != "slurm":
@@ -116,46 +83,52 @@ def on_compiled_nodes(cluster: ClusterConfig, precompiled: "PrecompileManifest |
     return cluster.model_copy(update={"nodelist": precompiled.nodelist, "exclude": None})
 
 
+def launcher(config: Config, cluster: ClusterConfig) -> tuple[ClusterConfig, str | None]:
+    """The cluster configuration to submit and how its tasks' Python starts: on Trainium one torchrun
+    per node reading the compiled graphs (tasks.jobs.neuron_launch), plain elsewhere."""
+    if cluster.job_device == "neuron":
+        return neuron_launch(cluster, config.compile_cache_dir, compile_graphs=False)
+    return cluster, None
+
+
 class DataChanged(ValueError):
     """The run folder holds checkpoints trained on other data than this run's."""
 
 
-def refuse_other_data(root: Path, config: Config) -> None:
+def refuse_other_data(run_dir: Path, config: Config) -> None:
     """Resuming a run on other data would mix two corpora silently (or, with the old run finished,
     train on nothing and report success): refuse, naming both."""
-    saved = root / "config.json"
-    if not saved.exists() or Checkpointer(root / "checkpoints", 1, 0).latest() is None:
+    saved = run_dir / "config.json"
+    if not saved.exists() or Checkpointer(run_dir / "checkpoints", 1, 0).latest() is None:
         return
     before = json.loads(saved.read_text()).get("data_index")
     if before and config.data_index and Path(before).name != Path(config.data_index).name:
-        raise DataChanged(f"run folder {root} holds checkpoints trained on {before}, but this run's data is "
+        raise DataChanged(f"run folder {run_dir} holds checkpoints trained on {before}, but this run's data is "
                           f"{config.data_index}: the sources or their tokenization changed. Set output.run_name "
                           "(or change the seed) to train on the new data in a new folder, or restore the old data")
 
 
-def train(config: Config, cluster: ClusterConfig, *, run_dir: str,
-          precompiled: "PrecompileManifest | None" = None) -> TrainResult:
-    """Run (or resume) training in run_dir on the cluster; a second call resumes from the last
-    checkpoint in run_dir. The run folder has one owner while this runs (tasks.jobs.RunOwner)."""
-    root = Path(run_dir).resolve()
-    root.mkdir(parents=True, exist_ok=True)
+def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileManifest | None" = None) -> TrainResult:
+    """Run (or resume) training in ``config.run_dir`` on the cluster; a second call resumes from the
+    last checkpoint there. The run folder has one owner while this runs (tasks.run_owner.RunOwner)."""
+    run_dir = Path(config.run_dir)
+    if not run_dir.is_absolute():
+        raise ValueError(f"run_dir={config.run_dir!r}: give an absolute path on storage every node sees")
+    run_dir.mkdir(parents=True, exist_ok=True)
     cluster = on_compiled_nodes(cluster, precompiled)
-    resolved = resolved_config(config, root, precompiled)
-    resolved.validate(world_size=cluster.world_size)
-    with RunOwner(root):
-        refuse_other_data(root, resolved)
-        resolved.save(str(root / "config.json"))
-        write_json(root / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
-        return _train_owned(resolved, cluster, root, precompiled)
+    with RunOwner(run_dir):
+        refuse_other_data(run_dir, config)
+        write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
+        return _train_owned(config, cluster, run_dir, precompiled)
 
 
-def _train_owned(resolved: Config, cluster: ClusterConfig, root: Path,
+def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                  precompiled: "PrecompileManifest | None") -> TrainResult:
     logger = run_logger()
-    total = resolved.total_iters
-    progress = Progress("training-progress", f"{resolved.model} on {cluster.name}: iterations done")
-
-    records = MetricsFollower(root / "metrics.jsonl")
+    total = config.total_iters
+    progress = Progress(f"{config.model} on {cluster.name}", "iterations", items=total,
+                        artifact_key="training-progress", log_every_s=None)
+    records = MetricsFollower(run_dir / "metrics.jsonl")
 
     def on_poll() -> None:
         """The job's new metrics records: progress, and a log line per logged iteration."""
@@ -163,27 +136,26 @@ def _train_owned(resolved: Config, cluster: ClusterConfig, root: Path,
             if r["kind"] == "valid":
                 logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
                 continue
-            progress.update(r["iteration"], total)
-            if r["iteration"] % resolved.log_interval == 0 or r["iteration"] == total:
+            progress.set(r["iteration"])
+            progress.show()
+            if r["iteration"] % config.log_interval == 0 or r["iteration"] == total:
                 logger.info("%s", train_line(
                     iteration=r["iteration"], total=total, consumed=r["consumed_samples"], elapsed_ms=r["elapsed_ms"],
-                    lr=r["lr"], batch=resolved.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
+                    lr=r["lr"], batch=config.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
                     grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
                     mfu_value=r["mfu"]))
 
-    python = None
-    if cluster.job_device == "neuron" and precompiled is not None:
-        python = neuron_python(precompiled.cache_dir, compile_graphs=False)
-    summary, job_id, nodes = submit(DistributedTask(resolved.to_dict()), cluster, run_dir=root,
-                                    job_name=f"train-{resolved.model}", python=python, on_poll=on_poll)
+    launch, python = launcher(config, cluster)
+    summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
+                                    job_name=f"train-{config.model}", python=python, on_poll=on_poll)
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
-    if total:
-        progress.update(total, total)
+    progress.set(total)
+    progress.show(final=True)
     logger.info("training finished: iteration %s, train loss %s, time to first iteration %.2fs",
                 summary.get("iteration"), summary.get("train_loss"), summary.get("time_to_first_iteration_s") or 0)
-    return TrainResult(run_dir=str(root), job_ids=JobRecord(root).ids(), summary=summary,
-                       metrics_path=str(root / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
+    return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
+                       metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
 
 
 def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -191,8 +163,8 @@ def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     nodes it names, not by whether that cache was just built or found (the hit flag, timings)."""
     pre = parameters.get("precompiled")
     compiled = (pre.cache_dir, pre.key, pre.nodelist) if pre is not None else None
-    return hash_objects(parameters["config"], parameters["cluster"], parameters["run_dir"], compiled)
+    return hash_objects(parameters["config"], parameters["cluster"], compiled)
 
 
-train_task = task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retryable,
-                  persist_result=True, cache_key_fn=_train_cache_key)(train)
+train_task = task(train, name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retryable,
+                  persist_result=True, cache_key_fn=_train_cache_key)

@@ -1,6 +1,7 @@
 """Cluster presets, validation, and the sbatch scripts of large layouts (generated, never submitted)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
@@ -76,9 +77,11 @@ def test_parameters_reach_the_script_quoted(tmp_path: Path) -> None:
 
 
 def test_trn1_16_node_script(tmp_path: Path) -> None:
-    config = Config.from_preset("gpt3-1.3b", train_iters=100)
     cluster = load_cluster("trn1-32xl", partition="compute")
-    script = sbatch_script(config, cluster, cache_root="/fsx/compile-cache", run_dir="/fsx/runs/r1")
+    config = Config.from_preset("gpt3-1.3b", train_iters=100, run_dir="/fsx/runs/r1")
+    key = cache_key(config, cluster)
+    config = dataclasses.replace(config, compile_cache_dir=f"/fsx/compile-cache/{key}")
+    script = sbatch_script(config, cluster)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     flags = sbatch_flags(script)
     assert flags["nodes"] == "16" and flags["ntasks-per-node"] == "32" and "exclusive" in flags
@@ -91,7 +94,6 @@ def test_trn1_16_node_script(tmp_path: Path) -> None:
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "neuron_parallel_compile" in srun and "%j_%t_log.out" in srun
     # Each node compiles into its own cache directory: run the launcher as node7 would.
-    key = cache_key(config, cluster)
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "neuron_parallel_compile").write_text('#!/bin/sh\necho "$NEURON_CC_FLAGS"\n')
@@ -135,14 +137,20 @@ def test_cache_key_follows_model_layout_and_device() -> None:
 
 
 def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_off(tmp_path: Path) -> None:
-    """Inductor has no code generation for XLA devices: on Trainium neither the compile job nor
-    training may turn torch.compile on; CUDA and CPU jobs compile."""
-    from tasks.precompile import PrecompileManifest, compile_config
-    from tasks.train import resolved_config
+    """Inductor has no code generation for XLA devices: on Trainium the plan turns torch.compile off
+    for the compile job and training alike, and still precompiles; CUDA and CPU jobs compile."""
+    from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
+    from flows.plan import make_plan
+    from tasks.precompile import job_config
 
-    manifest = PrecompileManifest(cache_dir=str(tmp_path), key="k", hit=False, nodelist=None,
-                                  time_to_first_iteration_s=None, device="neuron", digest="d")
-    for device, compiled in (("neuron", False), ("cuda", True), ("cpu", True)):
-        config = Config.from_preset("gpt3-1.3b", train_iters=100, device=device)
-        assert compile_config(config, tmp_path, tmp_path).compile is compiled
-        assert resolved_config(config, tmp_path, manifest).compile is compiled
+    presets = {"neuron": ("trn1-32xl", {"nodes": 1, "tasks_per_node": 1}),
+               "cuda": ("p4d-8gpu", {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1}),
+               "cpu": ("slurm-local", {})}
+    for device, (preset, overrides) in presets.items():
+        plan = make_plan("gpt3-125m", DataParams(), TokenizerParams(), TrainingParams(train_iters=100),
+                         ClusterParams(preset=preset, overrides=overrides), OutputParams(root=str(tmp_path)))
+        assert plan.config.device == device and plan.precompiles
+        complete = plan.with_data(50257, str(tmp_path / "index.json")).config
+        assert complete.compile is (device != "neuron") and job_config(complete).compile is complete.compile
+        assert complete.compile_cache_dir == str(tmp_path / "data" / "compile-cache" / cache_key(complete, plan.cluster))
+        assert job_config(complete).run_dir == str(plan.run_dir / "precompile") and job_config(complete).precompile

@@ -1,4 +1,4 @@
-"""MMIDIDX .bin/.idx: round trips, an independent reader, merge, corrupt files, interrupted writes."""
+"""MMIDIDX .bin/.idx: round trips, an independent reader, corrupt files, interrupted writes."""
 from __future__ import annotations
 
 import struct
@@ -13,7 +13,6 @@ from gpt.data import (
     MMapIndexedDataset,
     MockGPTDataset,
     best_dtype,
-    merge,
 )
 
 
@@ -75,30 +74,6 @@ def test_bulk_add_documents_and_range_check(tmp_path):
         with IndexedDatasetWriter(str(tmp_path / "big"), np.uint16) as w:
             w.add_document(np.array([70000], dtype=np.int64))
     assert not list(tmp_path.glob("big*"))
-
-
-def test_merge_matches_concatenation(tmp_path):
-    rng = np.random.default_rng(1)
-    prefixes, all_docs = [], []
-    for k in range(3):
-        p = str(tmp_path / f"shard{k}")
-        docs = [rng.integers(0, 50000, size=rng.integers(1, 40)).astype(np.uint16) for _ in range(k + 2)]
-        with IndexedDatasetWriter(p, np.uint16) as w:
-            for d in docs:
-                w.add_document(d)
-        prefixes.append(p)
-        all_docs += docs
-    merge(prefixes, str(tmp_path / "merged"))
-    _, seqs, doc_idx = independent_read(str(tmp_path / "merged"))
-    assert doc_idx == list(range(len(all_docs) + 1))
-    assert len(seqs) == len(all_docs)
-    for s, d in zip(seqs, all_docs):
-        np.testing.assert_array_equal(s, d)
-    with IndexedDatasetWriter(str(tmp_path / "wide"), np.int32) as w:
-        w.add_document([1, 2])
-    with pytest.raises(ValueError, match="dtype"):
-        merge([prefixes[0], str(tmp_path / "wide")], str(tmp_path / "bad"))
-    assert not list(tmp_path.glob("bad*"))
 
 
 def _write(prefix: str) -> None:

@@ -15,8 +15,8 @@ from flows.params import (
     TokenizerParams,
     TrainingParams,
     WeightedPrefix,
-    check,
 )
+from flows.plan import make_plan
 from flows.pretrain import pretrain
 from gpt.config import PRESETS
 
@@ -25,7 +25,7 @@ def _check(**kw):
     args = dict(model="tiny", data=DataParams(), tokenizer=TokenizerParams(), training=TrainingParams(),
                 cluster=ClusterParams(), output=OutputParams())
     args.update(kw)
-    return check(**args)
+    return make_plan(**args)
 
 
 def _errors(**kw) -> list[str]:
@@ -126,6 +126,7 @@ def test_device_and_precision_come_from_the_cluster_not_the_flow_host(tmp_path, 
     assert (volta.config.device, volta.config.precision) == ("cuda", "fp16")
     trn = _check(cluster=ClusterParams(preset="trn1-32xl", overrides={"nodes": 1, "tasks_per_node": 1}), output=OutputParams(root=str(tmp_path)))
     assert (trn.config.device, trn.config.precision) == ("neuron", "bf16")
+    assert not trn.config.compile and trn.precompiles   # graphs from neuron_parallel_compile, not torch.compile
     local = _check(output=OutputParams(root=str(tmp_path)))                # the local executor runs here
     assert (local.config.device, local.config.precision) == ("cpu", "fp32")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

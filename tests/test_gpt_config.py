@@ -68,7 +68,7 @@ def test_num_samples_megatron_formula():
 VALID = dict(mock_data=True, precision="fp32")
 ERRORS = [
     (dict(model="gpt4"), 1, "model='gpt4'"),
-    (dict(precision="fp8"), 1, "precision"),
+    (dict(precision="fp4"), 1, "precision"),
     (dict(device="tpu"), 1, "device"),
     (dict(data_parallel_mode="zero"), 1, "data_parallel_mode"),
     (dict(lr_decay_style="step"), 1, "lr_decay_style"),

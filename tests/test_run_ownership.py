@@ -48,25 +48,25 @@ def test_second_run_is_refused_and_a_killed_followers_job_is_followed_again(requ
     if preset == "slurm-local":
         request.getfixturevalue("slurm_cluster")
     cluster = load_cluster(preset, **({"nodes": 1} if preset == "slurm-local" else {}))
-    config = tiny(train_iters=ITERS, save_interval=20, log_interval=10)
+    config = tiny(train_iters=ITERS, save_interval=20, log_interval=10, run_dir=str(tmp_path))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.test_cluster_slurm import tiny; "
             "from tasks.cluster import load_cluster; from tasks.train import train; "
-            f"train(tiny(train_iters={ITERS}, save_interval=20, log_interval=10), "
-            "load_cluster(sys.argv[2], **eval(sys.argv[4])), run_dir=sys.argv[3])")
+            f"train(tiny(train_iters={ITERS}, save_interval=20, log_interval=10, run_dir=sys.argv[3]), "
+            "load_cluster(sys.argv[2], **eval(sys.argv[4])))")
     overrides = repr({"nodes": 1} if preset == "slurm-local" else {})
     first = subprocess.Popen([sys.executable, "-c", code, str(ROOT), preset, str(tmp_path), overrides],
                              start_new_session=True)
     try:
         _wait(lambda: len(_trained_iterations(tmp_path)) >= 3, 120, "the first run's job to train")
         with pytest.raises(RunBusy, match=rf"run folder {tmp_path} is in use by pid {first.pid}"):
-            train(config, cluster, run_dir=str(tmp_path))
+            train(config, cluster)
         (job,) = _jobs(tmp_path)
         first.send_signal(signal.SIGKILL)            # the flow process dies; its job does not
         first.wait(timeout=30)
         if preset == "slurm-local":
             assert slurm_state(job["job_id"])[0] == "RUNNING"
 
-        result = train(config, cluster, run_dir=str(tmp_path))
+        result = train(config, cluster)
     finally:
         if first.poll() is None:
             first.kill()

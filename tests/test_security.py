@@ -19,8 +19,8 @@ from flows.params import (
     ParameterError,
     TokenizerParams,
     TrainingParams,
-    check,
 )
+from flows.plan import make_plan
 from tasks.cluster import ClusterError, load_cluster
 from tasks.jobs import submit
 
@@ -41,7 +41,7 @@ def slurm_saved_environment() -> bytes:
 
 
 def _check(tmp_path: Path, **cluster: object) -> None:
-    check("tiny", DataParams(), TokenizerParams(), TrainingParams(), ClusterParams(**cluster),
+    make_plan("tiny", DataParams(), TokenizerParams(), TrainingParams(), ClusterParams(**cluster),
           OutputParams(root=str(tmp_path)))
 
 
@@ -69,7 +69,7 @@ def test_scheduler_options_from_parameters_pass_an_allowlist(tmp_path: Path, ove
 
 def test_paths_of_the_run_are_not_parameters(tmp_path: Path) -> None:
     with pytest.raises(ParameterError) as e:
-        check("tiny", DataParams(), TokenizerParams(), TrainingParams(overrides={"run_dir": "/etc", "compile_cache_dir": "/"}),
+        make_plan("tiny", DataParams(), TokenizerParams(), TrainingParams(overrides={"run_dir": "/etc", "compile_cache_dir": "/"}),
               ClusterParams(), OutputParams(root=str(tmp_path)))
     assert "training.overrides.run_dir: decided by the flow" in str(e.value)
     assert "training.overrides.compile_cache_dir: decided by the flow" in str(e.value)

@@ -82,7 +82,8 @@ def test_worker_count_and_compression_do_not_change_output(tmp_path, shakespeare
         assert value == first, key
 
 
-def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys):
+def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys, caplog):
+    caplog.set_level("INFO", logger="tasks")
     vocab, merges = map(str, bpe_vocab)
     src = tmp_path / "bad.jsonl"
     src.write_bytes(b"\n".join([
@@ -101,7 +102,7 @@ def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys):
     for line, word in [(2, "malformed JSON"), (3, "no string field 'text'"), (4, "invalid UTF-8"), (5, "empty"), (6, "no string field")]:
         assert f"{src}:{line}: skipped: " in out and word in out
     assert "Skipped lines: malformed_json=1, missing_key=2, invalid_utf8=1, empty_document=1" in out
-    assert "Processed 2 documents (" in out
+    assert "tokenize: 2 documents, " in caplog.text
     with pytest.raises(TokenizeError, match=rf"{src}:2: malformed JSON"):
         tokenize([str(src)], str(tmp_path / "strict"), vocab_file=vocab, merge_file=merges, workers=2, strict=True)
     assert not list(tmp_path.glob("strict*"))
@@ -156,7 +157,7 @@ def test_cli_matches_megatron_flags(tmp_path, bpe_vocab):
            "--vocab-file", vocab, "--merge-file", merges, "--tokenizer-type", "GPT2BPETokenizer",
            "--json-keys", "text", "--append-eod", "--workers", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
-    assert "Processed 2 documents (" in out.stdout
+    assert "tokenize: 2 documents, " in out.stderr
     manifest = json.loads(out.stdout.strip().splitlines()[-1])
     assert manifest["prefixes"]["text"] == str(tmp_path / "o_text_document")
     bad = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")] + cmd[5:], capture_output=True, text=True, cwd=ROOT)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from tasks.run_context import log_to_stderr
 from tasks.sync.download import sync
 from tasks.sync.remote import SyncError, redact
 from tasks.sync.uploader import upload
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if len(args.paths) < 2:
         p.error("give at least one SRC and a DST")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log_to_stderr()
     *sources, dest = args.paths
     opts = dict(endpoint_url=args.endpoint_url, no_sign_request=args.no_sign_request, profile=args.profile,
                 workers=args.workers, part_size_mb=args.part_size_mb, concurrency=args.concurrency)

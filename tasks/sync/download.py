@@ -37,13 +37,21 @@ from tasks.sync.manifest import (
     _read_manifest,
     _up_to_date,
 )
-from tasks.sync.progress import Progress, _human
+from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, TransientSyncError
 from tasks.sync.s5cmd import _raise_first, run_s5cmd
 
 # Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
 # the more at once the more of them one native call hashes.
 VERIFY_THREADS = 32
+
+
+def transfer_progress(label: str, todo: list[Source], artifact_key: str) -> Progress:
+    """The progress of transferring `todo`, announced in one line."""
+    progress = Progress(label, "files", items=len(todo), nbytes=sum(o.size for o in todo), artifact_key=artifact_key)
+    if todo:
+        progress.logger.info(f"{label}: {len(todo)} files ({human_bytes(progress.bytes or 0)}) to transfer")
+    return progress
 
 
 def _await_verifications(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
@@ -79,33 +87,33 @@ def sync(sources: list[str] | str, dest: str, *, endpoint_url: str | None = None
     """
     sources = [sources] if isinstance(sources, str) else list(sources)
     remote = Remote.make(endpoint_url, no_sign_request, profile)
-    root = Path(dest).expanduser().absolute()
-    if root.exists() and not root.is_dir():
+    folder = Path(dest).expanduser().absolute()
+    if folder.exists() and not folder.is_dir():
         raise SyncError(f"destination {dest} is a file: give a folder")
     client = remote.client() if any(s.startswith("s3://") for s in sources) else None
     objs = list_sources(sources, remote, client)
-    partial = root / PARTIAL_DIR
+    partial = folder / PARTIAL_DIR
     partial.mkdir(parents=True, exist_ok=True)
     lock = _lock(partial)
     try:
-        return _sync_locked(sources, objs, root, partial, remote, client, workers=workers,
+        return _sync_locked(sources, objs, folder, partial, remote, client, workers=workers,
                             part_size_mb=part_size_mb, concurrency=concurrency, delete=delete)
     finally:
         os.close(lock)
 
 
 @dataclass
-class Plan:
+class SyncWork:
     """What a sync has to do, from the listing, the old manifest and the files on disk."""
     entries: dict[str, FileEntry] = field(default_factory=dict)     # already there, unchanged
     todo: list[Source] = field(default_factory=list)                   # to transfer
     recheck: list[tuple[Source, Path]] = field(default_factory=list)   # there (or staged by an interrupted run): verify first
 
 
-def plan(objs: list[Source], root: Path, partial: Path, old: dict[str, FileEntry]) -> Plan:
-    out = Plan()
+def sync_work(objs: list[Source], folder: Path, partial: Path, old: dict[str, FileEntry]) -> SyncWork:
+    out = SyncWork()
     for o in objs:
-        final, staged = root / o.rel, partial / o.rel
+        final, staged = folder / o.rel, partial / o.rel
         if _up_to_date(o, old.get(o.rel), final):
             out.entries[o.rel] = old[o.rel]
         elif o.etag is not None and expected_check(o.etag) != "size" and _has_size(final, o.size):
@@ -121,9 +129,9 @@ class Download:
     """The files of one sync: each verified (while s5cmd still writes, where it can), promoted from
     the partial folder into place, and entered in the manifest; a file that fails is removed."""
 
-    def __init__(self, root: Path, partial: Path, client: Any, pool: cf.ThreadPoolExecutor,
+    def __init__(self, folder: Path, partial: Path, client: Any, pool: cf.ThreadPoolExecutor,
                  entries: dict[str, FileEntry]) -> None:
-        self.root, self.partial, self.client, self.pool = root, partial, client, pool
+        self.folder, self.partial, self.client, self.pool = folder, partial, client, pool
         self.entries = entries
         self.checksums: dict[str, crc.ServerChecksum] = {}
         self.failures: list[str] = []
@@ -138,7 +146,7 @@ class Download:
         self.checksums = {o.uri: c for o, c in zip(objs, found) if c is not None}
 
     def promote(self, o: Source, staged: Path) -> None:
-        final = self.root / o.rel
+        final = self.folder / o.rel
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, final)
 
@@ -153,7 +161,7 @@ class Download:
         return o, check
 
     def start(self, todo: list[Source], label: str) -> None:
-        self.progress = Progress(label, len(todo), sum(o.size for o in todo), "sync-progress")
+        self.progress = transfer_progress(label, todo, "sync-progress")
         self.fetching = {o.uri: o for o in todo if o.etag is not None}
         multipart = [(o, self.partial / o.rel) for o in self.fetching.values()
                      if expected_check(o.etag) == "multipart-etag" and o.uri not in self.checksums]
@@ -194,7 +202,7 @@ class Download:
             self.failures.append(o.uri)
             return
         self.promote(o, staged)
-        self.entries[o.rel] = _entry(o, self.root, check)
+        self.entries[o.rel] = _entry(o, self.folder, check)
         self.progress.add(o.size)  # type: ignore[union-attr]
 
     def close(self) -> None:
@@ -205,22 +213,22 @@ class Download:
             self.progress.show(final=True)
 
 
-def _sync_locked(sources: list[str], objs: list[Source], root: Path, partial: Path, remote: Remote, client: Any, *,
+def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: Path, remote: Remote, client: Any, *,
                  workers: int, part_size_mb: int, concurrency: int, delete: bool) -> SyncManifest:
-    manifest_path = root / MANIFEST_NAME
-    work = plan(objs, root, partial, _read_manifest(manifest_path))
+    manifest_path = folder / MANIFEST_NAME
+    work = sync_work(objs, folder, partial, _read_manifest(manifest_path))
     with cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
-        run = Download(root, partial, client, pool, work.entries)
+        run = Download(folder, partial, client, pool, work.entries)
         run.ask_checksums(work.todo + [o for o, _ in work.recheck])
         for o, check in pool.map(run.check_existing, work.recheck):
             if check is None:
                 work.todo.append(o)
             else:
-                run.entries[o.rel] = _entry(o, root, check)
+                run.entries[o.rel] = _entry(o, folder, check)
         _empty(partial)                     # leftovers of an interrupted run
-        run.start(work.todo, f"sync to {root}")
+        run.start(work.todo, f"sync to {folder}")
         if run.entries:
-            run.progress.logger.info(f"{len(run.entries)} of {len(objs)} files already in {root} and unchanged")
+            run.progress.logger.info(f"{len(run.entries)} of {len(objs)} files already in {folder} and unchanged")
         ok = False
         try:
             errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in run.fetching.values()], remote,
@@ -231,15 +239,15 @@ def _sync_locked(sources: list[str], objs: list[Source], root: Path, partial: Pa
         finally:
             run.close()
             if not ok:   # record what is verified so far; the next run resumes from it
-                write_json(manifest_path, _manifest(sources, objs, run.entries, root, run.progress, 0, False).model_dump())
+                write_json(manifest_path, _manifest(sources, objs, run.entries, folder, run.progress, 0, False).model_dump())
     progress = run.progress
-    deleted = _delete_extra(root, {o.rel for o in objs}) if delete else 0
-    manifest = _manifest(sources, objs, run.entries, root, progress, deleted, True)
+    deleted = _delete_extra(folder, {o.rel for o in objs}) if delete else 0
+    manifest = _manifest(sources, objs, run.entries, folder, progress, deleted, True)
     write_json(manifest_path, manifest.model_dump())
     shutil.rmtree(partial, ignore_errors=True)
     methods = collections.Counter(f.check for f in manifest.files)
-    summary = (f"synced {len(objs)} files ({_human(manifest.bytes)}) to {root}: {progress.done_files} "
-               f"transferred ({_human(progress.done_bytes)}), {len(objs) - progress.done_files} already there; "
+    summary = (f"synced {len(objs)} files ({human_bytes(manifest.bytes)}) to {folder}: {progress.done_items} "
+               f"transferred ({human_bytes(progress.done_bytes)}), {len(objs) - progress.done_items} already there; "
                f"verified by {', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}")
     progress.logger.info(summary + (f", {deleted} deleted" if delete else ""))
     return manifest
@@ -260,14 +268,14 @@ def _empty(folder: Path) -> None:
             item.unlink()
 
 
-def _delete_extra(root: Path, keep: set[str]) -> int:
+def _delete_extra(folder: Path, keep: set[str]) -> int:
     count = 0
-    for path in list(_walk(str(root))):
-        rel = os.path.relpath(path, root).replace(os.sep, "/")
+    for path in list(_walk(str(folder))):
+        rel = os.path.relpath(path, folder).replace(os.sep, "/")
         if rel not in keep and not _reserved(rel):
             os.unlink(path)
             count += 1
-    for folder, dirs, files in os.walk(root, topdown=False):
-        if folder != str(root) and not os.listdir(folder):
-            os.rmdir(folder)
+    for inner, _, _ in os.walk(folder, topdown=False):
+        if inner != str(folder) and not os.listdir(inner):
+            os.rmdir(inner)
     return count

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from tasks.digest import Digest
 from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
 
 MANIFEST_NAME = ".sync-manifest.json"
@@ -131,7 +130,7 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None) -> 
 
 
 def listing_digest(objs: Iterable[Source], *extra: Any) -> str:
-    h = hashlib.sha256(json.dumps(extra, sort_keys=True, default=str).encode())
+    key = Digest(*extra)
     for o in objs:
-        h.update(f"\0{o.uri}\0{o.rel}\0{o.size}\0{o.version}".encode())
-    return h.hexdigest()
+        key.add(o.uri, o.rel, o.size, o.version)
+    return key.hex()

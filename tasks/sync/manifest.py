@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.sync.integrity import Check
 from tasks.sync.listing import MANIFEST_NAME, Source, listing_digest
-from tasks.sync.progress import Progress
+from tasks.progress import Progress
 
 
 class FileEntry(BaseModel):
@@ -49,9 +49,9 @@ def _read_manifest(path: Path) -> dict[str, FileEntry]:
         return {}
 
 
-def _entry(o: Source, root: Path, check: Check) -> FileEntry:
+def _entry(o: Source, folder: Path, check: Check) -> FileEntry:
     return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, source_mtime_ns=o.mtime_ns,
-                     mtime_ns=os.stat(root / o.rel).st_mtime_ns, verified=True, check=check)
+                     mtime_ns=os.stat(folder / o.rel).st_mtime_ns, verified=True, check=check)
 
 
 def _up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
@@ -67,13 +67,13 @@ def _up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
 
 def local_copy_matches(dest: str | os.PathLike, digest: str) -> bool:
     """Whether `dest` holds a complete sync with this listing digest, its files untouched since."""
-    root = Path(dest)
+    folder = Path(dest)
     try:
-        data = json.loads((root / MANIFEST_NAME).read_text())
+        data = json.loads((folder / MANIFEST_NAME).read_text())
         if not data.get("complete") or data.get("digest") != digest:
             return False
         for f in data["files"]:
-            st = (root / f["path"]).stat()
+            st = (folder / f["path"]).stat()
             if (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"]):
                 return False
     except (OSError, ValueError, KeyError, TypeError):
@@ -81,10 +81,10 @@ def local_copy_matches(dest: str | os.PathLike, digest: str) -> bool:
     return True
 
 
-def _manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], root: Path,
+def _manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], folder: Path,
               progress: Progress, deleted: int, complete: bool) -> SyncManifest:
     files = [entries[o.rel] for o in objs if o.rel in entries]
-    return SyncManifest(dest=str(root), local_dir=str(root), sources=sources, files=files,
-                        bytes=sum(f.size for f in files), digest=listing_digest(objs, str(root)),
-                        manifest_path=str(root / MANIFEST_NAME), transferred_files=progress.done_files,
+    return SyncManifest(dest=str(folder), local_dir=str(folder), sources=sources, files=files,
+                        bytes=sum(f.size for f in files), digest=listing_digest(objs, str(folder)),
+                        manifest_path=str(folder / MANIFEST_NAME), transferred_files=progress.done_items,
                         transferred_bytes=progress.done_bytes, deleted_files=deleted, complete=complete)

@@ -8,7 +8,7 @@ from typing import Any
 
 import botocore.exceptions as bexc
 
-from tasks.sync.download import VERIFY_THREADS, _await_verifications
+from tasks.sync.download import VERIFY_THREADS, _await_verifications, transfer_progress
 from tasks.sync.integrity import Check, verify
 from tasks.sync.listing import (
     MANIFEST_NAME,
@@ -18,7 +18,7 @@ from tasks.sync.listing import (
     local_path,
 )
 from tasks.sync.manifest import FileEntry, SyncManifest
-from tasks.sync.progress import Progress, _human
+from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
 from tasks.sync.s5cmd import run_s5cmd
 
@@ -84,7 +84,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
                 todo.append(o)
             else:
                 entries[o.rel] = entry(o, there[prefix + o.rel][1], check)
-        progress = Progress(f"upload to {base}", len(todo), sum(o.size for o in todo), "upload-progress")
+        progress = transfer_progress(f"upload to {base}", todo, "upload-progress")
         by_path = {o.uri: o for o in todo}
         futures: list[cf.Future] = []
 
@@ -102,13 +102,13 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     manifest = SyncManifest(
         dest=base, local_dir=local_dir, sources=[src], files=files, bytes=sum(f.size for f in files),
         digest=listing_digest([Source(f.key, f.path, f.size, f.etag) for f in files], base),
-        manifest_path=base + MANIFEST_NAME, transferred_files=progress.done_files,
+        manifest_path=base + MANIFEST_NAME, transferred_files=progress.done_items,
         transferred_bytes=progress.done_bytes)
     body = json.dumps(manifest.model_dump(), indent=1).encode()
     _s3_call(lambda: client.put_object(Bucket=bucket, Key=prefix + MANIFEST_NAME, Body=body),
              manifest.manifest_path, remote)
-    progress.logger.info(f"uploaded {progress.done_files} of {len(files)} files ({_human(progress.done_bytes)}) "
-                         f"to {base}; {len(files) - progress.done_files} were already there")
+    progress.logger.info(f"uploaded {progress.done_items} of {len(files)} files ({human_bytes(progress.done_bytes)}) "
+                         f"to {base}; {len(files) - progress.done_items} were already there")
     return manifest
 
 
