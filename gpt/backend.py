@@ -1,16 +1,23 @@
-"""What differs between CPU, CUDA and Trainium (torch-neuronx), behind one small interface.
+"""What differs between devices: one table of names (DEVICES) behind one small interface (Backend).
 
-The neuron path follows torch_xla's documented usage (XLA device, ``xm.optimizer_step`` which
-all-reduces gradients across replicas, ``xm.mark_step`` to cut the lazy graph, bf16 through
-``XLA_USE_BF16`` with stochastic rounding). It needs a Trainium host and has not run on the
-machines this project is tested on.
+Eager devices differ only in the names of the table: CPU, CUDA, and Trainium through TorchNeuron,
+the native ``neuron`` device of PyTorch 2.13+ on Trn2/Trn3 (its own process-group and
+torch.compile backends, DDP, FSDP2 and DTensor as on CUDA). The code reaches them through
+``torch.accelerator`` and device-type strings; TorchNeuron has not run on the machines this
+project is tested on.
+
+The lazy XLA device is Trainium through torch-neuronx 2.x on torch_xla (Trn1), and XLA:CPU in CI.
+Each training step is traced into one graph cut by ``torch_xla.sync()``; gradients are all-reduced
+explicitly before the norm, the optimizer is torch_xla's sync-free AdamW, and the graphs come from
+that trace (``neuron_parallel_compile`` on Trainium), not from torch.compile.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,86 +32,212 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
+class DeviceKind:
+    """The names by which one kind of device differs from the others."""
+
+    device_type: str              # torch.device type, also autocast's and DeviceMesh's
+    dist_backend: str             # torch.distributed backend
+    compile_backend: str | None   # torch.compile backend; None where graphs come from the lazy trace
+    fused_adamw: bool             # torch's fused AdamW, which skips a step on a device-side flag
+    scalar_dtype: torch.dtype     # of the scalar arithmetic on the device (clip coefficient): float64
+                                  # as Python computes it, where the device has it (Trainium has not)
+    peak: str | None              # PEAK_FLOPS row; None: by the device's product name (CUDA), or unknown
+
+
+# Keyed by torch device type. Config.device "neuron" is TorchNeuron where PyTorch has the native
+# device, else torch-neuronx on torch_xla.
+DEVICES: dict[str, DeviceKind] = {
+    "cpu": DeviceKind("cpu", "gloo", "inductor", False, torch.float64, None),
+    "cuda": DeviceKind("cuda", "nccl", "inductor", True, torch.float64, None),
+    "neuron": DeviceKind("neuron", "neuron", "neuron", True, torch.float32, "trn2"),
+    "xla": DeviceKind("xla", "xla", None, False, torch.float32, "trn1"),
+}
+
+
+@dataclass(frozen=True)
 class Backend:
-    name: str              # "cpu" | "cuda" | "neuron"
-    dist_backend: str      # torch.distributed backend
-    mesh_device_type: str  # DeviceMesh device type
+    name: str          # Config.device: "cpu" | "cuda" | "neuron"
+    kind: DeviceKind
+
+    @property
+    def lazy(self) -> bool:
+        """XLA lazy tensors: work is traced and runs as one graph per ``sync``."""
+        return self.kind.device_type == "xla"
 
     def device(self, local_rank: int) -> torch.device:
-        if self.name == "cuda":
-            torch.cuda.set_device(local_rank)
-            return torch.device("cuda", local_rank)
-        if self.name == "neuron":
-            import torch_xla.core.xla_model as xm
-            return xm.xla_device()
-        return torch.device("cpu")
+        if self.lazy:
+            import torch_xla
+            return torch_xla.device()
+        if self.kind.device_type == "cpu":
+            return torch.device("cpu")
+        torch.accelerator.set_device_index(local_rank)
+        return torch.device(self.kind.device_type, local_rank)
 
     def autocast(self, precision: str) -> contextlib.AbstractContextManager:
-        if precision == "fp32" or self.name == "neuron":  # neuron casts through XLA_USE_BF16
+        if precision == "fp32":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(self.name, dtype=dtype)
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16  # fp8: float8 linears inside bf16
+        return torch.autocast(self.kind.device_type, dtype=dtype)
 
-    def fused_adamw(self) -> bool:
-        return self.name == "cuda"
+    def optimizer(self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float],
+                  eps: float) -> torch.optim.Optimizer:
+        """AdamW that ``step`` can skip on a device-side flag: torch_xla's sync-free AdamW on XLA,
+        torch's fused AdamW on accelerators, torch's foreach AdamW on CPU (as it always trained)."""
+        if self.lazy:
+            from torch_xla.amp.syncfree import AdamW
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.name == "neuron":
+            for group in groups:
+                for param in group["params"]:
+                    # A parameter made by to_empty and written by copy_ (weight init) is updated by
+                    # the sync-free step out of sight: give it storage of its own first.
+                    param.data = param.data.clone()
+            optimizer = AdamW(groups, lr=lr, betas=betas, eps=eps)
+            _create_state(optimizer)
+            optimizer.register_load_state_dict_post_hook(_state_to_parameter_device)
+            return optimizer
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind.fused_adamw or None)
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average gradients over the replicas where the model does not already (DDP and FSDP
+        reduce inside backward; on XLA the model is not wrapped, so it happens here)."""
+        if self.lazy:
             import torch_xla.core.xla_model as xm
-            xm.optimizer_step(optimizer)  # reduces gradients over replicas, then steps
-        else:
-            optimizer.step()
+            xm.reduce_gradients(optimizer)
 
-    def mark_step(self) -> None:
-        """End of one iteration's lazy graph (neuron); nothing elsewhere."""
-        if self.name == "neuron":
-            import torch_xla.core.xla_model as xm
-            xm.mark_step()
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """One optimizer step, or none where ``found_inf`` (a 0-dim float tensor) is 1: parameters
+        and optimizer state stay as they were. The flag is read on the device, or on the CPU, which
+        is the host (reading it waits for nothing there)."""
+        if self.lazy:
+            optimizer.step(found_inf=found_inf)
+            return
+        if not self.kind.fused_adamw:
+            if not found_inf.item():
+                optimizer.step()
+            return
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        optimizer.found_inf = found_inf  # torch's fused AdamW skips on it, as under GradScaler
+        try:
+            with implicit_replication():  # tensor parallel: sharded and replicated parameters in one call
+                optimizer.step()
+        finally:
+            del optimizer.found_inf
+
+    def sync(self) -> None:
+        """End of one step's lazy graph: it runs now (XLA); nothing elsewhere."""
+        if self.lazy:
+            import torch_xla
+            torch_xla.sync()
+
+    def to_host(self, data: Any) -> Any:
+        """``data`` (tensors in any nesting of lists and dicts) with its XLA tensors copied to the
+        host in one transfer; eager devices' tensors are left where they are."""
+        if not self.lazy:
+            return data
+        import torch_xla.core.xla_model as xm
+        return xm._maybe_convert_to_cpu(data)
+
+    def read(self, values: list[torch.Tensor]) -> list[float]:
+        """Scalars from the device as Python floats: one wait for the device, one transfer."""
+        if not values:
+            return []
+        if self.lazy:
+            return [float(v) for v in self.to_host(values)]
+        return torch.stack([v.float() for v in values]).tolist()
 
     def peak_flops(self, precision: str) -> float | None:
-        """Peak FLOP/s of one device from PEAK_FLOPS, or None when unknown (CPU)."""
-        if self.name == "cuda":
-            name = torch.cuda.get_device_name()
-            keys = sorted((k for k in PEAK_FLOPS if k in name), key=len, reverse=True)
-            return PEAK_FLOPS[keys[0]][precision] if keys else None
-        if self.name == "neuron":
-            kind = "trn2" if "trn2" in os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "") else "trn1"
-            return PEAK_FLOPS[kind][precision]
-        return None
+        """Peak FLOP/s of one device from PEAK_FLOPS, or None when unknown (CPU). An fp8 run is
+        measured against the bf16 peak, so that its MFU compares with a bf16 run's."""
+        precision = "bf16" if precision == "fp8" else precision
+        if self.kind.peak is not None:
+            return PEAK_FLOPS[self.kind.peak][precision]
+        if self.kind.device_type == "cpu":
+            return None
+        name = torch.get_device_module(self.kind.device_type).get_device_name()
+        keys = sorted((k for k in PEAK_FLOPS if k in name), key=len, reverse=True)
+        return PEAK_FLOPS[keys[0]][precision] if keys else None
+
+    def memory_in_use_bytes(self) -> int:
+        """Device memory held by tensors now (accelerators), or the process's resident size."""
+        if self._accelerator():
+            return torch.accelerator.memory_allocated()
+        return _status_bytes("VmRSS")
 
     def reset_peak_memory(self) -> None:
-        if self.name == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        """Restart the peak that ``peak_memory_bytes`` reports (on the host: the resident set's
+        high-water mark, through /proc/self/clear_refs)."""
+        if self._accelerator():
+            torch.accelerator.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")
 
     def peak_memory_bytes(self) -> int:
-        """Peak device memory since the last reset (CUDA) or the process's peak resident size (CPU)."""
-        if self.name == "cuda":
-            return torch.cuda.max_memory_allocated()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        """Peak device memory since the last reset (accelerators), or the process's peak resident size."""
+        if self._accelerator():
+            return torch.accelerator.max_memory_allocated()
+        return _status_bytes("VmHWM")
+
+    def _accelerator(self) -> bool:
+        return self.kind.device_type not in ("cpu", "xla")
 
 
-def get_backend(device: str, precision: str = "fp32") -> Backend:
-    """Resolve ``device`` ("auto" picks CUDA when present, then an XLA/Neuron device, then CPU)."""
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (Linux), else the peak resident size getrusage reports."""
+    with contextlib.suppress(OSError, StopIteration):
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the sync-free optimizer's state with a skipped step, so that a checkpoint loads into
+    its layout (loading into an empty optimizer would make torch's own step create another one)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step(found_inf=torch.ones((), device=params[0].device))
+    for p in params:
+        p.grad = None
+
+
+def _state_to_parameter_device(optimizer: torch.optim.Optimizer) -> None:
+    """torch loads the step counts to the host; the sync-free optimizer keeps them with the parameter."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(param.device)
+
+
+def get_backend(device: str) -> Backend:
+    """Resolve ``device`` ("auto" picks an accelerator when present, then an XLA device, then CPU)."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "neuron" if _has_neuron() else "cpu"
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device = ("neuron" if accelerator.type == "neuron" else "cuda") if accelerator is not None else \
+            "neuron" if _has_torch_xla() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
-        return Backend("cuda", "nccl", "cuda")
+        return Backend("cuda", DEVICES["cuda"])
     if device == "neuron":
-        if not _has_neuron():
-            raise RuntimeError("device='neuron' needs torch-neuronx (torch_xla); install it on a Trainium host")
-        if precision == "bf16":
-            # Must be set before torch_xla initialises its device.
-            os.environ.setdefault("XLA_USE_BF16", "1")
-            os.environ.setdefault("NEURON_RT_STOCHASTIC_ROUNDING_EN", "1")
+        return Backend("neuron", _neuron_kind())
+    return Backend("cpu", DEVICES["cpu"])
+
+
+def _neuron_kind() -> DeviceKind:
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and accelerator.type == "neuron":
+        return DEVICES["neuron"]
+    if _has_torch_xla():
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process-group backend
-        return Backend("neuron", "xla", "xla")
-    return Backend("cpu", "gloo", "cpu")
+        return DEVICES["xla"]
+    raise RuntimeError("device='neuron' needs torch-neuronx: the native neuron device (PyTorch 2.13+, Trn2/Trn3) "
+                       "or torch_xla (Trn1); install it on a Trainium host")
 
 
-def _has_neuron() -> bool:
+def _has_torch_xla() -> bool:
     try:
         import torch_xla  # noqa: F401
     except ImportError:

@@ -19,7 +19,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +90,16 @@ def writer_id() -> str:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | os.PathLike, keep_last: int, rank: int) -> None:
+    """Saves and loads one run's checkpoints. ``to_host`` moves a state dict's device tensors to the
+    host at once where that is one transfer instead of one per tensor (XLA: gpt.backend.Backend.to_host)."""
+
+    def __init__(self, directory: str | os.PathLike, keep_last: int, rank: int,
+                 to_host: Callable[[dict[str, Any]], dict[str, Any]] = lambda state: state) -> None:
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
         self.writer = writer_id()
+        self.to_host = to_host
 
     def complete(self) -> list[Path]:
         """Checkpoints with their marker, newest first."""
@@ -136,6 +141,7 @@ class Checkpointer:
             "train": train_state,
             f"rng_rank{self.rank}": rng_state(),  # per rank: DCP keeps one copy of identical keys
         }
+        state = self.to_host(state)
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         barrier()  # every rank's shards are on disk
@@ -149,12 +155,12 @@ class Checkpointer:
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any]) -> dict[str, Any]:
         """Restore model, optimizer and RNG in place; returns the saved training state."""
-        state = {
+        state = self.to_host({
             "model": get_model_state_dict(model),
             "optimizer": get_optimizer_state_dict(model, optimizer),
             "train": dict(train_state),
             f"rng_rank{self.rank}": b"",
-        }
+        })
         # A checkpoint written by fewer ranks lacks this rank's RNG entry: load what exists.
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),

@@ -1,11 +1,12 @@
 """Process group, device mesh and parallelism applied to a plain GPT from outside.
 
-Order, as in torchtitan: tensor parallel (DTensor plans) -> activation checkpointing -> compile
--> data parallel (FSDP2 ``fully_shard`` or DDP). The model file stays free of parallel code.
+Order, as in torchtitan: float8 linears (torchao) -> tensor parallel (DTensor plans) -> activation
+checkpointing -> compile -> data parallel (FSDP2 ``fully_shard`` or DDP). The model file stays free of parallel code.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from gpt.backend import Backend
-from gpt.config import Config
+from gpt.backend import DEVICES, Backend
+from gpt.config import Config, ConfigError
 from gpt.model import GPT
 
 
@@ -50,29 +51,46 @@ def init_distributed(backend: Backend, tensor_parallel: int) -> DistEnv:
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; the launcher must export it")
-    backend.device(local_rank)  # select this rank's GPU before NCCL starts
+    backend.device(local_rank)  # select this rank's device before the process group starts
     if not dist.is_initialized():
-        init_method = "xla://" if backend.dist_backend == "xla" else "env://"
-        dist.init_process_group(backend.dist_backend, init_method=init_method, rank=rank, world_size=world_size)
+        kind = backend.kind
+        # torch_xla takes rank and world size from its runtime (set up by torchrun), not from here.
+        init_method = "xla://" if kind.dist_backend == "xla" else "env://"
+        dist.init_process_group(kind.dist_backend, init_method=init_method, rank=rank, world_size=world_size)
+    check_world(rank, world_size)
     mesh = None
-    if backend.name != "neuron":
-        mesh = init_device_mesh(backend.mesh_device_type, (world_size // tensor_parallel, tensor_parallel),
+    if not backend.lazy:
+        mesh = init_device_mesh(backend.kind.device_type, (world_size // tensor_parallel, tensor_parallel),
                                 mesh_dim_names=("dp", "tp"))
     return DistEnv(rank, world_size, local_rank, mesh)
+
+
+def check_world(rank: int, world_size: int) -> None:
+    """The process group the job joined is the one its launcher asked for: a group smaller than
+    WORLD_SIZE would train data parallel on fewer ranks than planned, each unaware of the others."""
+    seen = dist.get_world_size(), dist.get_rank()
+    if seen != (world_size, rank):
+        raise RuntimeError(
+            f"the launcher asked for rank {rank} of WORLD_SIZE={world_size}, but the process group has rank "
+            f"{seen[1]} of {seen[0]}. On Trainium start the ranks with torchrun, one launcher per node, so "
+            "that torch_xla sets up Neuron's multi-process runtime")
 
 
 def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module:
     """The GPT with every configured parallelism applied, weights initialised on ``device``."""
     with torch.device("meta"):
         model = GPT(config)
+    if config.precision == "fp8":
+        require_float8_device(device)
+        convert_to_float8(model, config.fp8_recipe)
     if env.mesh is not None and config.tensor_parallel > 1:
         apply_tensor_parallel(model, env.mesh["tp"])
     if config.activation_checkpointing:
-        for i, block in enumerate(model.h):
-            model.h[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        apply_activation_checkpointing(model, config.activation_checkpointing_scope)
     if config.compile:
-        for block in model.h:
-            block.compile()
+        backend = compile_backend(device)
+        for module in model.h if config.compile_scope == "blocks" else [model]:
+            module.compile(backend=backend)
     dp = env.world_size // config.tensor_parallel
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "fsdp":
         dp_mesh = env.mesh["dp"]
@@ -84,21 +102,61 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
     model.init_weights(config.seed)
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp":
         model = DistributedDataParallel(model, process_group=env.mesh["dp"].get_group(),
-                                        device_ids=[device.index] if device.type == "cuda" else None)
+                                        device_ids=None if device.index is None else [device.index])
     return model
 
 
+def compile_backend(device: torch.device) -> str:
+    """torch.compile's backend for the device, from gpt.backend.DEVICES."""
+    backend = DEVICES[device.type].compile_backend
+    if backend is None:
+        raise ConfigError(f"compile=True: torch.compile does not apply on {device.type} devices, whose graphs come "
+                          "from the lazy trace (neuron_parallel_compile on Trainium); set compile=False")
+    return backend
+
+
+def convert_to_float8(model: GPT, recipe: str, *, emulate: bool = False) -> None:
+    """torchao float8 training for the blocks' Linear layers (the output layer, tied to the embedding,
+    stays in the autocast dtype). ``emulate`` computes float8 numerics with ordinary matmuls, on any
+    device: no speed, for tests."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError("precision='fp8' needs torchao (pip install -r requirements.txt)") from e
+    fp8 = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    convert_to_float8_training(model, config=fp8, module_filter_fn=lambda module, name: name.startswith("h."))
+
+
+def require_float8_device(device: torch.device) -> None:
+    """Float8 matmuls need an NVIDIA GPU of the Hopper generation (sm90) or later."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"device {device.type}"
+    raise ConfigError(f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (sm90+); "
+                      f"this job runs on {where}: use precision='bf16'")
+
+
+def apply_activation_checkpointing(model: GPT, scope: str) -> None:
+    """Recompute in the backward pass, instead of keeping, the activations of each whole block, or
+    only of its attention or its MLP."""
+    for i, block in enumerate(model.h):
+        if scope == "block":
+            model.h[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif scope == "attention":
+            block.attn = checkpoint_wrapper(block.attn, preserve_rng_state=False)
+        else:
+            block.mlp = checkpoint_wrapper(block.mlp, preserve_rng_state=False)
+
+
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron's split: q/k/v and fc column-wise, projections row-wise, vocab-parallel embedding/output."""
+    """Megatron's split: the fused q/k/v (head by head) and fc column-wise, projections row-wise, the
+    embedding by vocabulary rows (the tied output layer gathers them for the loss)."""
     parallelize_module(model, tp_mesh, {
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
     })
     for block in model.h:
         parallelize_module(block, tp_mesh, {
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
+            "attn.qkv": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(),
             "mlp.c_proj": RowwiseParallel(),
@@ -132,10 +190,17 @@ def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def scale_grads(parameters: list[nn.Parameter], factor: float) -> None:
+def scale_grads(parameters: list[nn.Parameter], factor: float | torch.Tensor) -> None:
+    """Multiply every gradient by ``factor`` (a 0-dim tensor applies to sharded gradients too)."""
     for p in parameters:
         if p.grad is not None:
             p.grad.mul_(factor)
+
+
+def clip_grads(parameters: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients down to ``max_norm`` where their global ``norm`` exceeds it, with the
+    coefficient computed on the device (no host read), in the norm's dtype."""
+    scale_grads(parameters, torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0))
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

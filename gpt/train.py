@@ -12,23 +12,25 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer
+from gpt.compile_cache import save_compile_cache, use_compile_cache
 from gpt.config import Config, ConfigError, read_config_file
 from gpt.data import GPTDataset, MockGPTDataset
-from gpt.files import write_atomic
 from gpt.distributed import (
-    DistEnv, all_reduce_sum, build_model, grad_norm, gradient_sync, init_distributed, scale_grads, shutdown,
+    DistEnv, all_reduce_sum, build_model, clip_grads, grad_norm, gradient_sync, init_distributed, scale_grads,
+    shutdown,
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count
@@ -64,41 +66,47 @@ def lr_at(config: Config, iteration: int) -> float:
 # -- fp16 dynamic loss scaling ---------------------------------------------------------------
 class LossScaler:
     """Dynamic loss scale for fp16: halve on a non-finite gradient, double after ``growth_interval``
-    good steps. Decisions use the global gradient norm, so all ranks agree. Scale 1 for bf16/fp32."""
+    good steps. Kept on the device and decided from the global gradient norm, so all ranks agree
+    without a host read. Scale 1 for bf16/fp32."""
 
-    def __init__(self, enabled: bool, initial: float = 2.0 ** 16, growth_interval: int = 1000) -> None:
+    def __init__(self, enabled: bool, device: torch.device | str = "cpu", initial: float = 2.0 ** 16,
+                 growth_interval: int = 1000) -> None:
         self.enabled = enabled
-        self.scale = initial if enabled else 1.0
-        self.good_steps = 0
+        self.scale = torch.tensor(initial if enabled else 1.0, device=device)
+        self.good_steps = torch.zeros((), dtype=torch.int32, device=device)
         self.growth_interval = growth_interval
 
-    def update(self, finite: bool) -> None:
+    def update(self, finite: torch.Tensor) -> None:
         if not self.enabled:
             return
-        if finite:
-            self.good_steps += 1
-            if self.good_steps % self.growth_interval == 0:
-                self.scale *= 2.0
-        else:
-            self.good_steps = 0
-            self.scale = max(1.0, self.scale / 2.0)
+        good = torch.where(finite, self.good_steps + 1, 0)
+        grown = torch.where(good % self.growth_interval == 0, self.scale * 2.0, self.scale)
+        self.scale = torch.where(finite, grown, torch.clamp(self.scale / 2.0, min=1.0))
+        self.good_steps = good
+
+    def load(self, scale: float, good_steps: int) -> None:
+        self.scale = torch.full_like(self.scale, scale)
+        self.good_steps = torch.full_like(self.good_steps, good_steps)
 
 
 # -- one optimizer step ----------------------------------------------------------------------
-def build_optimizer(model: nn.Module, config: Config, backend: Backend) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: Config, backend: Backend) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices (weights, embeddings) only, never on biases or norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_eps, fused=backend.fused_adamw() or None)
+    return backend.optimizer(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler) -> tuple[torch.Tensor, float, bool]:
-    """Accumulate gradients over the micro-batches, clip, step. Returns (mean loss, grad norm, stepped).
+               *, backend: Backend, precision: str, clip_grad: float,
+               scaler: LossScaler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Accumulate gradients over the micro-batches, reduce them over the ranks, clip, step.
 
-    A step whose gradient norm is not finite is skipped on every rank.
+    Returns device scalars, read by nobody here: the loss averaged over all ranks, the global
+    gradient norm, and whether the optimizer stepped. Every decision is taken on the device from
+    the reduced gradients, so all ranks take the same one: the clip coefficient, and skipping the
+    step (on every rank) when the norm is not finite. On XLA the whole step is one graph.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     total = torch.zeros((), device=micro_batches[0][0].device)
@@ -107,18 +115,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             loss = model(x, y) / len(micro_batches)
         (loss * scaler.scale if scaler.enabled else loss).backward()
         total += loss.detach()
+    backend.reduce_gradients(optimizer)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
-    norm = float(grad_norm(params))
-    finite = math.isfinite(norm)
+    norm = grad_norm(params)
+    finite = torch.isfinite(norm)
+    if clip_grad > 0:
+        clip_grads(params, clip_grad, norm.to(backend.kind.scalar_dtype))
+    backend.step(optimizer, (~finite).float())
     scaler.update(finite)
-    if finite:
-        if clip_grad > 0 and norm > clip_grad:
-            scale_grads(params, clip_grad / (norm + 1e-6))
-        backend.optimizer_step(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    backend.mark_step()
-    return total, norm, finite
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mean_loss = all_reduce_sum(total) / world  # tensor-parallel ranks hold the same loss: divide by the world
+    backend.sync()
+    return mean_loss, norm, finite
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -172,7 +182,7 @@ def evaluate(model: nn.Module, dataset, config: Config, env: DistEnv, device: to
             with backend.autocast(config.precision):
                 total += model(x, y).float()
             count += 1
-    backend.mark_step()
+    backend.sync()
     # Each tensor-parallel rank holds the same loss: divide by the world, not the data-parallel size.
     return float(all_reduce_sum(total / count)) / env.world_size
 
@@ -203,6 +213,8 @@ class StopSignal:
         self.received = True
 
     def should_stop(self, device: torch.device) -> bool:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received
         flag = torch.tensor(float(self.received), device=device)
         return bool(all_reduce_sum(flag) > 0)
 
@@ -224,46 +236,107 @@ def load_hf_weights(model: nn.Module, config: Config) -> None:
         differ.append(f"positions: {theirs.max_position_embeddings} there, {config.max_position_embeddings} here")
     if differ:
         raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
-    weights = hf_to_ours(load_file(str(folder / "model.safetensors")), config.padded_vocab_size())
+    weights = hf_to_ours(load_file(str(folder / "model.safetensors")), config.padded_vocab_size(),
+                         config.num_attention_heads)
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
-# -- compile cache ---------------------------------------------------------------------------
-def use_compile_cache(config: Config, backend: Backend, rank: int) -> bool:
-    """Point the compilers at ``compile_cache_dir`` and preload saved artifacts. Returns True on a hit."""
-    if not config.compile_cache_dir:
-        return False
-    root = Path(config.compile_cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    if backend.name == "neuron":
-        # One cache per node (the Neuron cache's file locks are unreliable on NFS); a launcher that
-        # already passed --cache_dir in NEURON_CC_FLAGS chose the same <root>/<node> layout.
-        node_cache = root / (os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0])
-        flags = os.environ.get("NEURON_CC_FLAGS", "")
-        if "--cache_dir" not in flags:
-            os.environ["NEURON_CC_FLAGS"] = f"{flags} --cache_dir={node_cache}".strip()
-        return any(node_cache.glob("**/*.neff"))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
-    artifacts = root / f"artifacts-rank{rank}.bin"
-    if artifacts.exists():
-        torch.compiler.load_cache_artifacts(artifacts.read_bytes())
-        return True
-    return False
+# -- metrics records, read from the device in batches ----------------------------------------
+@dataclass
+class HeldStep:
+    """One iteration's figures, left on the device until the next read."""
+    iteration: int
+    consumed_samples: int
+    lr: float
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # loss, grad norm, stepped, loss scale
 
 
-def save_compile_cache(config: Config, rank: int) -> None:
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return
-    write_atomic(Path(config.compile_cache_dir) / f"artifacts-rank{rank}.bin", saved[0])
+class StepLog:
+    """The iterations' figures stay on the device until a read point (the log interval, an
+    evaluation, a checkpoint, the first and the last iteration), where they are read together: one
+    wait for the device there instead of one per iteration. Every iteration still gets its
+    metrics record; its time is the mean over the iterations read together."""
+
+    def __init__(self, config: Config, backend: Backend, metrics: MetricsWriter, world_size: int, start: float,
+                 log: Any) -> None:
+        self.config, self.backend, self.metrics, self.world_size, self.start, self.log = (
+            config, backend, metrics, world_size, start, log)
+        self.held: list[HeldStep] = []
+        self.clock = time.time()
+        self.first_iter_s: float | None = None
+        self.timed_tokens, self.timed_s = 0, 0.0
+        self.interval: list[dict[str, Any]] = []
+        self.last: dict[str, Any] | None = None
+        self.flops_token = flops_per_token(config, param_count(config))
+        self.peak = config.peak_flops or backend.peak_flops(config.precision)
+
+    def hold(self, step: HeldStep) -> None:
+        self.held.append(step)
+
+    def read(self) -> list[dict[str, Any]]:
+        """Read the held iterations, write their records; returns them."""
+        values = self.backend.read([v for step in self.held for v in step.values])
+        now = time.time()
+        count, tokens = len(self.held), self.config.global_batch_size * self.config.seq_length
+        elapsed = (now - self.clock) / count
+        if self.first_iter_s is None:
+            self.first_iter_s = now - self.start
+        else:
+            self.timed_tokens, self.timed_s = self.timed_tokens + count * tokens, self.timed_s + now - self.clock
+        records = []
+        for i, step in enumerate(self.held):
+            loss, norm, stepped, scale = values[4 * i:4 * i + 4]
+            records.append({"iteration": step.iteration, "consumed_samples": step.consumed_samples, "lm_loss": loss,
+                            "lr": step.lr, "grad_norm": norm, "loss_scale": scale, "elapsed_ms": 1000 * elapsed,
+                            "tokens_per_s": tokens / elapsed, "mfu": self.mfu(tokens / elapsed),
+                            "skipped": int(not stepped), "nan": int(not math.isfinite(loss))})
+        for record in records:
+            self.metrics.train(record)
+        self.held = []
+        self.interval += records
+        self.last = records[-1]
+        return records
+
+    def log_line(self) -> None:
+        """Megatron's line for the iterations since the last one: mean loss of the finite ones."""
+        finite = [r["lm_loss"] for r in self.interval if not r["nan"]]
+        ms = sum(r["elapsed_ms"] for r in self.interval) / len(self.interval)
+        tokens_per_s = self.config.global_batch_size * self.config.seq_length / (ms / 1000)
+        last = self.interval[-1]
+        self.log(train_line(iteration=last["iteration"], total=self.config.total_iters,
+                            consumed=last["consumed_samples"], elapsed_ms=ms, lr=last["lr"],
+                            batch=self.config.global_batch_size, loss=sum(finite) / max(1, len(finite)),
+                            loss_scale=last["loss_scale"], grad_norm=last["grad_norm"],
+                            skipped=sum(r["skipped"] for r in self.interval), nan=sum(r["nan"] for r in self.interval),
+                            tokens_per_s=tokens_per_s, mfu_value=self.mfu(tokens_per_s)), flush=True)
+        self.interval = []
+
+    def restart_clock(self) -> None:
+        """Evaluations and checkpoints are not training time."""
+        self.clock = time.time()
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(tokens_per_s, self.flops_token, self.peak, self.world_size)
+
+    def tokens_per_s(self) -> float | None:
+        """Over the timed iterations (all but the first), else the first alone."""
+        if self.timed_s:
+            return self.timed_tokens / self.timed_s
+        tokens = self.config.global_batch_size * self.config.seq_length
+        return tokens / self.first_iter_s if self.first_iter_s else None
+
+
+def save_checkpoint(ckpt: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    scaler: LossScaler) -> None:
+    state.update(loss_scale=float(scaler.scale), good_steps=int(scaler.good_steps))
+    ckpt.save(state["iteration"], model, optimizer, state)
 
 
 # -- main --------------------------------------------------------------------------------------
 def main(config: Config) -> dict[str, Any]:
     """Train (or resume) on this rank; returns the run summary on every rank."""
     start = time.time()
-    backend = get_backend(config.device, config.precision)
+    backend = get_backend(config.device)
     env = init_distributed(backend, config.tensor_parallel)
     finished = False
     try:
@@ -280,21 +353,20 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    cache_hit = use_compile_cache(config, backend, env.rank) if config.compile else False
+    cache_hit = use_compile_cache(config, backend, env.rank)
     train_data, valid_data, test_data = load_datasets(config)
     model = build_model(config, env, device)
     optimizer = build_optimizer(model, config, backend)
-    scaler = LossScaler(config.precision == "fp16")
-    state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0,
-             "loss_scale": scaler.scale, "good_steps": 0}
+    scaler = LossScaler(config.precision == "fp16", device)
+    state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
     run_dir = Path(config.run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", config.keep_last, env.rank)
+    ckpt = Checkpointer(run_dir / "checkpoints", config.keep_last, env.rank, to_host=backend.to_host)
     log = print if env.is_main else (lambda *a, **k: None)
     latest = None
     if not config.precompile:
         latest, state = ckpt.resume(model, optimizer, state, log=log)
     if latest is not None:
-        scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
+        scaler.load(state["loss_scale"], state["good_steps"])
     elif config.init_from_hf:
         load_hf_weights(model, config)
         log(f"started from the HuggingFace weights in {config.init_from_hf}", flush=True)
@@ -307,18 +379,13 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
 
     total_iters = config.total_iters
     end_iter = min(total_iters, state["iteration"] + config.precompile_iters) if config.precompile else total_iters
-    g, seq = config.global_batch_size, config.seq_length
-    flops_token = flops_per_token(config, param_count(config))
-    peak = config.peak_flops or backend.peak_flops(config.precision)
-    first_iter_s = None
-    timed_tokens, timed_s = 0, 0.0
-    interval = {"iters": 0, "loss": 0.0, "n": 0, "ms": 0.0, "skipped": 0, "nan": 0}
-    last_loss, valid_loss, last_saved = None, None, state["iteration"]
+    first_iter, g = state["iteration"] + 1, config.global_batch_size
+    steps = StepLog(config, backend, metrics, env.world_size, start, log)
+    valid_loss = None
     status = "completed"
 
     with StopSignal() as stop:
         while state["iteration"] < end_iter:
-            t0 = time.time()
             it = state["iteration"] + 1
             lr = lr_at(config, it)
             for group in optimizer.param_groups:
@@ -326,54 +393,33 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
                                              precision=config.precision, clip_grad=config.clip_grad, scaler=scaler)
-            loss_value = float(all_reduce_sum(loss.detach().clone())) / env.world_size  # waits for the device
-            elapsed = time.time() - t0
-            state.update(iteration=it, consumed_samples=state["consumed_samples"] + g,
-                         loss_scale=scaler.scale, good_steps=scaler.good_steps)
-            is_nan = not math.isfinite(loss_value)
-            state["skipped"] += 0 if stepped else 1
-            state["nan"] += int(is_nan)
-            if first_iter_s is None:
-                first_iter_s = time.time() - start
-            else:
-                timed_tokens, timed_s = timed_tokens + g * seq, timed_s + elapsed
-            tokens_s = g * seq / elapsed
-            mfu_value = mfu(tokens_s, flops_token, peak, env.world_size)
-            last_loss = loss_value
-            metrics.train({"iteration": it, "consumed_samples": state["consumed_samples"], "lm_loss": loss_value,
-                           "lr": lr, "grad_norm": norm, "loss_scale": scaler.scale, "elapsed_ms": 1000 * elapsed,
-                           "tokens_per_s": tokens_s, "mfu": mfu_value, "skipped": int(not stepped), "nan": int(is_nan)})
-            interval["iters"] += 1
-            interval["loss"] += 0.0 if is_nan else loss_value
-            interval["n"] += 0 if is_nan else 1
-            interval["ms"] += 1000 * elapsed
-            interval["skipped"] += int(not stepped)
-            interval["nan"] += int(is_nan)
-            if it % config.log_interval == 0 or it == end_iter:
-                ms = interval["ms"] / interval["iters"]
-                log(train_line(iteration=it, total=total_iters, consumed=state["consumed_samples"], elapsed_ms=ms,
-                               lr=lr, batch=g, loss=interval["loss"] / max(1, interval["n"]), loss_scale=scaler.scale,
-                               grad_norm=norm, skipped=interval["skipped"], nan=interval["nan"],
-                               tokens_per_s=g * seq / (ms / 1000), mfu_value=mfu(g * seq / (ms / 1000), flops_token, peak, env.world_size)),
-                    flush=True)
-                interval = {"iters": 0, "loss": 0.0, "n": 0, "ms": 0.0, "skipped": 0, "nan": 0}
-            if not config.benchmark and (it % config.eval_interval == 0 or it == end_iter):
+            state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
+            steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, scaler.scale)))
+            logging = it % config.log_interval == 0 or it == end_iter
+            evaluating = not config.benchmark and (it % config.eval_interval == 0 or it == end_iter)
+            saving = not config.precompile and (it % config.save_interval == 0 or it == end_iter)
+            if not (logging or evaluating or saving or it == first_iter):
+                continue
+            for record in steps.read():
+                state["skipped"] += record["skipped"]
+                state["nan"] += record["nan"]
+            if logging:
+                steps.log_line()
+            if evaluating:
                 valid_loss = evaluate(model, valid_data, config, env, device, backend,
                                       1 if config.precompile else config.eval_iters)
                 if valid_loss is not None:
                     log(valid_line(it, valid_loss), flush=True)
                     metrics.valid(it, state["consumed_samples"], valid_loss)
-            if config.precompile:
-                continue
-            if it % config.save_interval == 0 or it == end_iter:
-                ckpt.save(it, model, optimizer, state)
-                last_saved = it
-            if it < end_iter and stop.should_stop(device):
-                if last_saved != it:
-                    ckpt.save(it, model, optimizer, state)
+            if saving:
+                save_checkpoint(ckpt, model, optimizer, state, scaler)
+            if not config.precompile and it < end_iter and stop.should_stop(device):
+                if not saving:
+                    save_checkpoint(ckpt, model, optimizer, state, scaler)
                 status = "interrupted"
                 log(f"stopping at iteration {it} on a signal; checkpoint saved", flush=True)
                 break
+            steps.restart_clock()
 
     if config.precompile and config.compile and backend.name != "neuron":
         save_compile_cache(config, env.rank)
@@ -384,12 +430,12 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "
                 f"lm loss PPL: {math.exp(min(20.0, test_loss)):.6E} |", flush=True)
     metrics.close()
-    tokens_per_s = timed_tokens / timed_s if timed_s else (g * seq / first_iter_s if first_iter_s else None)
+    tokens_per_s = steps.tokens_per_s()
     summary = {
         "status": status, "iteration": state["iteration"], "train_iters": total_iters,
-        "train_loss": last_loss, "valid_loss": valid_loss, "tokens_per_s": tokens_per_s,
-        "mfu": mfu(tokens_per_s, flops_token, peak, env.world_size) if tokens_per_s else None,
-        "time_to_first_iteration_s": first_iter_s, "wall_s": time.time() - start, "run_dir": str(run_dir),
+        "train_loss": steps.last["lm_loss"] if steps.last else None, "valid_loss": valid_loss,
+        "tokens_per_s": tokens_per_s, "mfu": steps.mfu(tokens_per_s) if tokens_per_s else None,
+        "time_to_first_iteration_s": steps.first_iter_s, "wall_s": time.time() - start, "run_dir": str(run_dir),
         "compile_cache_hit": cache_hit, "test_loss": test_loss,
         "test_perplexity": math.exp(min(20.0, test_loss)) if test_loss is not None else None,
     }
