@@ -1,22 +1,36 @@
 """Training-step throughput of one model on one device, printed as JSON.
 
-    python -m gpt.bench --model gpt3-125m --micro-batch 8 --steps 20 --compile --compare-eager
+    python -m gpt.bench --model gpt3-125m --micro-batch 8 --steps 20 --compile --compare-eager --peer
+    python -m gpt.bench --model gpt3-1.3b --precision fp8 --compile --find-micro-batch
 
 Times full training steps (forward, backward, clip, AdamW) on random tokens after untimed warmup
-steps (which include compilation); reports the median step. ``--compare-eager`` times an eager and
-a compiled copy of the model in the same process, alternating their steps, and reports the ratio.
+steps (which include compilation); reports the median step. Every row reports its peak memory: the
+most that building the model and its warmup steps held above what was in use before (CUDA: tensors
+allocated by torch; CPU: the process's resident set, its high-water mark restarted first).
+
+``--compare-eager`` adds our eager model as a row and ``--peer`` HuggingFace's GPT2LMHeadModel of
+the same shape (SDPA attention, compiled when ours is, fused AdamW on CUDA, bf16 where ours is fp8).
+Their timed steps alternate with ours, so a busy machine slows all alike; the JSON holds the ratios
+ours/eager and ours/HF. ``--find-micro-batch`` first looks for the largest micro-batch that fits,
+doubling from ``--micro-batch`` while it fits and halving while it does not (out of memory on CUDA,
+over ``--memory-cap-gib`` anywhere), then measures at that size.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
+import gc
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
 import torch
+from torch import nn
 
-from gpt.backend import get_backend
+from gpt.backend import Backend, get_backend
 from gpt.config import Config
 from gpt.distributed import DistEnv, build_model
 from gpt.metrics import flops_per_token, mfu
@@ -24,33 +38,42 @@ from gpt.model import param_count
 from gpt.train import LossScaler, build_optimizer, train_step
 
 
-class _Bench:
-    """One model, optimizer and fixed batch of random tokens, ready to time training steps."""
+class _Row:
+    """One model, its optimizer and a fixed batch of random tokens, ready to time training steps."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, backend: Backend) -> None:
         self.config = config
-        self.backend = get_backend(config.device, config.precision)
-        device = self.backend.device(0)
+        self.backend = backend
+        self.device = backend.device(0)
+        release_memory(backend)
+        self._memory_before = backend.memory_in_use_bytes()
+        backend.reset_peak_memory()
         torch.manual_seed(config.seed)
-        self.model = build_model(config, DistEnv(0, 1, 0, None), device)
-        self.optimizer = build_optimizer(self.model, config, self.backend)
-        self.scaler = LossScaler(config.precision == "fp16")
+        self.model = self.build()
+        self.optimizer = build_optimizer(self.model, config, backend)
         mb, seq = config.micro_batch_size, config.seq_length
-        tokens = torch.randint(0, config.vocab_size, (config.global_batch_size // mb, mb, seq + 1), device=device)
+        tokens = torch.randint(0, config.vocab_size, (config.global_batch_size // mb, mb, seq + 1), device=self.device)
         self.batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
         self.times: list[float] = []
         self.loss = float("nan")
         self.warmup_s = 0.0
+        self.peak_memory = 0
+
+    def build(self) -> nn.Module:
+        raise NotImplementedError
+
+    def train_step(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def step(self) -> float:
         t = time.perf_counter()
-        loss, _, _ = train_step(self.model, self.optimizer, self.batches, backend=self.backend,
-                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler)
-        self.loss = float(loss)  # waits for the device
+        self.loss = float(self.train_step())  # waits for the device
         return time.perf_counter() - t
 
     def warmup(self, steps: int) -> None:
-        self.warmup_s = sum(self.step() for _ in range(steps))
+        """``steps`` untimed steps (at least one); the row's peak memory is taken over them."""
+        self.warmup_s = sum(self.step() for _ in range(max(1, steps)))
+        self.peak_memory = self.backend.peak_memory_bytes() - self._memory_before
 
     def result(self) -> dict[str, Any]:
         c = self.config
@@ -60,46 +83,174 @@ class _Bench:
         return {"compile": c.compile, "tokens_per_s": tokens_per_s, "step_time_ms": 1000 * step_s,
                 "step_time_ms_mean": 1000 * statistics.fmean(self.times),
                 "mfu": mfu(tokens_per_s, flops_per_token(c, param_count(c)), peak, 1),
-                "warmup_s": self.warmup_s, "final_loss": self.loss}
+                "peak_memory_bytes": self.peak_memory, "warmup_s": self.warmup_s, "final_loss": self.loss}
+
+
+class _Ours(_Row):
+    def __init__(self, config: Config, backend: Backend) -> None:
+        self.scaler = LossScaler(config.precision == "fp16", backend.device(0))
+        super().__init__(config, backend)
+
+    def build(self) -> nn.Module:
+        return build_model(self.config, DistEnv(0, 1, 0, None), self.device)
+
+    def train_step(self) -> torch.Tensor:
+        loss, _, _ = train_step(self.model, self.optimizer, self.batches, backend=self.backend,
+                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler)
+        return loss
+
+    def result(self) -> dict[str, Any]:
+        return {**super().result(), "compile_scope": self.config.compile_scope}
+
+
+class _HuggingFace(_Row):
+    """transformers' GPT2LMHeadModel of our shape, trained the way its users do: loss from ``labels``,
+    clip, AdamW with our parameter groups."""
+
+    def build(self) -> nn.Module:
+        import transformers
+
+        c = self.config
+        hf = transformers.GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.hidden_size,
+                                     n_layer=c.num_layers, n_head=c.num_attention_heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(hf).to(self.device)
+        if c.compile:
+            model.compile()
+        return model
+
+    def train_step(self) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for x, _ in self.batches:
+            with self.backend.autocast(self.config.precision):
+                loss = self.model(input_ids=x, labels=x).loss / len(self.batches)
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
 
 
 def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int = 3, grad_accum: int = 1,
         seq_length: int | None = None, vocab_size: int = 50257, device: str = "auto", precision: str | None = None,
-        compile: bool = False, compare_eager: bool = False, activation_checkpointing: bool = False,
+        compile: bool = False, compile_scope: str = "blocks", compare_eager: bool = False, peer: bool = False,
+        activation_checkpointing: bool = False, activation_checkpointing_scope: str = "block",
+        fp8_recipe: str = "tensorwise", find_micro_batch: bool = False, memory_cap_gib: float | None = None,
         peak_flops: float | None = None) -> dict[str, Any]:
-    """Benchmark ``model``; with ``compare_eager`` the result holds "eager", "compiled" and their ratio.
-
-    Comparing, both models are built and warmed up first, then their timed steps alternate, so a
-    busy machine slows both alike.
-    """
+    """Benchmark ``model``: our row's figures at the top level; with ``compare_eager`` an "eager" row,
+    with ``peer`` an "hf" row, and our tokens/s over theirs. Compiling with ``compare_eager``, our row
+    is the compiled model."""
     backend = get_backend(device)
     precision = precision or ("fp32" if backend.name == "cpu" else "bf16")
     config = Config(model=model, micro_batch_size=micro_batch, global_batch_size=micro_batch * grad_accum,
                     seq_length=seq_length, vocab_size=vocab_size, device=backend.name, precision=precision,
-                    compile=compile, activation_checkpointing=activation_checkpointing, peak_flops=peak_flops,
-                    mock_data=True)
+                    fp8_recipe=fp8_recipe, compile=compile or compare_eager, compile_scope=compile_scope,
+                    activation_checkpointing=activation_checkpointing,
+                    activation_checkpointing_scope=activation_checkpointing_scope, peak_flops=peak_flops, mock_data=True)
     config.validate(1)
     result: dict[str, Any] = {
-        "model": model, "params": param_count(config), "device": _device_name(backend.name),
-        "precision": precision, "micro_batch": micro_batch, "grad_accum": grad_accum,
-        "seq_length": config.seq_length, "steps": steps, "warmup": warmup, "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "model": model, "params": param_count(config), "device": _device_name(backend.name), "precision": precision,
+        "grad_accum": grad_accum, "seq_length": config.seq_length, "steps": steps, "warmup": max(1, warmup),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "peak_memory_kind": "cuda_allocated" if backend.name == "cuda" else "process_rss",
     }
-    configs = [Config(**{**config.to_dict(), "compile": c}) for c in (False, True)] if compare_eager else [config]
-    backend.reset_peak_memory()
-    benches = [_Bench(c) for c in configs]
-    for b in benches:
-        b.warmup(warmup)
+    if find_micro_batch:
+        cap = None if memory_cap_gib is None else int(memory_cap_gib * 2 ** 30)
+        search = search_micro_batch(config, backend, cap)
+        result["micro_batch_search"] = search
+        config = dataclasses.replace(config, micro_batch_size=search["largest"],
+                                     global_batch_size=search["largest"] * grad_accum)
+    result["micro_batch"] = config.micro_batch_size
+    rows: dict[str, _Row] = {"ours": _Ours(config, backend)}
+    if compare_eager:
+        rows["eager"] = _Ours(dataclasses.replace(config, compile=False), backend)
+    if peer:
+        if _has_transformers():
+            rows["hf"] = _HuggingFace(dataclasses.replace(config, precision="bf16" if precision == "fp8" else precision),
+                                      backend)
+        else:
+            result["hf"] = {"skipped": "transformers is not importable (pip install transformers)"}
+    _measure(list(rows.values()), warmup, steps)
+    measured = {name: row.result() for name, row in rows.items()}
+    result.update(measured.pop("ours"))
+    for name, row in measured.items():
+        result[name] = row
+        result[f"ours_vs_{name}_tokens_per_s"] = result["tokens_per_s"] / row["tokens_per_s"]
+    return result
+
+
+def _measure(rows: list[_Row], warmup: int, steps: int) -> None:
+    """Warm every row up in turn (its peak memory taken alone), then alternate their timed steps."""
+    for row in rows:
+        row.warmup(warmup)
     for _ in range(steps):
-        for b in benches:
-            b.times.append(b.step())
-    result.update(peak_memory_bytes=backend.peak_memory_bytes(),  # all models of the run together
-                  peak_memory_kind="cuda_max_allocated" if backend.name == "cuda" else "process_max_rss")
-    if not compare_eager:
-        return {**result, **benches[0].result()}
-    eager, compiled = (b.result() for b in benches)
-    return {**result, "eager": eager, "compiled": compiled,
-            "compiled_vs_eager_tokens_per_s": compiled["tokens_per_s"] / eager["tokens_per_s"]}
+        for row in rows:
+            row.times.append(row.step())
+
+
+def search_micro_batch(config: Config, backend: Backend, memory_cap: int | None) -> dict[str, Any]:
+    """The largest micro-batch that fits: one training step of our model at ``config``'s micro-batch,
+    then at twice that while it fits, or at half while it does not. Fitting means no out-of-memory
+    error and, with ``memory_cap``, a peak memory of at most that many bytes. Returns the largest
+    size and the peak memory of every size tried (None: out of memory)."""
+    if memory_cap is None and backend.name != "cuda":
+        raise ValueError(f"find_micro_batch on {backend.name} needs memory_cap_gib (--memory-cap-gib): only CUDA "
+                         "reports running out of memory; elsewhere the system would start killing processes")
+    tried: dict[int, int | None] = {}
+
+    def fits(micro_batch: int) -> bool:
+        tried[micro_batch] = _peak_memory_of_one_step(config, backend, micro_batch)
+        return tried[micro_batch] is not None and (memory_cap is None or tried[micro_batch] <= memory_cap)
+
+    largest = config.micro_batch_size
+    if fits(largest):
+        while fits(2 * largest):
+            largest *= 2
+    else:
+        while largest > 1 and not fits(largest // 2):
+            largest //= 2
+        if largest == 1:
+            raise ValueError(f"micro-batch 1 does not fit ({_fit_limit(backend, memory_cap)}): shorten seq_length, "
+                             "turn on activation_checkpointing, or use tensor parallelism")
+        largest //= 2
+    return {"largest": largest, "memory_cap_bytes": memory_cap,
+            "peak_memory_bytes": {str(mb): peak for mb, peak in sorted(tried.items())}}
+
+
+def _peak_memory_of_one_step(config: Config, backend: Backend, micro_batch: int) -> int | None:
+    row: _Row | None = None
+    try:
+        row = _Ours(dataclasses.replace(config, micro_batch_size=micro_batch, global_batch_size=micro_batch), backend)
+        row.warmup(1)
+        peak = row.peak_memory
+    except torch.OutOfMemoryError:
+        peak = None
+    row = None  # the model, its optimizer and (after an error) the traceback's tensors go before the next size
+    release_memory(backend)
+    torch.compiler.reset()  # each size compiles afresh, with static shapes
+    return peak
+
+
+def release_memory(backend: Backend) -> None:
+    """Hand freed memory back (CUDA's cache, glibc's heap), so that what is in use is what is held."""
+    gc.collect()
+    if backend.name == "cuda":
+        torch.cuda.empty_cache()
+    elif backend.name == "cpu" and sys.platform == "linux":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _fit_limit(backend: Backend, memory_cap: int | None) -> str:
+    return f"peak memory cap {memory_cap} bytes" if memory_cap is not None else f"out of {backend.name} memory"
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _device_name(kind: str) -> str:
@@ -111,23 +262,38 @@ def _device_name(kind: str) -> str:
 def cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpt.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=8, help="micro-batch size (where --find-micro-batch starts)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first, at least one (compilation and the peak memory happen here)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-length", type=int)
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "neuron"])
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="default: bf16 on accelerators, fp32 on CPU")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"],
+                   help="default: bf16 on accelerators, fp32 on CPU; fp8: torchao float8 linears (Hopper or later)")
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--compare-eager", action="store_true", help="measure eager and compiled in one run")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile-scope", default="blocks", choices=["blocks", "model"],
+                   help="one graph per block, or the whole forward with the loss")
+    p.add_argument("--compare-eager", action="store_true", help="also measure our eager model (ours is compiled)")
+    p.add_argument("--peer", action="store_true", help="also measure HuggingFace's GPT2LMHeadModel of the same shape")
+    p.add_argument("--activation-checkpointing", nargs="?", const="block", choices=["block", "attention", "mlp"],
+                   help="recompute activations in backward: of whole blocks (no value), or only attention or mlp")
+    p.add_argument("--find-micro-batch", action="store_true", help="measure at the largest micro-batch that fits")
+    p.add_argument("--memory-cap-gib", type=float, help="with --find-micro-batch: the peak memory allowed (needed on CPU)")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of the device, for MFU where the table has none")
     a = p.parse_args(argv)
-    print(json.dumps(run(model=a.model, micro_batch=a.micro_batch, steps=a.steps, warmup=a.warmup,
-                         grad_accum=a.grad_accum, seq_length=a.seq_length, vocab_size=a.vocab_size, device=a.device,
-                         precision=a.precision, compile=a.compile, compare_eager=a.compare_eager,
-                         activation_checkpointing=a.activation_checkpointing, peak_flops=a.peak_flops), indent=2))
+    try:
+        result = run(model=a.model, micro_batch=a.micro_batch, steps=a.steps, warmup=a.warmup, grad_accum=a.grad_accum,
+                     seq_length=a.seq_length, vocab_size=a.vocab_size, device=a.device, precision=a.precision,
+                     compile=a.compile, compile_scope=a.compile_scope, compare_eager=a.compare_eager, peer=a.peer,
+                     activation_checkpointing=a.activation_checkpointing is not None,
+                     activation_checkpointing_scope=a.activation_checkpointing or "block", fp8_recipe=a.fp8_recipe,
+                     find_micro_batch=a.find_micro_batch, memory_cap_gib=a.memory_cap_gib, peak_flops=a.peak_flops)
+    except ValueError as e:  # ConfigError too: the message names the option
+        p.error(str(e))
+    print(json.dumps(result, indent=2))
     return 0
 
 

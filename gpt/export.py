@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from gpt.checkpoint import Checkpointer, _single_process_quiet
 from gpt.config import Config
-from gpt.model import GPT
+from gpt.model import GPT, split_qkv
 
 EOD = "<|endoftext|>"
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
@@ -38,17 +38,17 @@ class ExportError(ValueError):
 # ---------------------------------------------------------------- our names <-> GPT-2's
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's tensors (HF's Conv1D keeps weights as (in, out); q, k, v side by side)."""
+    """GPT2LMHeadModel's tensors (HF's Conv1D keeps weights as (in, out); all of q, then k, then v)."""
     ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    vocab = model.config.vocab_size
+    vocab, heads = model.config.vocab_size, model.config.num_attention_heads
     hf = {"transformer.wte.weight": ours["wte.weight"][:vocab], "transformer.wpe.weight": ours["wpe.weight"],
           "transformer.ln_f.weight": ours["ln_f.weight"], "transformer.ln_f.bias": ours["ln_f.bias"]}
     for i in range(model.config.num_layers):
         o, h = f"h.{i}.", f"transformer.h.{i}."
         for ln in ("ln_1", "ln_2"):
             hf[h + ln + ".weight"], hf[h + ln + ".bias"] = ours[o + ln + ".weight"], ours[o + ln + ".bias"]
-        hf[h + "attn.c_attn.weight"] = torch.cat([ours[f"{o}attn.{n}.weight"].t() for n in "qkv"], dim=1)
-        hf[h + "attn.c_attn.bias"] = torch.cat([ours[f"{o}attn.{n}.bias"] for n in "qkv"])
+        hf[h + "attn.c_attn.weight"] = torch.cat([t.t() for t in split_qkv(ours[o + "attn.qkv.weight"], heads)], dim=1)
+        hf[h + "attn.c_attn.bias"] = torch.cat(split_qkv(ours[o + "attn.qkv.bias"], heads))
         for layer in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             hf[h + layer + ".weight"] = ours[o + layer + ".weight"].t()
             hf[h + layer + ".bias"] = ours[o + layer + ".bias"]

@@ -1,9 +1,11 @@
 """A GPT-2/GPT-3 language model in one file.
 
 Learned position embeddings, pre-LayerNorm blocks, causal self-attention through
-scaled_dot_product_attention, a 4x GELU MLP, a final LayerNorm and an output layer tied to the
-token embedding. Parallelism, activation checkpointing and compilation are applied from outside
-(gpt/distributed.py); this file knows nothing about them except how to initialise a shard.
+scaled_dot_product_attention (q, k and v from one fused projection), a 4x GELU MLP, a final
+LayerNorm and an output layer tied to the token embedding, whose cross-entropy is taken a chunk of
+tokens at a time (linear_cross_entropy): in training, the logits of a whole batch never exist.
+Parallelism, activation checkpointing and compilation are applied from outside (gpt/distributed.py);
+this file knows nothing about them except how to initialise a shard.
 """
 from __future__ import annotations
 
@@ -22,25 +24,33 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         h = config.hidden_size
-        # q, k and v are separate layers so that tensor parallelism can split each by heads.
-        self.q = nn.Linear(h, h)
-        self.k = nn.Linear(h, h)
-        self.v = nn.Linear(h, h)
+        # q, k and v in one GEMM. The rows go head by head (q, k, v of head 0, then of head 1, ...):
+        # tensor parallelism splits the rows into contiguous blocks, so each rank gets whole heads.
+        self.qkv = nn.Linear(h, 3 * h)
         self.c_proj = nn.Linear(h, h)
         self.head_dim = h // config.num_attention_heads
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if cache is not None:
             # Generation: a prompt (causal over itself) into an empty cache, then one token at a
             # time, which sees everything before it.
             k, v = cache.extend(k, v)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Separate q, k and v weights (out, in) or biases (out,) as the fused projection's, head by head."""
+    return torch.stack([t.unflatten(0, (heads, -1)) for t in (q, k, v)], dim=1).flatten(0, 2)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's weight or bias as separate q, k and v (the inverse of fuse_qkv)."""
+    q, k, v = (t.flatten(0, 1) for t in qkv.unflatten(0, (heads, 3, -1)).unbind(dim=1))
+    return q, k, v
 
 
 class KVCache:
@@ -85,6 +95,86 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# Logits held at once by the loss: tokens per chunk x padded vocabulary (512 MB in fp32).
+LOGITS_PER_CHUNK = 2 ** 27
+
+
+def default_chunk_tokens(padded_vocab: int) -> int:
+    """Tokens per chunk of linear_cross_entropy when none is given."""
+    return max(1, LOGITS_PER_CHUNK // padded_vocab)
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int,
+                         chunk_tokens: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``x @ weight.T`` over their first ``vocab`` columns, without
+    ever holding every token's logits: ``chunk_tokens`` tokens at a time (default: as many as keep
+    LOGITS_PER_CHUNK logits). x is (tokens, hidden), weight (padded vocabulary, hidden).
+
+    The matmuls run in the autocast dtype when autocast is on, the softmax in fp32; the padding
+    rows of ``weight`` only shape the matmuls and get no gradient. Training, the gradients are
+    computed while each chunk's logits are at hand and kept for the backward pass, which only
+    scales them: the plain path's three matmuls and no logits saved for backward.
+    """
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(x, weight, targets, vocab, chunk, dtype)
+    with torch.autocast(device, enabled=False):
+        return _chunked_loss(x, weight, targets, vocab, chunk, dtype, None)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        grads = torch.empty_like(x), torch.zeros_like(weight, dtype=torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            loss = _chunked_loss(x, weight, targets, vocab, chunk, dtype, grads)
+        ctx.save_for_backward(*grads)
+        ctx.weight_dtype, ctx.tokens = weight.dtype, x.shape[0]
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_weight = ctx.saved_tensors  # summed over the tokens: the mean divides here
+        scale = grad_loss / ctx.tokens
+        return grad_x * scale, (grad_weight * scale).to(ctx.weight_dtype), None, None, None, None
+
+
+def _chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int,
+                  dtype: torch.dtype, grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The summed loss chunk by chunk, divided by the tokens; fills ``grads`` when given with the
+    gradients of the summed loss (of x, of weight)."""
+    n = x.shape[0]
+    w = weight.to(dtype)
+    total = torch.zeros((), device=x.device, dtype=torch.float32)
+    for start in range(0, n, chunk):
+        rows = slice(start, start + chunk)
+        chunk_grads = None if grads is None else (grads[0][rows], grads[1])
+        total += _chunk_loss(x[rows].to(dtype), targets[rows, None], w, vocab, chunk_grads)
+    return total / n
+
+
+def _chunk_loss(x: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, vocab: int,
+                grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """One chunk's summed loss; writes its rows of the gradient of x and adds to the weight's when
+    ``grads`` is given. Its logits are freed on return, before the next chunk's exist."""
+    logits = (x @ w.t()).float()
+    logits[:, vocab:] = float("-inf")  # padding columns: no probability, no gradient
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    loss = (lse - logits.gather(1, targets)).sum()
+    if grads is not None:
+        # d(summed loss)/d(logits) = softmax - one_hot(target), written over the logits. Not yet
+        # divided by the tokens: in fp16, probabilities / tokens would flush to zero.
+        probs = logits.sub_(lse).exp_()
+        probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))
+        g = probs.to(x.dtype)
+        grads[0].copy_(g @ w)
+        grads[1].add_(g.t() @ x)
+    return loss
+
+
 class GPT(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -109,10 +199,13 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for i, block in enumerate(self.h):
             x = block(x) if cache is None else block(x, cache[i])
-        logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]
+        x = self.ln_f(x)
+        weight = self.lm_head.weight
+        if isinstance(weight, DTensor):  # vocabulary rows split over tensor-parallel ranks: gather them
+            weight = weight.full_tensor()
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return F.linear(x, weight)[..., :self.config.vocab_size]
+        return linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.config.vocab_size)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -136,21 +229,20 @@ class GPT(nn.Module):
 
     def load_hf_gpt2(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a HuggingFace GPT2LMHeadModel state dict (same sizes; vocab rows padded with zeros)."""
-        self.load_state_dict(hf_to_ours(state_dict, self.vocab_size))
+        self.load_state_dict(hf_to_ours(state_dict, self.vocab_size, self.config.num_attention_heads))
 
 
-def hf_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int) -> dict[str, torch.Tensor]:
-    """A GPT2LMHeadModel state dict under our names, the embedding padded to ``padded_vocab`` rows."""
+def hf_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int, heads: int) -> dict[str, torch.Tensor]:
+    """A GPT2LMHeadModel state dict under our names and layout, the embedding padded to ``padded_vocab`` rows."""
     ours: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         key = key.removeprefix("transformer.")
         if key.endswith(".attn.bias") or key.endswith(".attn.masked_bias") or key == "lm_head.weight":
             continue  # causal-mask buffers; lm_head is tied to wte
         if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
-            prefix, kind = key.rsplit(".c_attn.", 1)
             # HF's Conv1D stores (in, out): q, k and v side by side along the last dimension.
-            for part, name in zip(value.chunk(3, dim=-1), ("q", "k", "v")):
-                ours[f"{prefix}.{name}.{kind}"] = part.t() if kind == "weight" else part
+            q, k, v = (t.t() if key.endswith("weight") else t for t in value.chunk(3, dim=-1))
+            ours[key.replace(".c_attn.", ".qkv.")] = fuse_qkv(q, k, v, heads)
         elif key.endswith("c_proj.weight") or key.endswith("c_fc.weight"):
             ours[key] = value.t()
         elif key == "wte.weight":

@@ -52,6 +52,8 @@ _TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2})(?::(\d{2}))?$")
 
 # GPU generations without fast bf16 (accelerator names, lower case).
 PRE_AMPERE_GPUS = frozenset({"v100", "t4", "p100", "p4", "k80", "m60", "rtx8000", "rtx6000", "titanv"})
+# GPU generations with the float8 matmuls of precision fp8: Hopper and later.
+FLOAT8_GPUS = frozenset({"h100", "h200", "h800", "h20", "gh200", "b100", "b200", "gb200", "b300", "gb300"})
 
 
 class ClusterError(ValueError):

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from gpt import bench
 from tests.fixtures_gpt import ROOT
 
@@ -24,3 +26,46 @@ def test_cli_prints_json():
                           "--warmup", "0", "--seq-length", "16", "--vocab-size", "128", "--device", "cpu"],
                          capture_output=True, text=True, cwd=ROOT, check=True, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert json.loads(out.stdout)["steps"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_huggingface_peer_row_with_its_memory_and_ratio():
+    r = bench.run(model="tiny", micro_batch=2, steps=2, warmup=1, seq_length=32, vocab_size=256, device="cpu", peer=True)
+    assert "eager" not in r and r["compile"] is False
+    hf = r["hf"]
+    assert hf["tokens_per_s"] > 0 and hf["peak_memory_bytes"] > 0 and 4.0 < hf["final_loss"] < 7.0
+    assert r["ours_vs_hf_tokens_per_s"] == r["tokens_per_s"] / hf["tokens_per_s"]
+
+
+@pytest.mark.timeout(240)
+def test_compare_eager_measures_the_compiled_model_against_the_eager_one():
+    r = bench.run(model="tiny", micro_batch=2, steps=2, warmup=1, seq_length=32, vocab_size=256, device="cpu",
+                  compare_eager=True, compile_scope="model")
+    assert (r["compile"], r["compile_scope"], r["eager"]["compile"]) == (True, "model", False)
+    assert r["peak_memory_bytes"] > 0 and r["eager"]["peak_memory_bytes"] > 0
+    assert r["ours_vs_eager_tokens_per_s"] == r["tokens_per_s"] / r["eager"]["tokens_per_s"]
+    assert r["final_loss"] == pytest.approx(r["eager"]["final_loss"], rel=1e-4)   # the same model, the same steps
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("start", [4, 64])
+def test_find_micro_batch_doubles_or_halves_to_the_largest_under_the_cap(start):
+    """tiny at sequence 128, 8192-entry vocabulary: a training step of micro-batch 16 holds about
+    0.22 GB, 32 about 0.43 GB; the cap lies between them."""
+    cap_gib = 0.3
+    r = bench.run(model="tiny", micro_batch=start, steps=1, warmup=1, vocab_size=8192, device="cpu",
+                  find_micro_batch=True, memory_cap_gib=cap_gib)
+    search = r["micro_batch_search"]
+    peaks = {int(k): v for k, v in search["peak_memory_bytes"].items()}
+    assert r["micro_batch"] == search["largest"] == 16
+    assert sorted(peaks) == ([4, 8, 16, 32] if start == 4 else [16, 32, 64])
+    assert peaks[16] <= cap_gib * 2 ** 30 < peaks[32]
+    assert r["tokens_per_s"] > 0
+
+
+def test_find_micro_batch_refusals():
+    with pytest.raises(ValueError, match="find_micro_batch on cpu needs memory_cap_gib"):
+        bench.run(model="tiny", micro_batch=2, steps=1, seq_length=16, vocab_size=256, device="cpu", find_micro_batch=True)
+    with pytest.raises(ValueError, match="micro-batch 1 does not fit"):
+        bench.run(model="tiny", micro_batch=2, steps=1, vocab_size=8192, device="cpu", find_micro_batch=True,
+                  memory_cap_gib=1e-6)

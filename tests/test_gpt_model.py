@@ -62,7 +62,7 @@ def test_gpt2_initialisation():
     assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert model.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2 x 8)
     assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
-    assert torch.all(model.h[0].ln_1.weight == 1) and torch.all(model.h[0].attn.q.bias == 0)
+    assert torch.all(model.h[0].ln_1.weight == 1) and torch.all(model.h[0].attn.qkv.bias == 0)
     again = GPT(config)  # same seed, same weights; another seed, other weights
     assert torch.equal(again.h[3].mlp.c_fc.weight, model.h[3].mlp.c_fc.weight)
     other = GPT(Config(**{**config.to_dict(), "seed": 7}))
