@@ -2,6 +2,8 @@
 
 `prefect_server` starts `prefect server start` on a free loopback port once per test session and
 yields a `PrefectServer` whose `env` points subprocesses (the CLI, `deployments/serve.py`) at it.
+`own_prefect_server` (test scope) is a `RestartablePrefectServer`, a server of the test's own that
+it may stop and start again on the same port and database.
 """
 from __future__ import annotations
 
@@ -93,14 +95,15 @@ def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path, timeout: float
     raise RuntimeError(f"prefect server not healthy after {timeout}s; see {log}")
 
 
-def start_server(home: Path) -> tuple[PrefectServer, subprocess.Popen]:
+def start_server(home: Path, port: int | None = None) -> tuple[PrefectServer, subprocess.Popen]:
+    """A server with its database in `home`, on `port` (a free one when None)."""
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = home / "server.log"
     env = prefect_env(home, None)
     env["PREFECT_UI_API_URL"] = f"{url}/api"
-    with open(log, "w") as out:
+    with open(log, "a") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -128,6 +131,32 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         yield server
     finally:
         stop(proc)
+
+
+class RestartablePrefectServer:
+    """A server that can be stopped (SIGKILL: a crash) and started again on its port and database."""
+
+    def __init__(self, home: Path) -> None:
+        self.server, self.proc = start_server(home)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        stop(self.proc, sig)
+
+    def start(self) -> None:
+        if self.proc.poll() is None:
+            raise RuntimeError(f"the Prefect server on {self.server.url} is still running")
+        port = int(self.server.url.rsplit(":", 1)[1])
+        self.server, self.proc = start_server(self.server.home, port)
+
+
+@pytest.fixture
+def own_prefect_server(tmp_path: Path) -> Iterator[RestartablePrefectServer]:
+    """A Prefect server of this test's own, which it may stop and start again."""
+    restartable = RestartablePrefectServer(tmp_path / "prefect-home")
+    try:
+        yield restartable
+    finally:
+        restartable.stop()
 
 
 def screenshot(url: str, path: Path, *, wait_ms: int = 8000, size: str = "1400,1600") -> Path:

@@ -22,6 +22,9 @@ for unsigned requests, and it answers HEAD with PartNumber (so multipart ETags c
 Tests that run code reading credentials from the environment use `monkeypatch.setenv` with
 `s3_server.env`, or pass `s3_server.env` to a subprocess. `start_s3_server(dir)` / `stop()` start
 and stop one outside pytest (the sync benchmark does).
+
+`own_s3_server` (test scope) is a server of the test's own, for tests that stop it
+(`stop(signal.SIGKILL)` for a crash) and `start()` it again on the same ports and data folder.
 """
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ class S3Server:
     env: dict[str, str] = field(default_factory=dict)
     denied_env: dict[str, str] = field(default_factory=dict)
     lister_env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list, repr=False)
 
     def client(self, **kwargs: Any) -> Any:
         import boto3
@@ -129,14 +133,26 @@ class S3Server:
         for rel, data in files.items():
             self.put(bucket, prefix + rel, data)
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server with `sig` (SIGKILL: a crash), SIGKILL after 15 s."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+    def start(self) -> None:
+        """Start the stopped server again: the same ports, data folder and identities."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"the S3 server on {self.endpoint_url} is still running")
+        self.proc = _launch(self.argv, self.log)
+        try:
+            _wait_ready(self)
+        except BaseException:
+            self.stop()
+            raise
 
 
 def _env(key: str, secret: str) -> dict[str, str]:
@@ -168,17 +184,29 @@ def _start_once(root: Path) -> S3Server:
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", f"-s3.config={config}",
             f"-s3.localSocket={root}/s3.sock", f"-filer.localSocket={root}/filer.sock"]
     log = root / "weed.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=root, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", data, log, proc, _env(ACCESS_KEY, SECRET_KEY),
-                      _env(DENIED_KEY, DENIED_SECRET), _env(LISTER_KEY, LISTER_SECRET))
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", data, log, _launch(argv, log),
+                      _env(ACCESS_KEY, SECRET_KEY), _env(DENIED_KEY, DENIED_SECRET), _env(LISTER_KEY, LISTER_SECRET),
+                      argv)
     try:
         _wait_ready(server)
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def _launch(argv: list[str], log: Path) -> subprocess.Popen:
+    """`weed mini` in a process group of its own, appending to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=log.parent, start_new_session=True)
+
+
+def _ensure_bucket(s3: Any, name: str) -> None:
+    try:
+        s3.create_bucket(Bucket=name)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass                            # a restarted server keeps its buckets
 
 
 def _wait_ready(server: S3Server, timeout: float = 60) -> None:
@@ -200,10 +228,10 @@ def _wait_ready(server: S3Server, timeout: float = 60) -> None:
     s3 = server.client()
     while True:
         try:
-            s3.create_bucket(Bucket="ready-probe")
+            _ensure_bucket(s3, "ready-probe")
             s3.put_object(Bucket="ready-probe", Key="probe", Body=b"ok")
             if s3.get_object(Bucket="ready-probe", Key="probe")["Body"].read() == b"ok":
-                s3.create_bucket(Bucket=LIST_ONLY_BUCKET)
+                _ensure_bucket(s3, LIST_ONLY_BUCKET)
                 return
         except Exception as e:  # noqa: BLE001 - any failure means: not ready yet
             if time.monotonic() > deadline:
@@ -228,3 +256,13 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def own_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """A server of this test's own, which it may stop and start again."""
+    server = start_s3_server(tmp_path / "s3")
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)         # its data goes with the test; a restarted one is slow to stop

@@ -1,6 +1,7 @@
 """Training through submitit on the real local SLURM cluster, watched from Prefect."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,8 +19,9 @@ from prefect import flow
 from gpt.config import Config
 from tasks.cluster import ClusterError, load_cluster
 from tasks.jobs import slurm_state
-from tasks.precompile import precompile
+from tasks.precompile import cache_key, precompile
 from tasks.train import train, train_task
+from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
 
 pytestmark = pytest.mark.slurm
 
@@ -98,7 +100,7 @@ def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: 
 
     @flow(name="cluster-two-node")
     def two_node() -> Any:
-        return train_task(tiny(train_iters=12), load_cluster(slurm_cluster["preset"]), run_dir=str(run_dir))
+        return train_task(tiny(train_iters=12, run_dir=str(run_dir)), load_cluster(slurm_cluster["preset"]))
 
     state = two_node(return_state=True)
     result = state.result()
@@ -128,7 +130,7 @@ def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, p
     @flow(name="cluster-retry")
     def retried() -> Any:
         return train_task.with_options(retries=1, retry_delay_seconds=0)(
-            tiny(train_iters=iters), load_cluster(slurm_cluster["preset"]), run_dir=str(run_dir))
+            tiny(train_iters=iters, run_dir=str(run_dir)), load_cluster(slurm_cluster["preset"]))
 
     outcome: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: outcome.update(state=retried(return_state=True)))
@@ -152,6 +154,7 @@ def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, p
     assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
     messages = "\n".join(flow_logs(state.state_details.flow_run_id))
     assert f"job {first} ended FAILED" in messages and "rank 1 log tail" in messages
+    assert_weights_equal_an_uninterrupted_run(run_dir)
 
 
 def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_api: Any, tmp_path: Path) -> None:
@@ -166,7 +169,7 @@ def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_a
         from prefect.runtime import flow_run as current
 
         flow_run["id"] = current.id
-        return train_task(tiny(train_iters=100_000), load_cluster(slurm_cluster["preset"]), run_dir=str(run_dir))
+        return train_task(tiny(train_iters=100_000, run_dir=str(run_dir)), load_cluster(slurm_cluster["preset"]))
 
     runner = threading.Thread(target=lambda: long_training(return_state=True))
     runner.start()
@@ -190,20 +193,21 @@ def test_impossible_request_reports_slurms_reason(slurm_cluster: dict, tmp_path:
                                                   slurm_words: str) -> None:
     started = time.monotonic()
     with pytest.raises(ClusterError) as e:
-        train(tiny(train_iters=2, micro_batch_size=4), load_cluster(slurm_cluster["preset"], **overrides), run_dir=str(tmp_path))
+        train(tiny(train_iters=2, micro_batch_size=4, run_dir=str(tmp_path)), load_cluster(slurm_cluster["preset"], **overrides))
     assert slurm_words.lower() in str(e.value).lower()
     assert time.monotonic() - started < 20
     assert not any(j["final"] in (None, "RUNNING", "PENDING") for j in jobs(tmp_path))
 
 
 def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Path) -> None:
-    config = tiny(train_iters=6, precompile_iters=2)
     cluster = load_cluster(slurm_cluster["preset"])
-    cold = precompile(config, cluster, cache_root=str(tmp_path / "cache"), run_dir=str(tmp_path / "run"))
+    config = tiny(train_iters=6, precompile_iters=2, compile=True, run_dir=str(tmp_path / "run"))
+    config = dataclasses.replace(config, compile_cache_dir=str(tmp_path / "cache" / cache_key(config, cluster)))
+    cold = precompile(config, cluster)
     assert not cold.hit and cold.nodelist == "node[1-2]" and cold.time_to_first_iteration_s
-    warm = precompile(config, cluster, cache_root=str(tmp_path / "cache"), run_dir=str(tmp_path / "run"))
+    warm = precompile(config, cluster)
     assert warm.hit and warm.cache_dir == cold.cache_dir and warm.digest == cold.digest
-    result = train(config, cluster, run_dir=str(tmp_path / "run"), precompiled=warm)
+    result = train(config, cluster, precompiled=warm)
     assert result.summary["compile_cache_hit"] is True
     assert result.summary["time_to_first_iteration_s"] < cold.time_to_first_iteration_s
     script = Path(jobs(tmp_path / "run")[0]["sbatch_script"]).read_text()
@@ -216,7 +220,7 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) ->
     iters = 60
     outcome: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: outcome.update(result=train(
-        tiny(train_iters=iters), load_cluster(slurm_cluster["preset"]), run_dir=str(tmp_path))))
+        tiny(train_iters=iters, run_dir=str(tmp_path)), load_cluster(slurm_cluster["preset"]))))
     runner.start()
     wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
     job_id = jobs(tmp_path)[0]["job_id"]
@@ -241,7 +245,7 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) ->
 def test_terminated_submitter_leaves_no_job(slurm_cluster: dict, tmp_path: Path) -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.test_cluster_slurm import tiny; "
             "from tasks.cluster import load_cluster; from tasks.train import train; "
-            "train(tiny(train_iters=100_000), load_cluster(sys.argv[2]), run_dir=sys.argv[3])")
+            "train(tiny(train_iters=100_000, run_dir=sys.argv[3]), load_cluster(sys.argv[2]))")
     root = Path(__file__).resolve().parent.parent
     submitter = subprocess.Popen([sys.executable, "-c", code, str(root), slurm_cluster["preset"], str(tmp_path)])
     try:
