@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -85,11 +85,10 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     return params
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
+    """Run the pretrain flow with the parameters the flags give, and print what it produced."""
     # Without PREFECT_API_URL, Prefect starts a temporary server for this run; keep it quiet.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.pretrain import pretrain
-
     params = parse_args(argv)
     started = time.perf_counter()
     try:

@@ -97,4 +97,4 @@ def pretrain(
 if __name__ == "__main__":
     from flows.cli import main
 
-    sys.exit(main())
+    sys.exit(main(pretrain))

@@ -230,9 +230,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path)
             w.add_document(np.arange(i, i + 30) * 100)         # ids up to 6,800
     index = build_indices([prefix], seq_length=8, seed=1, num_samples={"train": 10}, out_dir=str(tmp_path / "i"))
     assert index.max_token_ids == {prefix: 6800}
-    check_vocabulary(index, Dataset(vocab_file="vocab.json"), 6801)
+    check_vocabulary(index, Dataset(vocab_file="vocab.json", vocab_size=6801))
     with pytest.raises(ParameterError) as e:
-        check_vocabulary(index, Dataset(vocab_file="/data/gpt2/vocab.json"), 4096)
+        check_vocabulary(index, Dataset(vocab_file="/data/gpt2/vocab.json", vocab_size=4096))
     assert e.value.errors == [f"data: {prefix}.bin holds token id 6800, but the vocabulary /data/gpt2/vocab.json has "
                               "only 4096 entries: the data was tokenized with another vocabulary; give that vocabulary "
                               "or tokenize again"]
