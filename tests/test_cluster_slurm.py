@@ -21,6 +21,7 @@ from tasks.cluster import ClusterError, load_cluster
 from tasks.jobs import slurm_state
 from tasks.precompile import cache_key, precompile
 from tasks.train import train, train_task
+from tests.run_folder import job_records, wait_until
 from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
 
 pytestmark = pytest.mark.slurm
@@ -61,21 +62,8 @@ def progress(flow_run_id: Any) -> float | None:
     return next((float(a.data) for a in found if a.type == "progress"), None)
 
 
-def jobs(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.5)
-
-
 def running(run_dir: Path, index: int = 0) -> bool:
-    found = jobs(run_dir)
+    found = job_records(run_dir)
     return len(found) > index and any(s["state"] == "RUNNING" for s in found[index]["states"])
 
 
@@ -105,7 +93,7 @@ def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: 
     state = two_node(return_state=True)
     result = state.result()
     assert result.summary["status"] == "completed" and result.summary["iteration"] == 12
-    (job,) = jobs(run_dir)
+    (job,) = job_records(run_dir)
     assert job["final"] == "COMPLETED" and result.job_ids == [job["job_id"]]
     assert [s["nodes"] for s in job["states"] if s["state"] == "RUNNING"] == ["node[1-2]"]
     # The run folder: resolved config, the sbatch script, per-rank logs, metrics, TensorBoard, checkpoints.
@@ -136,7 +124,7 @@ def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, p
     runner = threading.Thread(target=lambda: outcome.update(state=retried(return_state=True)))
     runner.start()
     wait_until(lambda: (run_dir / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
-    first = jobs(run_dir)[0]["job_id"]
+    first = job_records(run_dir)[0]["job_id"]
     pid = rank_pid(first, 1)
     assert pid is not None, "rank 1 of the first job is not running"
     os.kill(pid, signal.SIGKILL)
@@ -144,7 +132,7 @@ def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, p
     assert not runner.is_alive()
     state = outcome["state"]
     result = state.result()
-    attempts = jobs(run_dir)
+    attempts = job_records(run_dir)
     assert [j["final"] for j in attempts] == ["FAILED", "COMPLETED"]
     assert result.job_ids == [first, attempts[1]["job_id"]]
     resumed = re.search(r"resumed from \S+ at iteration (\d+)",
@@ -174,7 +162,7 @@ def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_a
     runner = threading.Thread(target=lambda: long_training(return_state=True))
     runner.start()
     wait_until(lambda: running(run_dir), 90, "the job to run")
-    job_id = jobs(run_dir)[0]["job_id"]
+    job_id = job_records(run_dir)[0]["job_id"]
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run["id"], Cancelling(), force=True)
     cancelled_at = time.monotonic()
@@ -182,7 +170,7 @@ def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_a
     assert not runner.is_alive()
     wait_until(lambda: (slurm_state(job_id) or ("GONE",))[0] in ("CANCELLED", "GONE"), 30, "scancel")
     assert time.monotonic() - cancelled_at < 40
-    assert len(jobs(run_dir)) == 1, "a cancelled flow run must not resubmit"
+    assert len(job_records(run_dir)) == 1, "a cancelled flow run must not resubmit"
 
 
 @pytest.mark.parametrize("overrides, slurm_words", [
@@ -196,7 +184,7 @@ def test_impossible_request_reports_slurms_reason(slurm_cluster: dict, tmp_path:
         train(tiny(train_iters=2, micro_batch_size=4, run_dir=str(tmp_path)), load_cluster(slurm_cluster["preset"], **overrides))
     assert slurm_words.lower() in str(e.value).lower()
     assert time.monotonic() - started < 20
-    assert not any(j["final"] in (None, "RUNNING", "PENDING") for j in jobs(tmp_path))
+    assert not any(j["final"] in (None, "RUNNING", "PENDING") for j in job_records(tmp_path))
 
 
 def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Path) -> None:
@@ -210,7 +198,7 @@ def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Pat
     result = train(config, cluster, precompiled=warm)
     assert result.summary["compile_cache_hit"] is True
     assert result.summary["time_to_first_iteration_s"] < cold.time_to_first_iteration_s
-    script = Path(jobs(tmp_path / "run")[0]["sbatch_script"]).read_text()
+    script = Path(job_records(tmp_path / "run")[0]["sbatch_script"]).read_text()
     assert "#SBATCH --nodelist='node[1-2]'" in script
     resolved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert resolved["compile"] is True and resolved["compile_cache_dir"] == cold.cache_dir
@@ -223,9 +211,9 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) ->
         tiny(train_iters=iters, run_dir=str(tmp_path)), load_cluster(slurm_cluster["preset"]))))
     runner.start()
     wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
-    job_id = jobs(tmp_path)[0]["job_id"]
+    job_id = job_records(tmp_path)[0]["job_id"]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    wait_until(lambda: jobs(tmp_path)[0]["states"][-1]["state"] == "PENDING", 60, "the requeue")
+    wait_until(lambda: job_records(tmp_path)[0]["states"][-1]["state"] == "PENDING", 60, "the requeue")
     # SLURM holds a requeued batch job for two minutes; let it start now.
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     runner.join(timeout=180)
@@ -236,7 +224,7 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) ->
     stopped = re.search(r"stopping at iteration (\d+) on a signal; checkpoint saved", log)
     resumed = re.search(r"resumed from \S+ at iteration (\d+)", log)
     assert stopped and resumed and stopped.group(1) == resumed.group(1)
-    states = [s["state"] for s in jobs(tmp_path)[0]["states"]]
+    states = [s["state"] for s in job_records(tmp_path)[0]["states"]]
     assert states.index("PENDING", states.index("RUNNING")) < len(states) - 1
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
@@ -250,7 +238,7 @@ def test_terminated_submitter_leaves_no_job(slurm_cluster: dict, tmp_path: Path)
     submitter = subprocess.Popen([sys.executable, "-c", code, str(root), slurm_cluster["preset"], str(tmp_path)])
     try:
         wait_until(lambda: running(tmp_path), 90, "the job to run")
-        job_id = jobs(tmp_path)[0]["job_id"]
+        job_id = job_records(tmp_path)[0]["job_id"]
         submitter.send_signal(signal.SIGTERM)
         assert submitter.wait(timeout=30) != 0
         wait_until(lambda: (slurm_state(job_id) or ("GONE",))[0] in ("CANCELLED", "GONE"), 20, "scancel")

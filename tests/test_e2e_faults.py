@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tasks.jobs import slurm_state
 from tasks.sample_corpus import sample_corpus
+from tests.run_folder import trained_iterations, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -23,25 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ITERS = 100
 
 
-def _wait(predicate, timeout: float, what: str, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def _train_jobs(run_dir: Path) -> list[dict]:
     path = run_dir / "jobs.json"
     return [j for j in json.loads(path.read_text()) if j["name"].startswith("train")] if path.exists() else []
-
-
-def _iterations(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r["iteration"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
 
 
 @pytest.mark.timeout(900)
@@ -60,14 +44,14 @@ def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefe
         first = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
-        _wait(lambda: len(_iterations(run_dir)) >= 10, 400, "the first run to train")
+        wait_until(lambda: len(trained_iterations(run_dir)) >= 10, 400, "the first run to train")
         (job,) = _train_jobs(run_dir)
         runs = prefect_server.api("/flow_runs/filter", {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}})
         (flow_run,) = [r for r in runs if r["parameters"].get("output", {}).get("run_name") == "faults"]
         os.killpg(first.pid, signal.SIGKILL)          # the flow process dies; nothing of it runs on
         first.wait(timeout=30)
         assert slurm_state(job["job_id"])[0] == "RUNNING"
-        done_before = max(_iterations(run_dir))
+        done_before = max(trained_iterations(run_dir))
 
         second = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     finally:
@@ -76,8 +60,8 @@ def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefe
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"job {job['job_id']} of an earlier run is still RUNNING: following it" in second.stdout + second.stderr
     assert [j["job_id"] for j in _train_jobs(run_dir)] == [job["job_id"]]      # no duplicate job
-    assert _iterations(run_dir) == list(range(1, ITERS + 1)) and done_before < ITERS
+    assert trained_iterations(run_dir) == list(range(1, ITERS + 1)) and done_before < ITERS
 
-    crashed = _wait(lambda: (r := prefect_server.flow_run(flow_run["id"]))["state"]["type"] == "CRASHED" and r,
+    crashed = wait_until(lambda: (r := prefect_server.flow_run(flow_run["id"]))["state"]["type"] == "CRASHED" and r,
                     240, "the silent flow run to be marked Crashed", every=3)
     assert "No heartbeat" in (crashed["state"]["message"] or "")

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
@@ -22,6 +21,7 @@ import pytest
 from tasks.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
 from tests.fixtures_s3 import SECRET_KEY
+from tests.run_folder import job_records, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -30,29 +30,14 @@ SCREENSHOTS = ROOT / "runs" / "e2e"
 DATA_STAGES = ("sync", "tokenize", "index")
 
 
-def _wait(predicate, timeout: float, what: str, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _jobs(run_dir: Path) -> list[dict]:
-    path = run_dir / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
-
 def _kill_when_running(run_dir: Path, nth: int) -> None:
     """SIGKILL the job steps of the nth training job once SLURM runs it."""
     def running() -> str | None:
-        jobs = _jobs(run_dir)
+        jobs = job_records(run_dir)
         if len(jobs) >= nth and any(s["state"] == "RUNNING" for s in jobs[nth - 1]["states"]):
             return jobs[nth - 1]["job_id"]
         return None
-    job = _wait(running, 400, f"training job {nth} to run", every=0.5)
+    job = wait_until(running, 400, f"training job {nth} to run", every=0.5)
     killed = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True)
     assert killed.returncode == 0, killed.stderr
 
@@ -88,7 +73,7 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
         except OSError:
             return False
 
-    _wait(ready, 120, "the served deployments")
+    wait_until(ready, 120, "the served deployments")
     try:
         yield SimpleNamespace(work=work, bucket=bucket, endpoint=s3_server.endpoint_url, log=log, s3=s3_server,
                               server=prefect_server, partition=slurm_cluster["partition"])
@@ -150,7 +135,7 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     for stage in ("sync", "tokenize", "index", "train", "export", "upload", "report"):
         assert states.get(stage) == ["Completed"], states
     run_dir = served.work / "runs" / "e2e-main"
-    assert [j["executor"] for j in _jobs(run_dir)] == ["slurm"]
+    assert [j["executor"] for j in job_records(run_dir)] == ["slurm"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if m.get("kind", "train") == "train"]
     assert train[-1]["iteration"] == 20 and train[-1]["lm_loss"] < train[0]["lm_loss"]
@@ -175,7 +160,7 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     # (job scripts, rank logs), the serve log, Prefect's database, result storage or artifacts, nor
     # in what SLURM keeps of the job's environment.
     secret = SECRET_KEY.encode()
-    job_envs = [p for j in _jobs(run_dir) for p in Path("/var/spool/slurmctld").glob(f"hash.*/job.{j['job_id']}/*")]
+    job_envs = [p for j in job_records(run_dir) for p in Path("/var/spool/slurmctld").glob(f"hash.*/job.{j['job_id']}/*")]
     places = [served.work / "runs", served.log, served.server.home, *job_envs]
     leaks = [str(f) for place in places for f in ([place] if place.is_file() else place.rglob("*"))
              if f.is_file() and secret in f.read_bytes()]
@@ -198,7 +183,7 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
 def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served):
     run_dir, proc = watched_run(served, "e2e-killed", train_iters=40)
     try:
-        _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
+        wait_until(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
         _kill_when_running(run_dir, 1)
         output, _ = proc.communicate(timeout=600)
     finally:
@@ -210,7 +195,7 @@ def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served)
     assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{output[-3000:]}\n{served.log.read_text()[-5000:]}"
     train_runs = [tr for tr in served.server.task_runs(run["id"]) if tr["name"].startswith("train")]
     assert len(train_runs) == 1 and train_runs[0]["run_count"] == 2  # failed once, retried once
-    assert len({j["job_id"] for j in _jobs(run_dir)}) == 2
+    assert len({j["job_id"] for j in job_records(run_dir)}) == 2
     iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                   if json.loads(line).get("kind", "train") == "train"]
     assert iterations[-1] == 40
@@ -264,7 +249,7 @@ def test_retry_from_the_ui_reruns_only_what_did_not_finish(served):
     Retry button does reuses the data stages and resumes training from its checkpoint."""
     run_dir, proc = watched_run(served, "e2e-ui-retry", train_iters=80)
     try:
-        _wait(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
+        wait_until(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
         _kill_when_running(run_dir, 1)
         _kill_when_running(run_dir, 2)
         output, _ = proc.communicate(timeout=600)
@@ -277,14 +262,14 @@ def test_retry_from_the_ui_reruns_only_what_did_not_finish(served):
 
     served.server.api(f"/flow_runs/{run_id}/set_state", {
         "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": False})
-    run = _wait(lambda: (r := served.server.flow_run(run_id))["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")
+    run = wait_until(lambda: (r := served.server.flow_run(run_id))["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")
                 and r, 600, "the retried flow run", every=2)
     assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{served.log.read_text()[-5000:]}"
     assert run["run_count"] == 2
     retried = [tr for tr in served.server.task_runs(run_id) if tr["id"] not in before]
     states = {tr["name"].rsplit("-", 1)[0]: tr["state"]["name"] for tr in retried}
     assert [states[s] for s in DATA_STAGES] == ["Cached"] * 3 and states["train"] == "Completed", states
-    assert len(_jobs(run_dir)) == 3
+    assert len(job_records(run_dir)) == 3
     iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                   if json.loads(line).get("kind", "train") == "train"]
     assert iterations[-1] == 80 and iterations.count(1) == 1

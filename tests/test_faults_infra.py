@@ -27,6 +27,7 @@ from tasks.sync import MANIFEST_NAME, PARTIAL_DIR
 from tasks.train import TrainResult, train
 from tests.fixtures_prefect import RestartablePrefectServer
 from tests.fixtures_s3 import S3Server
+from tests.run_folder import job_records, trained_iterations, wait_until
 from tests.test_cluster_slurm import tiny
 from tests.test_sync import blob, read_tree
 from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
@@ -35,30 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 
 
-def _wait(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _jobs(run_dir: Path) -> list[dict]:
-    path = run_dir / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def _iterations(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r["iteration"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
-
-
 def _states_after_running(run_dir: Path) -> list[dict]:
     """The job's recorded states from its first RUNNING on."""
-    states = _jobs(run_dir)[0]["states"] if _jobs(run_dir) else []
+    states = job_records(run_dir)[0]["states"] if job_records(run_dir) else []
     first = next((i for i, s in enumerate(states) if s["state"] == "RUNNING"), len(states))
     return states[first:]
 
@@ -114,19 +94,19 @@ def test_a_node_set_down_mid_job_requeues_it_and_training_resumes(slurm_cluster:
     training = Training(tiny(train_iters=iters, save_interval=save_interval, run_dir=str(tmp_path)),
                         load_cluster(slurm_cluster["preset"]))
     try:
-        _wait(lambda: (tmp_path / "checkpoints" / "iter_0000010" / "COMPLETE").exists(), 180, "a checkpoint")
-        (job,) = _jobs(tmp_path)
+        wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000010" / "COMPLETE").exists(), 180, "a checkpoint")
+        (job,) = job_records(tmp_path)
         down_at = time.time()
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=fault test: node lost"],
                        check=True)
-        noticed = _wait(lambda: next((s for s in _states_after_running(tmp_path) if s["state"] != "RUNNING"), None),
+        noticed = wait_until(lambda: next((s for s in _states_after_running(tmp_path) if s["state"] != "RUNNING"), None),
                         60, "the follower to see the job leave RUNNING")
-        trained_before = max(_iterations(tmp_path))      # the resumed job cuts metrics back to its checkpoint
-        _wait(lambda: _release_requeue_hold(job["job_id"]) == "RUNNING", 60, "the requeued job to run again")
+        trained_before = max(trained_iterations(tmp_path))      # the resumed job cuts metrics back to its checkpoint
+        wait_until(lambda: _release_requeue_hold(job["job_id"]) == "RUNNING", 60, "the requeued job to run again")
         result = training.result(240)
     finally:
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True, check=False)
-        _wait(lambda: _node_usable(node), 60, f"{node} to be back in service")
+        wait_until(lambda: _node_usable(node), 60, f"{node} to be back in service")
     assert noticed["time"] - down_at < 15, noticed
     states = [s["state"] for s in _states_after_running(tmp_path)]
     assert "RUNNING" in states[states.index(noticed["state"]):] and states[-1] == "COMPLETED"     # ran again
@@ -137,7 +117,7 @@ def test_a_node_set_down_mid_job_requeues_it_and_training_resumes(slurm_cluster:
     again = next(s["time"] for s in _states_after_running(tmp_path)[1:] if s["state"] == "RUNNING")
     print(f"node down at iteration {trained_before}: the follower saw {noticed['state']} {noticed['time'] - down_at:.1f}s "
           f"later, the job ran again after {again - down_at:.1f}s (hold released), resumed at iteration {resumed[0]}")
-    assert _iterations(tmp_path) == list(range(1, iters + 1))          # every iteration recorded exactly once
+    assert trained_iterations(tmp_path) == list(range(1, iters + 1))          # every iteration recorded exactly once
     assert_weights_equal_an_uninterrupted_run(tmp_path)
 
 
@@ -151,11 +131,11 @@ def test_the_time_limit_signal_from_slurm_saves_requeues_and_resumes(slurm_clust
     cluster = load_cluster(slurm_cluster["preset"], time_limit=1, signal_delay_s=10, max_requeues=12)
     training = Training(tiny(train_iters=iters, save_interval=100, log_interval=10, run_dir=str(tmp_path)), cluster)
     while training.thread.is_alive():
-        if _jobs(tmp_path):
-            _release_requeue_hold(_jobs(tmp_path)[0]["job_id"])
+        if job_records(tmp_path):
+            _release_requeue_hold(job_records(tmp_path)[0]["job_id"])
         training.thread.join(1)
     result = training.result(0)
-    (job,) = _jobs(tmp_path)
+    (job,) = job_records(tmp_path)
     assert result.summary["status"] == "completed" and result.job_ids == [job["job_id"]]
     log = _log(tmp_path, job["job_id"])
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log   # SLURM's signal, not ours
@@ -166,7 +146,7 @@ def test_the_time_limit_signal_from_slurm_saves_requeues_and_resumes(slurm_clust
     assert len(re.findall(r"Starting with JobEnvironment", log)) == len(stopped) + 1      # and started again
     ran = job["states"][-1]["time"] - next(s["time"] for s in job["states"] if s["state"] == "RUNNING")
     print(f"{len(stopped)} time limits reached, at iterations {stopped}; {iters} iterations in {ran:.0f}s")
-    assert _iterations(tmp_path) == list(range(1, iters + 1))
+    assert trained_iterations(tmp_path) == list(range(1, iters + 1))
 
 
 # ---------------------------------------------------------------- S3
@@ -190,7 +170,7 @@ def test_s3_server_stopped_mid_sync_and_started_again(own_s3_server: S3Server, t
                              "--endpoint-url", s3.endpoint_url, "--workers", "2"],
                             cwd=ROOT, env=s3.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: in_flight() > 8 * MIB, 60, "the sync to be under way", every=0.01)
+        wait_until(lambda: in_flight() > 8 * MIB, 60, "the sync to be under way", every=0.01)
         s3.stop(signal.SIGKILL)                     # the server dies mid-transfer
         placed_during_outage = len([p for p in dest.iterdir() if p.name in files])
         time.sleep(5)
@@ -237,14 +217,14 @@ def test_prefect_server_restarted_mid_run(own_prefect_server: RestartablePrefect
         runner = subprocess.Popen([sys.executable, "-c", FLOW, str(run_dir), str(iters)], env=env, cwd=tmp_path,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait(lambda: len(_iterations(run_dir)) >= 5 or runner.poll() is not None, 300, "training to start")
+        wait_until(lambda: len(trained_iterations(run_dir)) >= 5 or runner.poll() is not None, 300, "training to start")
         assert runner.poll() is None, (tmp_path / "flow.log").read_text()[-4000:]
         own_prefect_server.stop(signal.SIGKILL)
         stopped = time.monotonic()
         time.sleep(20)
         own_prefect_server.start()                                  # same port, same database
         outage_s = time.monotonic() - stopped
-        assert runner.poll() is None and max(_iterations(run_dir)) < iters, "training ended before the restart"
+        assert runner.poll() is None and max(trained_iterations(run_dir)) < iters, "training ended before the restart"
         assert runner.wait(timeout=480) == 0, (tmp_path / "flow.log").read_text()[-4000:]
     finally:
         if runner.poll() is None:
@@ -256,8 +236,8 @@ def test_prefect_server_restarted_mid_run(own_prefect_server: RestartablePrefect
     assert flow_run["state"]["type"] == "COMPLETED"
     assert [(t["name"].split("-")[0], t["state"]["type"]) for t in server.task_runs(flow_run["id"])] == [
         ("train", "COMPLETED")]
-    assert len(_jobs(run_dir)) == 1                                 # the job trained on: nothing resubmitted
-    assert _iterations(run_dir) == list(range(1, iters + 1))
+    assert len(job_records(run_dir)) == 1                                 # the job trained on: nothing resubmitted
+    assert trained_iterations(run_dir) == list(range(1, iters + 1))
     print(f"Prefect server away for {outage_s:.1f}s")
 
 

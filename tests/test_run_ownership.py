@@ -3,11 +3,9 @@ the process that followed a job dies (kill -9), the next run follows that job in
 submitting a duplicate, and nothing is trained twice or lost."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,30 +14,11 @@ from tasks.cluster import load_cluster
 from tasks.jobs import slurm_state
 from tasks.run_owner import RunBusy
 from tasks.train import train
+from tests.run_folder import job_records, trained_iterations, wait_until
 from tests.test_cluster_slurm import tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERS = 60
-
-
-def _jobs(run_dir: Path) -> list[dict]:
-    path = run_dir / "jobs.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _trained_iterations(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    return [r["iteration"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"] \
-        if path.exists() else []
 
 
 @pytest.mark.parametrize("preset", ["local", pytest.param("slurm-local", marks=pytest.mark.slurm)])
@@ -57,10 +36,10 @@ def test_second_run_is_refused_and_a_killed_followers_job_is_followed_again(requ
     first = subprocess.Popen([sys.executable, "-c", code, str(ROOT), preset, str(tmp_path), overrides],
                              start_new_session=True)
     try:
-        _wait(lambda: len(_trained_iterations(tmp_path)) >= 3, 120, "the first run's job to train")
+        wait_until(lambda: len(trained_iterations(tmp_path)) >= 3, 120, "the first run's job to train")
         with pytest.raises(RunBusy, match=rf"run folder {tmp_path} is in use by pid {first.pid}"):
             train(config, cluster)
-        (job,) = _jobs(tmp_path)
+        (job,) = job_records(tmp_path)
         first.send_signal(signal.SIGKILL)            # the flow process dies; its job does not
         first.wait(timeout=30)
         if preset == "slurm-local":
@@ -72,5 +51,5 @@ def test_second_run_is_refused_and_a_killed_followers_job_is_followed_again(requ
             first.kill()
     assert result.summary["status"] == "completed" and result.summary["iteration"] == ITERS
     assert result.job_ids == [job["job_id"]]        # followed, not submitted again
-    assert _trained_iterations(tmp_path) == list(range(1, ITERS + 1))
-    assert _jobs(tmp_path)[0]["final"] in ("COMPLETED", "FINISHED")
+    assert trained_iterations(tmp_path) == list(range(1, ITERS + 1))
+    assert job_records(tmp_path)[0]["final"] in ("COMPLETED", "FINISHED")
