@@ -456,6 +456,16 @@ def neuron_launch(cluster: ClusterConfig, cache_dir: str | None, *,
     return per_node, command
 
 
+def job_launch(cluster: ClusterConfig, cache_dir: str | None, *,
+               compile_graphs: bool) -> tuple[ClusterConfig, str | None]:
+    """The cluster configuration to submit and how its tasks' Python starts: on Trainium one
+    torchrun per node (`neuron_launch`, under neuron_parallel_compile for the graph-extraction run),
+    plain elsewhere."""
+    if cluster.job_device == "neuron":
+        return neuron_launch(cluster, cache_dir, compile_graphs=compile_graphs)
+    return cluster, None
+
+
 def retryable(task: Any, task_run: Any, state: Any) -> bool:
     """Retry failed jobs, not refusals (the same request fails again) or cancellations."""
     error = state.result(raise_on_failure=False)

@@ -23,7 +23,7 @@ from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster import ClusterConfig
 from tasks.digest import digest
-from tasks.jobs import DistributedTask, JobError, neuron_launch, retryable, submit
+from tasks.jobs import DistributedTask, JobError, job_launch, retryable, submit
 from tasks.run_context import run_logger
 from tasks.run_owner import RunOwner
 
@@ -67,18 +67,10 @@ def job_config(config: Config) -> Config:
     return dataclasses.replace(config, precompile=True, run_dir=str(Path(config.run_dir) / "precompile"))
 
 
-def launcher(cluster: ClusterConfig, cache_dir: str) -> tuple[ClusterConfig, str | None]:
-    """The cluster configuration to submit and how its tasks' Python starts: on Trainium one torchrun
-    per node under neuron_parallel_compile (tasks.jobs.neuron_launch), plain elsewhere."""
-    if cluster.job_device == "neuron":
-        return neuron_launch(cluster, cache_dir, compile_graphs=True)
-    return cluster, None
-
-
 def sbatch_script(config: Config, cluster: ClusterConfig) -> str:
     """The batch script the compile job would be submitted with (nothing is submitted)."""
     work = Path(job_config(config).run_dir)
-    launch, python = launcher(cluster, config.compile_cache_dir)
+    launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=True)
     return launch.sbatch_script(work / "jobs", job_name=f"precompile-{config.model}", python=python)
 
 
@@ -105,7 +97,7 @@ def _compile(job: Config, cluster: ClusterConfig, cache_dir: Path) -> Precompile
     logger.info("compile cache miss: compiling %s for %d x %d %s tasks into %s",
                 job.model, cluster.nodes, cluster.tasks_per_node, cluster.job_device, cache_dir)
     started = time.time()
-    launch, python = launcher(cluster, str(cache_dir))
+    launch, python = job_launch(cluster, str(cache_dir), compile_graphs=True)
     summary, job_id, nodes = submit(DistributedTask(job.to_dict()), launch, run_dir=Path(job.run_dir),
                                     job_name=f"precompile-{job.model}", python=python)
     if summary.get("status") != "completed":

@@ -20,7 +20,7 @@ from tasks.jobs import (
     DistributedTask,
     JobError,
     JobRecord,
-    neuron_launch,
+    job_launch,
     retryable,
     submit,
 )
@@ -83,14 +83,6 @@ def on_compiled_nodes(cluster: ClusterConfig, precompiled: "PrecompileManifest |
     return cluster.model_copy(update={"nodelist": precompiled.nodelist, "exclude": None})
 
 
-def launcher(config: Config, cluster: ClusterConfig) -> tuple[ClusterConfig, str | None]:
-    """The cluster configuration to submit and how its tasks' Python starts: on Trainium one torchrun
-    per node reading the compiled graphs (tasks.jobs.neuron_launch), plain elsewhere."""
-    if cluster.job_device == "neuron":
-        return neuron_launch(cluster, config.compile_cache_dir, compile_graphs=False)
-    return cluster, None
-
-
 class DataChanged(ValueError):
     """The run folder holds checkpoints trained on other data than this run's."""
 
@@ -145,7 +137,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                     grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
                     mfu_value=r["mfu"]))
 
-    launch, python = launcher(config, cluster)
+    launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
     summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
                                     job_name=f"train-{config.model}", python=python, on_poll=on_poll)
     if summary.get("status") != "completed":

@@ -22,9 +22,9 @@ from submitit.core.utils import JobPaths, pickle_load
 
 from gpt.config import Config
 from tasks.cluster import load_cluster
-from tasks.jobs import DistributedTask, neuron_launch, submit
+from tasks.jobs import DistributedTask, job_launch, neuron_launch, submit
 from tasks.precompile import PrecompileManifest, cache_key, sbatch_script
-from tasks.train import launcher, on_compiled_nodes
+from tasks.train import on_compiled_nodes
 
 CACHE_ROOT = "/fsx/gpt/data/compile-cache"
 ENV_PROBE = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
@@ -94,7 +94,8 @@ def test_precompile_and_training_scripts_of_the_trn1_preset(tmp_path: Path) -> N
     compiled = PrecompileManifest(cache_dir=config.compile_cache_dir, key=Path(config.compile_cache_dir).name,
                                   hit=False, nodelist="trn-[1-16]", time_to_first_iteration_s=1.0, device="neuron",
                                   digest="d")
-    train_cluster, python = launcher(config, on_compiled_nodes(cluster, compiled))
+    train_cluster, python = job_launch(on_compiled_nodes(cluster, compiled), config.compile_cache_dir,
+                                       compile_graphs=False)
     train_script = train_cluster.sbatch_script(Path(config.run_dir) / "jobs", job_name="train", python=python)
     assert "#SBATCH --nodelist='trn-[1-16]'" in train_script
     srun = srun_line(train_script)
