@@ -98,12 +98,19 @@ class Backend:
             return optimizer
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind.fused_adamw or None)
 
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Average gradients over the replicas where the model does not already (DDP and FSDP
-        reduce inside backward; on XLA the model is not wrapped, so it happens here)."""
-        if self.lazy:
-            import torch_xla.core.xla_model as xm
-            xm.reduce_gradients(optimizer)
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer, replicas: list[list[int]] | None = None) -> None:
+        """Average gradients over the data-parallel ``replicas`` (every group of ranks that hold the
+        same parameters; None: the whole world) where the model does not already (DDP and FSDP reduce
+        inside backward; on XLA the model is not wrapped, so it happens here)."""
+        if not self.lazy:
+            return
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        count = len(replicas[0]) if replicas else xr.world_size()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if count > 1 and grads:
+            xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / count, groups=replicas)
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         """One optimizer step, or none where ``found_inf`` (a 0-dim float tensor) is 1: parameters

@@ -8,6 +8,11 @@ save of a newer iteration).
 
 Resuming verifies the newest checkpoint (marker, DCP metadata, every shard file as long as the
 metadata says) and falls back to the newest intact one, saying which and why.
+
+DTensors (FSDP, tensor parallel on eager devices) are saved as one tensor each, in shards, and load
+into any layout. A parameter split by gpt.tensor_parallel (XLA devices) is a plain tensor on each
+rank: it is saved under its name and its part (``h.0.mlp.c_fc.weight.tp3of32``), and loads only
+into the same tensor-parallel size, which a run checks before loading anything.
 """
 from __future__ import annotations
 
@@ -34,7 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from gpt.config import ConfigError
 from gpt.distributed import barrier
+from gpt.model import plain_name
+from gpt.tensor_parallel import sharded_names
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^iter_(\d{7,})$")
@@ -89,6 +97,20 @@ def writer_id() -> str:
     return env.get("SUBMITIT_LOCAL_JOB_ID") or env.get("MASTER_PORT") or str(os.getpid())
 
 
+class LayoutMismatch(ConfigError):
+    """The checkpoint holds this run's tensors under other parts (another tensor-parallel size)."""
+
+
+def part_names(model: nn.Module) -> dict[str, str]:
+    """State-dict key -> saved key, for the parameters split by gpt.tensor_parallel."""
+    return {plain_name(name): f"{plain_name(name)}.tp{shard.group.index}of{shard.group.size}"
+            for name, shard in sharded_names(model).items()}
+
+
+def _renamed(entries: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {names.get(key, key): value for key, value in entries.items()}
+
+
 class Checkpointer:
     """Saves and loads one run's checkpoints. ``to_host`` moves a state dict's device tensors to the
     host at once where that is one transfer instead of one per tensor (XLA: gpt.backend.Backend.to_host)."""
@@ -121,6 +143,8 @@ class Checkpointer:
             if problem is None:
                 try:
                     return path, self.load(path, model, optimizer, train_state)
+                except LayoutMismatch:
+                    raise
                 except Exception as e:  # noqa: BLE001 - any failure to read it means: try an older one
                     problem = f"{type(e).__name__}: {e}"
             log(f"checkpoint {path} is damaged ({problem}); falling back to an older one", flush=True)
@@ -135,13 +159,7 @@ class Checkpointer:
             self.dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        state = {
-            "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer),
-            "train": train_state,
-            f"rng_rank{self.rank}": rng_state(),  # per rank: DCP keeps one copy of identical keys
-        }
-        state = self.to_host(state)
+        state = self.to_host(self._state(model, optimizer, train_state, rng_state()))
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         barrier()  # every rank's shards are on disk
@@ -155,21 +173,33 @@ class Checkpointer:
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any]) -> dict[str, Any]:
         """Restore model, optimizer and RNG in place; returns the saved training state."""
-        state = self.to_host({
-            "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer),
-            "train": dict(train_state),
-            f"rng_rank{self.rank}": b"",
-        })
+        state = self.to_host(self._state(model, optimizer, dict(train_state), b""))
+        _check_layout(path, state["model"])
         # A checkpoint written by fewer ranks lacks this rank's RNG entry: load what exists.
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
                      no_dist=not dist.is_initialized())
-        set_model_state_dict(model, state["model"])
+        original = {saved: key for key, saved in part_names(model).items()}
+        state["optimizer"]["state"] = _renamed(state["optimizer"]["state"], original)
+        set_model_state_dict(model, _renamed(state["model"], original))
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=True))
         if state[f"rng_rank{self.rank}"]:
             set_rng_state(state[f"rng_rank{self.rank}"])
         return state["train"]
+
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+               rng: bytes) -> dict[str, Any]:
+        """What a checkpoint holds, under the keys it is saved with."""
+        parts = part_names(model)
+        model_state = _renamed(get_model_state_dict(model), parts)  # before the optimizer's, as FSDP needs
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+        optimizer_state["state"] = _renamed(optimizer_state["state"], parts)
+        return {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "train": train_state,
+            f"rng_rank{self.rank}": rng,  # per rank: DCP keeps one copy of identical keys
+        }
 
     def _prune(self, iteration: int) -> None:
         for p in self.dir.iterdir():
@@ -179,6 +209,57 @@ class Checkpointer:
         done = sorted((p for p in self.dir.iterdir() if _NAME.match(p.name)), key=lambda p: int(_NAME.match(p.name).group(1)))
         for p in done[:-self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint, whole, in one process, shaped as ``template`` (a plain
+    model's state dict): tensors saved whole or in DTensor shards are read as they are, tensors saved
+    in parts (``.tpXofN``) are read part by part and joined along the dimension they were split."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wanted: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[str]] = {}
+    for key, tensor in template.items():
+        if f"model.{key}" in saved:
+            wanted[key] = tensor
+            continue
+        found = sorted((k.removeprefix("model.") for k in saved if re.fullmatch(rf"model\.{re.escape(key)}\.tp\d+of\d+", k)),
+                       key=lambda k: int(re.search(r"tp(\d+)of", k).group(1)))
+        count = int(found[0].rsplit("of", 1)[1]) if found else 0
+        if not found or len(found) != count:
+            raise ValueError(f"checkpoint {path} has no {key} (whole or in all its parts); "
+                             "it was written by another model")
+        parts[key] = found
+        for name in found:
+            wanted[name] = torch.empty(saved[f"model.{name}"].size, dtype=tensor.dtype)
+    with _single_process_quiet():
+        dcp.load({"model": wanted}, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+    whole = {key: wanted[key] for key in template if key not in parts}
+    for key, names in parts.items():
+        pieces = [wanted[name] for name in names]
+        dim = next((d for d, (a, b) in enumerate(zip(pieces[0].shape, template[key].shape)) if a != b), 0)
+        whole[key] = torch.cat(pieces, dim=dim)
+    return whole
+
+
+def _check_layout(path: Path, model_state: dict[str, Any]) -> None:
+    """Every model tensor this rank loads is in the checkpoint; else it was written with another
+    tensor-parallel size (parts named ``.tpXofN``) or another model, and loading would leave
+    those tensors as initialised."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [key for key in model_state if f"model.{key}" not in saved]
+    if missing:
+        parts = sorted({key.rsplit(".", 1)[1] for key in saved if re.search(r"\.tp\d+of\d+$", key)})
+        written = f"it holds the parts {', '.join(parts[:3])}{'...' if len(parts) > 3 else ''}" if parts else \
+            "it holds whole tensors"
+        raise LayoutMismatch(
+            f"checkpoint {path} cannot resume this run: it lacks {len(missing)} of this rank's tensors (e.g. "
+            f"{missing[0]}); {written}. Resume with the tensor_parallel and model of the run that wrote it "
+            "(its config.json), or start a new run (another run_name)")
 
 
 @contextlib.contextmanager

@@ -296,11 +296,12 @@ class Config:
             found.append("both data_index and mock_data are set; keep one")
         if self.data_index is not None and not Path(self.data_index).is_file():
             found.append(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
-        if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1:
+        if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1 and self.device != "neuron":
             found.append("data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on more than one "
                          "data-parallel rank; use data_parallel_mode='fsdp'")
-        if self.device == "neuron" and (self.tensor_parallel > 1 or self.data_parallel_mode == "fsdp"):
-            found.append("device='neuron' supports data parallel only: set tensor_parallel=1 and data_parallel_mode='ddp'")
+        if self.device == "neuron" and self.data_parallel_mode == "fsdp":
+            found.append("device='neuron' trains data parallel as data_parallel_mode='ddp' (gradients all-reduced, "
+                         "optimizer state on every replica); set data_parallel_mode='ddp'")
         if self.precompile and not self.compile_cache_dir:
             found.append("precompile=True needs compile_cache_dir, where the compiled graphs are stored")
         if self.clip_grad < 0 or self.weight_decay < 0:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from gpt import tensor_parallel
 from gpt.backend import DEVICES, Backend
 from gpt.config import Config, ConfigError
 from gpt.model import GPT
@@ -31,14 +32,15 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    mesh: DeviceMesh | None  # None when running as one process
+    mesh: DeviceMesh | None  # None when running as one process, and on XLA devices
+    tp: tensor_parallel.Group | None = None  # this rank's tensor-parallel group on XLA devices
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(backend: Backend, tensor_parallel: int) -> DistEnv:
+def init_distributed(backend: Backend, tp_size: int) -> DistEnv:
     """Join the process group described by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
 
     Without WORLD_SIZE (or with WORLD_SIZE=1) this is a plain single process, no process group.
@@ -58,10 +60,11 @@ def init_distributed(backend: Backend, tensor_parallel: int) -> DistEnv:
         init_method = "xla://" if kind.dist_backend == "xla" else "env://"
         dist.init_process_group(kind.dist_backend, init_method=init_method, rank=rank, world_size=world_size)
     check_world(rank, world_size)
-    mesh = None
-    if not backend.lazy:
-        mesh = init_device_mesh(backend.kind.device_type, (world_size // tensor_parallel, tensor_parallel),
-                                mesh_dim_names=("dp", "tp"))
+    if backend.lazy:  # a DTensor there would mean GSPMD: tensor parallel with explicit collectives
+        tp = tensor_parallel.new_group(rank, world_size, tp_size, lazy=True) if tp_size > 1 else None
+        return DistEnv(rank, world_size, local_rank, None, tp)
+    mesh = init_device_mesh(backend.kind.device_type, (world_size // tp_size, tp_size),
+                            mesh_dim_names=("dp", "tp"))
     return DistEnv(rank, world_size, local_rank, mesh)
 
 
@@ -85,6 +88,8 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
         convert_to_float8(model, config.fp8_recipe)
     if env.mesh is not None and config.tensor_parallel > 1:
         apply_tensor_parallel(model, env.mesh["tp"])
+    elif env.tp is not None:
+        tensor_parallel.apply(model, env.tp)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing_scope)
     if config.compile:
@@ -92,6 +97,9 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
         for module in model.h if config.compile_scope == "blocks" else [model]:
             module.compile(backend=backend)
     dp = env.world_size // config.tensor_parallel
+    if env.mesh is not None and dp > 1 and config.tensor_parallel > 1 and config.data_parallel_mode == "ddp":
+        raise ConfigError(f"data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on {device.type} "
+                          "devices (DDP over DTensor); use data_parallel_mode='fsdp'")
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "fsdp":
         dp_mesh = env.mesh["dp"]
         for block in model.h:
@@ -99,6 +107,7 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
         fully_shard(model, mesh=dp_mesh)
     model.to_empty(device=device)
     model.lm_head.weight = model.wte.weight  # to_empty and the TP plans re-create parameters
+    tensor_parallel.mark(model)
     model.init_weights(config.seed)
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp":
         model = DistributedDataParallel(model, process_group=env.mesh["dp"].get_group(),
@@ -179,12 +188,16 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     """Global L2 norm of all gradients, over every shard of every rank."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
+    with_grad = [p for p in parameters if p.grad is not None]
+    sharded = [p.grad for p in with_grad if isinstance(p.grad, DTensor)]
+    split = [p for p in with_grad if hasattr(p, "tp_shard")]  # by gpt.tensor_parallel
+    plain = [p.grad for p in with_grad if not isinstance(p.grad, DTensor) and not hasattr(p, "tp_shard")]
     norms = []
     if sharded:
         norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor())
+    if split:
+        squares = torch.nn.utils.get_total_norm([p.grad for p in split]) ** 2
+        norms.append(split[0].tp_shard.group.all_reduce(squares).sqrt())
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain))
     return torch.linalg.vector_norm(torch.stack(norms))

@@ -20,10 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from gpt.checkpoint import Checkpointer, _single_process_quiet
+from gpt.checkpoint import Checkpointer, load_whole_model
 from gpt.config import Config
 from gpt.model import GPT, split_qkv
 
@@ -121,11 +119,10 @@ def load_checkpoint(checkpoint: Path, config: Config) -> GPT:
     plain = Config(**{**config.to_dict(), "tensor_parallel": 1, "device": "cpu", "precision": "fp32",
                       "compile": False, "activation_checkpointing": False})
     model = GPT(plain)
-    state = {"model": model.state_dict()}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(checkpoint), planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=True)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(load_whole_model(checkpoint, model.state_dict()))
+    except ValueError as e:
+        raise ExportError(str(e)) from e
     return model.eval()
 
 

@@ -5,7 +5,7 @@ scaled_dot_product_attention (q, k and v from one fused projection), a 4x GELU M
 LayerNorm and an output layer tied to the token embedding, whose cross-entropy is taken a chunk of
 tokens at a time (linear_cross_entropy): in training, the logits of a whole batch never exist.
 Parallelism, activation checkpointing and compilation are applied from outside (gpt/distributed.py);
-this file knows nothing about them except how to initialise a shard.
+this file knows nothing about them except how to initialise a shard and gather the output layer.
 """
 from __future__ import annotations
 
@@ -203,6 +203,8 @@ class GPT(nn.Module):
         weight = self.lm_head.weight
         if isinstance(weight, DTensor):  # vocabulary rows split over tensor-parallel ranks: gather them
             weight = weight.full_tensor()
+        elif hasattr(weight, "tp_shard"):  # the same, split by gpt.tensor_parallel (XLA devices)
+            weight = weight.tp_shard.gather(weight)
         if targets is None:
             return F.linear(x, weight)[..., :self.config.vocab_size]
         return linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.config.vocab_size)
@@ -216,15 +218,16 @@ class GPT(nn.Module):
         """
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for name, p in self.named_parameters():
-            name = _plain_name(name)
+            name = plain_name(name)
+            shape = p.tp_shard.whole_shape(p) if hasattr(p, "tp_shard") else p.shape  # DTensor: whole already
             if ".ln_" in name or name.startswith("ln_f"):
-                full = torch.ones(p.shape) if name.endswith("weight") else torch.zeros(p.shape)
+                full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
             elif name.endswith("bias"):
-                full = torch.zeros(p.shape)
+                full = torch.zeros(shape)
             else:
                 std = residual_std if name.endswith("c_proj.weight") else 0.02
                 g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = torch.randn(p.shape, generator=g) * std
+                full = torch.randn(shape, generator=g) * std
             _copy_full(p, full)
 
     def load_hf_gpt2(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -253,14 +256,16 @@ def hf_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int, heads: in
     return {k: v.contiguous() for k, v in ours.items()}
 
 
-def _plain_name(name: str) -> str:
+def plain_name(name: str) -> str:
     """Parameter name without the prefixes that compile or activation checkpointing insert."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     full = full.to(param.device)
-    if isinstance(param, DTensor):
+    if hasattr(param, "tp_shard"):  # split by gpt.tensor_parallel
+        param.copy_(param.tp_shard.cut(full))
+    elif isinstance(param, DTensor):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:

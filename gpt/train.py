@@ -34,6 +34,7 @@ from gpt.distributed import (
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count
+from gpt.tensor_parallel import Group
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
 
@@ -100,7 +101,7 @@ def build_optimizer(model: nn.Module, config: Config, backend: Backend) -> torch
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                *, backend: Backend, precision: str, clip_grad: float,
-               scaler: LossScaler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               scaler: LossScaler, tp: Group | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate gradients over the micro-batches, reduce them over the ranks, clip, step.
 
     Returns device scalars, read by nobody here: the loss averaged over all ranks, the global
@@ -115,7 +116,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             loss = model(x, y) / len(micro_batches)
         (loss * scaler.scale if scaler.enabled else loss).backward()
         total += loss.detach()
-    backend.reduce_gradients(optimizer)
+    backend.reduce_gradients(optimizer, None if tp is None else tp.data_parallel)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
     norm = grad_norm(params)
@@ -392,7 +393,8 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
                 group["lr"] = lr
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
-                                             precision=config.precision, clip_grad=config.clip_grad, scaler=scaler)
+                                             precision=config.precision, clip_grad=config.clip_grad, scaler=scaler,
+                                             tp=env.tp)
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
             steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from gpt.config import Config
 from gpt.distributed import DistEnv, build_model
-from gpt.model import GPT, _plain_name, linear_cross_entropy
+from gpt.model import GPT, plain_name, linear_cross_entropy
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _model_loss_and_grads(config: Config) -> tuple[torch.Tensor, dict[str, torch
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), generator=torch.Generator().manual_seed(5))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
-    return loss.detach(), {_plain_name(n): p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {plain_name(n): p.grad for n, p in model.named_parameters()}
 
 
 _SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300, mock_data=True,

@@ -153,3 +153,24 @@ def test_the_launcher_trains_on_two_nodes_with_two_ranks_each(slurm_cluster: dic
     results = [pickle_load(JobPaths(folder, job_id=job_id, task_id=rank).result_pickle) for rank in range(4)]
     assert [outcome for outcome, _ in results] == ["success"] * 4
     assert all(summary["iteration"] == 4 for _, summary in results)
+
+
+def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: Path) -> None:
+    """GPT-3 6.7B on 16 x trn1.32xlarge with tensor parallel 32 (one node's 32 NeuronCores per
+    group, 16 data-parallel replicas): the plan accepts it and the job's checks pass for 512 ranks."""
+    from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
+    from flows.plan import make_plan
+    from gpt import tensor_parallel
+
+    plan = make_plan("gpt3-6.7b", DataParams(), TokenizerParams(), TrainingParams(train_iters=100, tensor_parallel=32),
+                     ClusterParams(preset="trn1-32xl"), OutputParams(root=str(tmp_path)))
+    index = tmp_path / "index.json"
+    index.write_text("{}")
+    config = plan.with_data(50257, str(index)).config
+    assert (config.device, config.tensor_parallel, config.data_parallel_mode) == ("neuron", 32, "ddp")
+    world = plan.cluster.nodes * plan.cluster.tasks_per_node
+    assert world == 512
+    config.validate(world)
+    group = tensor_parallel.new_group(rank=32 * 5 + 7, world_size=world, size=32, lazy=True)
+    assert group.replicas[5] == list(range(160, 192))  # node 5's NeuronCores: a group never leaves its node
+    assert group.data_parallel[7] == list(range(7, 512, 32))

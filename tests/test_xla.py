@@ -93,3 +93,20 @@ def test_gradients_are_reduced_before_the_norm_clip_and_skip(probe):
 
 def test_torch_compile_is_refused_with_the_reason(probe):
     assert "torch.compile does not apply on xla" in probe["compile_refused"]
+
+
+def test_tensor_parallel_layers_run_in_the_step_graph(probe):
+    """gpt.tensor_parallel's split layers over a group of one: their collectives are in the graph
+    (one all-reduce per split lookup and output projection, one all-gather for the output layer),
+    the losses are those without them, and a step is still one graph with no CPU fallback."""
+    tp, plain = probe["tensor_parallel"], probe["xla"]
+    assert (tp["all_reduce"], tp["all_gather"]) == (1 + 2 * 2, 1)
+    assert "wte.weight" in tp["split"] and "h.1.mlp.c_fc.weight" in tp["split"] and "h.0.ln_1.weight" not in tp["split"]
+    assert tp["train"]["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert tp["train"]["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    steps = tp["train"]["per_step"]
+    assert [b["executions"] - a["executions"] for a, b in zip(steps, steps[1:])] == [1] * (len(steps) - 1)
+    assert steps[-1]["compiles"] == steps[2]["compiles"]
+    # XLA's counters run from the start of the process: nothing is added to them by these steps.
+    assert steps[-1]["fallbacks"] == tp["fallbacks_before"]
+    assert len({s["transfers"] for s in steps}) == 1, "a step read a value from the device"

@@ -23,6 +23,7 @@ from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer
 from gpt.config import Config, ConfigError
 from gpt.data import MockGPTDataset
+from gpt import tensor_parallel
 from gpt.distributed import DistEnv, build_model
 from gpt.train import LossScaler, build_optimizer, lr_at, main, micro_batches, train_step
 
@@ -46,18 +47,18 @@ def counters() -> dict[str, Any]:
             "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}}
 
 
-def setup(device: str, **overrides: Any) -> tuple[Config, Backend, torch.device, torch.nn.Module, Any, LossScaler]:
+def setup(device: str, env: DistEnv = ONE, **overrides: Any) -> tuple[Config, Backend, torch.device, torch.nn.Module, Any, LossScaler]:
     config = Config.from_dict({**SMALL, "device": device, **overrides})
     backend = get_backend(config.device)
     where = backend.device(0)
     torch.manual_seed(config.seed)
-    model = build_model(config, ONE, where)
+    model = build_model(config, env, where)
     return config, backend, where, model, build_optimizer(model, config, backend), LossScaler(False, where)
 
 
-def train(device: str, count_each_step: bool) -> dict[str, Any]:
+def train(device: str, count_each_step: bool, env: DistEnv = ONE) -> dict[str, Any]:
     """STEPS iterations through gpt.train.train_step, the figures read once at the end."""
-    config, backend, where, model, optimizer, scaler = setup(device)
+    config, backend, where, model, optimizer, scaler = setup(device, env)
     data = MockGPTDataset(STEPS * config.global_batch_size, config.seq_length, config.vocab_size, config.seed)
     held, per_step = [], []
     for it in range(1, STEPS + 1):
@@ -65,7 +66,7 @@ def train(device: str, count_each_step: bool) -> dict[str, Any]:
             group["lr"] = lr_at(config, it)
         batches = micro_batches(data, (it - 1) * config.global_batch_size, config.global_batch_size, config, ONE, where)
         loss, norm, stepped = train_step(model, optimizer, batches, backend=backend, precision="fp32",
-                                         clip_grad=config.clip_grad, scaler=scaler)
+                                         clip_grad=config.clip_grad, scaler=scaler, tp=env.tp)
         held += [loss, norm, stepped]
         if count_each_step:
             per_step.append(counters())
@@ -174,6 +175,25 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "train"}
 
 
+def tensor_parallel_in_one_graph() -> dict[str, Any]:
+    """The split layers of gpt.tensor_parallel over a group of one rank, their all-reduces and
+    all-gather in the graph (XLA:CPU runs no collective across processes; tests/test_tensor_parallel.py
+    runs the layers on real ranks)."""
+    os.environ["XLA_ALWAYS_ALLREDUCE"] = "1"  # torch_xla leaves them out for one rank otherwise
+    try:
+        env = DistEnv(0, 1, 0, None, tensor_parallel.Group(0, 1, [[0]], lazy=True))
+        config, backend, where, model, _, _ = setup("neuron", env)
+        tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1)).to(where)
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(tokens[:, :-1], tokens[:, 1:])])
+        torch_xla.sync()
+        split = sorted(name for name, p in model.named_parameters() if hasattr(p, "tp_shard"))
+        before = counters()["fallbacks"]
+        return {"train": train("neuron", count_each_step=True, env=env), "fallbacks_before": before, "split": split,
+                "all_reduce": hlo.count("all-reduce("), "all_gather": hlo.count("all-gather(")}
+    finally:
+        del os.environ["XLA_ALWAYS_ALLREDUCE"]
+
+
 def compile_refused() -> str:
     try:
         setup("neuron", compile=True)
@@ -186,7 +206,8 @@ def run(work: Path) -> dict[str, Any]:
     return {"kind": get_backend("neuron").kind.device_type, "xla_use_bf16": os.environ.get("XLA_USE_BF16"),
             "xla": train("neuron", count_each_step=True), "cpu": train("cpu", count_each_step=False),
             "checkpoint": checkpoint(work), "bf16_in_graph": bf16_in_graph(), "peer": peer_reduction(),
-            "resume": resume(work), "compile_refused": compile_refused()}
+            "resume": resume(work), "compile_refused": compile_refused(),
+            "tensor_parallel": tensor_parallel_in_one_graph()}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""Tensor parallelism with explicit collectives (gpt/tensor_parallel.py), the one XLA devices train
+with: here on real gloo ranks running gpt.train, with the layers, the gradient norm and the
+checkpoints of the XLA path and torch.distributed's collectives in place of XLA's (XLA:CPU has none;
+tests/test_xla.py runs the same layers inside one XLA graph)."""
+import json
+import shutil
+
+import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+import torch
+
+from gpt import tensor_parallel
+from gpt.export import find_checkpoint, load_checkpoint
+from tests.fixtures_gpt import SMALL, read_metrics
+
+# Every rank joins the process group as usual, then trains with gpt.tensor_parallel's groups and
+# no DeviceMesh: what init_distributed gives an XLA device.
+EXPLICIT = """
+import gpt.distributed as _dist, gpt.train as _train
+from gpt import tensor_parallel as _tp
+_init = _dist.init_distributed
+def _explicit(backend, tp_size):
+    env = _init(backend, 1)
+    return _dist.DistEnv(env.rank, env.world_size, env.local_rank, None,
+                         _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))
+_train.init_distributed = _explicit
+"""
+pytestmark = pytest.mark.timeout(300)
+
+
+def curve(run) -> list[tuple[float, float]]:
+    return [(r["lm_loss"], r["grad_norm"]) for r in read_metrics(run)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    from tests.fixtures_gpt import GPTLauncher
+
+    run = tmp_path_factory.mktemp("tp") / "one"
+    GPTLauncher(run.parent).run({**SMALL, "run_dir": str(run)})
+    return run
+
+
+def test_two_ranks_train_as_one_process(one_process, gpt_launcher, tmp_path):
+    run = tmp_path / "tp2"
+    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "tensor_parallel": 2}, 2, prelude=EXPLICIT)
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "completed"
+    ours, theirs = curve(run), curve(one_process)
+    assert len(ours) == 8 and ours[-1][0] < ours[0][0]
+    for (loss, norm), (loss_1, norm_1) in zip(ours, theirs):
+        assert loss == pytest.approx(loss_1, rel=1e-5) and norm == pytest.approx(norm_1, rel=1e-5)
+    valid = [r["valid_loss"] for r in read_metrics(run, "valid")]
+    assert len(valid) == 2 and valid == pytest.approx([r["valid_loss"] for r in read_metrics(one_process, "valid")], rel=1e-5)
+
+
+def test_checkpoint_keeps_each_part_and_resumes(one_process, gpt_launcher, tmp_path):
+    run = tmp_path / "tp2"
+    config = {**SMALL, "run_dir": str(run), "tensor_parallel": 2}
+    gpt_launcher.run(config, 2, prelude=EXPLICIT)
+    whole = curve(run)
+    saved = FileSystemReader(str(run / "checkpoints" / "iter_0000004")).read_metadata().state_dict_metadata
+    qkv = {key for key in saved if key.startswith("model.h.0.attn.qkv.weight")}
+    assert qkv == {"model.h.0.attn.qkv.weight.tp0of2", "model.h.0.attn.qkv.weight.tp1of2"}
+    assert saved["model.h.0.attn.qkv.weight.tp1of2"].size == (3 * 32 // 2, 32)
+    assert "model.lm_head.weight.tp1of2" in saved and "model.lm_head.weight" not in saved  # tied: a part too
+    assert "model.h.0.ln_1.weight" in saved and "model.wpe.weight" in saved  # replicated: saved once, whole
+    assert any(key.endswith("h.0.mlp.c_proj.weight.tp1of2.exp_avg") for key in saved)
+
+    shutil.rmtree(run / "checkpoints" / "iter_0000008")
+    out = gpt_launcher.run(config, 2, prelude=EXPLICIT)
+    assert "resumed from" in out and "iter_0000004" in out
+    assert curve(run)[4:] == pytest.approx(whole[4:], rel=1e-6)
+
+    # The parts join into the whole model (what gpt.export writes): that of one process.
+    joined, single = (load_checkpoint(*find_checkpoint(r)).state_dict() for r in (run, one_process))
+    assert joined.keys() == single.keys()
+    for key in joined:
+        torch.testing.assert_close(joined[key], single[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_another_tensor_parallel_size_is_refused_before_loading(gpt_launcher, tmp_path):
+    run = tmp_path / "tp2"
+    gpt_launcher.run({**SMALL, "run_dir": str(run), "tensor_parallel": 2, "train_iters": 4}, 2, prelude=EXPLICIT)
+    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "train_iters": 4}, 1, expect_rc=2)
+    assert "iter_0000004 cannot resume this run" in out and "tp0of2" in out, out[-2000:]
+
+
+def test_groups_are_consecutive_ranks_and_replicas_the_columns():
+    group = tensor_parallel.new_group(rank=5, world_size=8, size=4, lazy=True)
+    assert (group.index, group.size) == (1, 4)
+    assert group.replicas == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert group.data_parallel == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # gpt.train.micro_batches gives data-parallel rank rank // tensor_parallel the same batch.
+    assert all(len({r // 4 for r in replicas}) == 1 for replicas in group.replicas)
