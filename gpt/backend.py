@@ -14,6 +14,7 @@ that trace (``neuron_parallel_compile`` on Trainium), not from torch.compile.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,13 @@ class Backend:
 
         count = len(replicas[0]) if replicas else xr.world_size()
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if count > 1 and grads:
+        if count < 2 or not grads:
+            return
+        bucket_mb = int(os.environ.get("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", "0"))  # as torch_xla reads it
+        if bucket_mb > 0:  # last layers first, so that their reduction can start during backward
+            xm.all_reduce_bucketized_gradients(grads[::-1], scale=1.0 / count, groups=replicas, pin_layout=True,
+                                               bucket_cap_mb=bucket_mb)
+        else:
             xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / count, groups=replicas)
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ Resuming verifies the newest checkpoint (marker, DCP metadata, every shard file 
 metadata says) and falls back to the newest intact one, saying which and why.
 
 DTensors (FSDP, tensor parallel on eager devices) are saved as one tensor each, in shards, and load
-into any layout. A parameter split by gpt.tensor_parallel (XLA devices) is a plain tensor on each
+into any layout of DTensors or whole tensors. A parameter split by gpt.tensor_parallel (XLA devices) is a plain tensor on each
 rank: it is saved under its name and its part (``h.0.mlp.c_fc.weight.tp3of32``), and loads only
 into the same tensor-parallel size, which a run checks before loading anything.
 """
@@ -255,7 +255,8 @@ def _check_layout(path: Path, model_state: dict[str, Any]) -> None:
     if missing:
         parts = sorted({key.rsplit(".", 1)[1] for key in saved if re.search(r"\.tp\d+of\d+$", key)})
         written = f"it holds the parts {', '.join(parts[:3])}{'...' if len(parts) > 3 else ''}" if parts else \
-            "it holds whole tensors"
+            ("it holds whole tensors, as a run without tensor parallel or with DTensor's (CPU and CUDA) saves "
+             "them, and this run splits them in parts (tensor parallel on an XLA device)")
         raise LayoutMismatch(
             f"checkpoint {path} cannot resume this run: it lacks {len(missing)} of this rank's tensors (e.g. "
             f"{missing[0]}); {written}. Resume with the tensor_parallel and model of the run that wrote it "

@@ -296,7 +296,7 @@ class Config:
             found.append("both data_index and mock_data are set; keep one")
         if self.data_index is not None and not Path(self.data_index).is_file():
             found.append(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
-        if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1 and self.device != "neuron":
+        if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1 and self.device in ("cpu", "cuda"):
             found.append("data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on more than one "
                          "data-parallel rank; use data_parallel_mode='fsdp'")
         if self.device == "neuron" and self.data_parallel_mode == "fsdp":

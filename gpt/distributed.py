@@ -97,6 +97,9 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
         for module in model.h if config.compile_scope == "blocks" else [model]:
             module.compile(backend=backend)
     dp = env.world_size // config.tensor_parallel
+    if env.mesh is None and dp > 1 and config.data_parallel_mode == "fsdp":
+        raise ConfigError(f"data_parallel_mode='fsdp': {device.type} devices train data parallel as "
+                          "data_parallel_mode='ddp' (gradients all-reduced, optimizer state on every replica)")
     if env.mesh is not None and dp > 1 and config.tensor_parallel > 1 and config.data_parallel_mode == "ddp":
         raise ConfigError(f"data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on {device.type} "
                           "devices (DDP over DTensor); use data_parallel_mode='fsdp'")

@@ -116,7 +116,8 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Config]:
 
 def load_checkpoint(checkpoint: Path, config: Config) -> GPT:
     """A plain fp32 GPT on the CPU holding the checkpoint's weights, whatever layout saved them."""
-    plain = Config(**{**config.to_dict(), "tensor_parallel": 1, "device": "cpu", "precision": "fp32",
+    # tensor_parallel stays: the embedding keeps the rows the run padded it to (a multiple of 128 x tp).
+    plain = Config(**{**config.to_dict(), "device": "cpu", "precision": "fp32",
                       "compile": False, "activation_checkpointing": False})
     model = GPT(plain)
     try:

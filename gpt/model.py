@@ -262,10 +262,11 @@ def plain_name(name: str) -> str:
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    if hasattr(param, "tp_shard"):  # split by gpt.tensor_parallel: only this rank's part goes to the device
+        param.copy_(param.tp_shard.cut(full).to(param.device))
+        return
     full = full.to(param.device)
-    if hasattr(param, "tp_shard"):  # split by gpt.tensor_parallel
-        param.copy_(param.tp_shard.cut(full))
-    elif isinstance(param, DTensor):
+    if isinstance(param, DTensor):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:

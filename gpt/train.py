@@ -33,8 +33,8 @@ from gpt.distributed import (
     shutdown,
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
-from gpt.model import param_count
-from gpt.tensor_parallel import Group
+from gpt.model import param_count, plain_name
+from gpt.tensor_parallel import Group, sharded_names
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
 
@@ -239,6 +239,8 @@ def load_hf_weights(model: nn.Module, config: Config) -> None:
         raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
     weights = hf_to_ours(load_file(str(folder / "model.safetensors")), config.padded_vocab_size(),
                          config.num_attention_heads)
+    split = {plain_name(name): shard for name, shard in sharded_names(model).items()}  # gpt.tensor_parallel's
+    weights = {key: split[key].cut(value) if key in split else value for key, value in weights.items()}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 

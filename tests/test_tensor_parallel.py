@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import torch
 
 from gpt import tensor_parallel
-from gpt.export import find_checkpoint, load_checkpoint
+from gpt.export import find_checkpoint, load_checkpoint, to_hf_state_dict
 from tests.fixtures_gpt import SMALL, read_metrics
 
 # Every rank joins the process group as usual, then trains with gpt.tensor_parallel's groups and
@@ -81,9 +81,14 @@ def test_checkpoint_keeps_each_part_and_resumes(one_process, gpt_launcher, tmp_p
 
 def test_another_tensor_parallel_size_is_refused_before_loading(gpt_launcher, tmp_path):
     run = tmp_path / "tp2"
-    gpt_launcher.run({**SMALL, "run_dir": str(run), "tensor_parallel": 2, "train_iters": 4}, 2, prelude=EXPLICIT)
-    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "train_iters": 4}, 1, expect_rc=2)
+    # 300 tokens: padded to 512 rows for tensor parallel 2 (a multiple of 128 x 2), to 384 without.
+    config = {**SMALL, "run_dir": str(run), "vocab_size": 300, "train_iters": 4}
+    gpt_launcher.run({**config, "tensor_parallel": 2}, 2, prelude=EXPLICIT)
+    out = gpt_launcher.run(config, 1, expect_rc=2)
     assert "iter_0000004 cannot resume this run" in out and "tp0of2" in out, out[-2000:]
+    # The export reads it whole, with the rows it was padded to, and writes the real vocabulary.
+    model = load_checkpoint(*find_checkpoint(run))
+    assert model.wte.weight.shape[0] == 512 and to_hf_state_dict(model)["transformer.wte.weight"].shape[0] == 300
 
 
 def test_groups_are_consecutive_ranks_and_replicas_the_columns():
@@ -93,3 +98,22 @@ def test_groups_are_consecutive_ranks_and_replicas_the_columns():
     assert group.data_parallel == [[0, 4], [1, 5], [2, 6], [3, 7]]
     # gpt.train.micro_batches gives data-parallel rank rank // tensor_parallel the same batch.
     assert all(len({r // 4 for r in replicas}) == 1 for replicas in group.replicas)
+
+
+def test_training_starts_from_huggingface_weights_cut_into_parts(gpt_launcher, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=16, n_embd=32,
+                                                              n_layer=2, n_head=4))
+    hf.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "tensor_parallel": 2, "init_from_hf": str(tmp_path / "hf"),
+                            "train_iters": 1, "lr": 1e-12, "min_lr": 0.0, "lr_warmup_iters": 0, "save_interval": 1},
+                           2, prelude=EXPLICIT)
+    assert "started from the HuggingFace weights" in out
+    from gpt.export import load_hf
+
+    trained, theirs = load_checkpoint(*find_checkpoint(run)), load_hf(tmp_path / "hf")
+    for name in ("wte.weight", "h.1.attn.qkv.weight", "h.1.attn.c_proj.weight", "h.0.mlp.c_fc.bias"):
+        torch.testing.assert_close(trained.get_parameter(name), theirs.get_parameter(name), atol=1e-6, rtol=0,
+                                   msg=name)
