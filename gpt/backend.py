@@ -18,9 +18,12 @@ import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from gpt.tensor_parallel import Group
 
 # Dense peak FLOP/s per device, from the vendors' data sheets, for MFU.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -99,25 +102,17 @@ class Backend:
             return optimizer
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind.fused_adamw or None)
 
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer, replicas: list[list[int]] | None = None) -> None:
-        """Average gradients over the data-parallel ``replicas`` (every group of ranks that hold the
-        same parameters; None: the whole world) where the model does not already (DDP and FSDP reduce
-        inside backward; on XLA the model is not wrapped, so it happens here)."""
-        if not self.lazy:
-            return
-        import torch_xla.core.xla_model as xm
-        import torch_xla.runtime as xr
-
-        count = len(replicas[0]) if replicas else xr.world_size()
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer, tp: Group | None = None) -> None:
+        """Average the gradients over the data-parallel replicas where the model does not (DDP and
+        FSDP reduce inside backward). On XLA, and under gpt.tensor_parallel's layers, the model is
+        not wrapped, so it happens here: over the whole world, or over the ranks that hold the same
+        part of every parameter."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if count < 2 or not grads:
-            return
-        bucket_mb = int(os.environ.get("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", "0"))  # as torch_xla reads it
-        if bucket_mb > 0:  # last layers first, so that their reduction can start during backward
-            xm.all_reduce_bucketized_gradients(grads[::-1], scale=1.0 / count, groups=replicas, pin_layout=True,
-                                               bucket_cap_mb=bucket_mb)
-        else:
-            xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / count, groups=replicas)
+        if tp is not None:
+            tp.average_over_replicas(grads)
+        elif self.lazy:
+            import torch_xla.runtime as xr
+            average_on_xla(grads, [list(range(xr.world_size()))])
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         """One optimizer step, or none where ``found_inf`` (a 0-dim float tensor) is 1: parameters
@@ -196,6 +191,22 @@ class Backend:
 
     def _accelerator(self) -> bool:
         return self.kind.device_type not in ("cpu", "xla")
+
+
+def average_on_xla(grads: list[torch.Tensor], replicas: list[list[int]]) -> None:
+    """Average XLA tensors in place over each group of ``replicas`` (every group of the world, as XLA
+    collectives name them), in buckets of ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB as torch_xla does when it is set."""
+    import torch_xla.core.xla_model as xm
+
+    count = len(replicas[0])
+    if count < 2 or not grads:
+        return
+    bucket_mb = int(os.environ.get("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", "0"))
+    if bucket_mb > 0:  # last layers first, so that their reduction can start during backward
+        xm.all_reduce_bucketized_gradients(grads[::-1], scale=1.0 / count, groups=replicas, pin_layout=True,
+                                           bucket_cap_mb=bucket_mb)
+    else:
+        xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / count, groups=replicas)
 
 
 def _status_bytes(field: str) -> int:

@@ -18,6 +18,7 @@ A parameter held in shards carries ``tp_shard`` (a Shard): the dimension it is s
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,25 +26,39 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gpt.backend import average_on_xla
 from gpt.model import GPT
 
 
 @dataclass(frozen=True)
 class Group:
     """This rank's tensor-parallel group: its index in the group and the group's size. ``replicas``
-    lists every group of the world (XLA collectives name them all); ``process_group`` is the
-    torch.distributed group for eager devices, None on XLA."""
+    lists every group of the world (XLA collectives name them all). On eager devices
+    ``process_group`` is the group's torch.distributed group and ``replica_process_group`` that of
+    the ranks holding the same parts as this one; on XLA both are None."""
 
     index: int
     size: int
     replicas: list[list[int]]
     lazy: bool
     process_group: dist.ProcessGroup | None = None
+    replica_process_group: dist.ProcessGroup | None = None
 
     @property
     def data_parallel(self) -> list[list[int]]:
         """The groups of ranks that hold the same part of every parameter: one per index in a group."""
         return [list(ranks) for ranks in zip(*self.replicas)]
+
+    def average_over_replicas(self, grads: list[torch.Tensor]) -> None:
+        """Average the gradients in place over the ranks that hold the same parts."""
+        if self.lazy:
+            average_on_xla(grads, self.data_parallel)
+            return
+        count = len(self.replicas)
+        if count > 1:
+            for g in grads:
+                dist.all_reduce(g, group=self.replica_process_group)
+                g.div_(count)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over the group, as a new tensor."""
@@ -68,13 +83,16 @@ def new_group(rank: int, world_size: int, size: int, lazy: bool) -> Group:
     """This rank's group of ``size`` consecutive ranks. Every rank must call it, in the same order
     (it creates the eager devices' process groups)."""
     tp = [list(range(start, start + size)) for start in range(0, world_size, size)]
-    process_group = None
-    if not lazy:
-        for ranks in tp:  # dist.new_group is collective: every rank creates every group
+    group = Group(rank % size, size, tp, lazy)
+    if lazy:
+        return group
+    mine = {}
+    for kind, all_groups in (("process_group", tp), ("replica_process_group", group.data_parallel)):
+        for ranks in all_groups:  # dist.new_group is collective: every rank creates every group
             created = dist.new_group(ranks)
             if rank in ranks:
-                process_group = created
-    return Group(rank % size, size, tp, lazy, process_group)
+                mine[kind] = created
+    return dataclasses.replace(group, **mine)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             loss = model(x, y) / len(micro_batches)
         (loss * scaler.scale if scaler.enabled else loss).backward()
         total += loss.detach()
-    backend.reduce_gradients(optimizer, None if tp is None else tp.data_parallel)
+    backend.reduce_gradients(optimizer, tp)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
     norm = grad_norm(params)

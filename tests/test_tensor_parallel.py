@@ -15,17 +15,20 @@ from gpt.export import find_checkpoint, load_checkpoint, to_hf_state_dict
 from tests.fixtures_gpt import SMALL, read_metrics
 
 # Every rank joins the process group as usual, then trains with gpt.tensor_parallel's groups and
-# no DeviceMesh: what init_distributed gives an XLA device.
+# no DeviceMesh, as on an XLA device; device 'neuron' (its configuration checks) computes on the CPU.
 EXPLICIT = """
 import gpt.distributed as _dist, gpt.train as _train
 from gpt import tensor_parallel as _tp
+from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed
 def _explicit(backend, tp_size):
     env = _init(backend, 1)
     return _dist.DistEnv(env.rank, env.world_size, env.local_rank, None,
                          _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))
 _train.init_distributed = _explicit
+_train.get_backend = lambda device: _Backend(device, _DEVICES["cpu"])
 """
+NEURON = {**SMALL, "device": "neuron"}
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -42,9 +45,12 @@ def one_process(tmp_path_factory):
     return run
 
 
-def test_two_ranks_train_as_one_process(one_process, gpt_launcher, tmp_path):
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2-dp2"])
+def test_ranks_train_as_one_process(world, one_process, gpt_launcher, tmp_path):
+    """Tensor parallel 2, alone and with 2 data-parallel replicas (the ranks holding the same parts
+    average their gradients, each replica takes its half of the batch)."""
     run = tmp_path / "tp2"
-    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "tensor_parallel": 2}, 2, prelude=EXPLICIT)
+    out = gpt_launcher.run({**NEURON, "run_dir": str(run), "tensor_parallel": 2}, world, prelude=EXPLICIT)
     assert json.loads(out.strip().splitlines()[-1])["status"] == "completed"
     ours, theirs = curve(run), curve(one_process)
     assert len(ours) == 8 and ours[-1][0] < ours[0][0]
@@ -56,7 +62,7 @@ def test_two_ranks_train_as_one_process(one_process, gpt_launcher, tmp_path):
 
 def test_checkpoint_keeps_each_part_and_resumes(one_process, gpt_launcher, tmp_path):
     run = tmp_path / "tp2"
-    config = {**SMALL, "run_dir": str(run), "tensor_parallel": 2}
+    config = {**NEURON, "run_dir": str(run), "tensor_parallel": 2}
     gpt_launcher.run(config, 2, prelude=EXPLICIT)
     whole = curve(run)
     saved = FileSystemReader(str(run / "checkpoints" / "iter_0000004")).read_metadata().state_dict_metadata
@@ -83,7 +89,7 @@ def test_another_tensor_parallel_size_is_refused_before_loading(gpt_launcher, tm
     run = tmp_path / "tp2"
     # 300 tokens: padded to 512 rows for tensor parallel 2 (a multiple of 128 x 2), to 384 without.
     config = {**SMALL, "run_dir": str(run), "vocab_size": 300, "train_iters": 4}
-    gpt_launcher.run({**config, "tensor_parallel": 2}, 2, prelude=EXPLICIT)
+    gpt_launcher.run({**config, "device": "neuron", "tensor_parallel": 2}, 2, prelude=EXPLICIT)
     out = gpt_launcher.run(config, 1, expect_rc=2)
     assert "iter_0000004 cannot resume this run" in out and "tp0of2" in out, out[-2000:]
     # The export reads it whole, with the rows it was padded to, and writes the real vocabulary.
@@ -107,7 +113,7 @@ def test_training_starts_from_huggingface_weights_cut_into_parts(gpt_launcher, t
                                                               n_layer=2, n_head=4))
     hf.save_pretrained(tmp_path / "hf")
     run = tmp_path / "run"
-    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "tensor_parallel": 2, "init_from_hf": str(tmp_path / "hf"),
+    out = gpt_launcher.run({**NEURON, "run_dir": str(run), "tensor_parallel": 2, "init_from_hf": str(tmp_path / "hf"),
                             "train_iters": 1, "lr": 1e-12, "min_lr": 0.0, "lr_warmup_iters": 0, "save_interval": 1},
                            2, prelude=EXPLICIT)
     assert "started from the HuggingFace weights" in out
