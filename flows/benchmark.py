@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint-url")
     p.add_argument("--threshold", type=float, default=0.10, help="regression threshold (fraction)")
     a = p.parse_args(argv)
+    from flows.local_server import ensure_api
+    ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
     suite = QUICK if a.quick else NIGHTLY
     if a.only:
         suite = [s for s in suite if s.name in a.only]

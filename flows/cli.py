@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable
 
 import yaml
+from pydantic import ValidationError
 
 from flows.params import (
     ClusterParams,
@@ -17,32 +18,41 @@ from flows.params import (
     ParameterError,
     TokenizerParams,
     TrainingParams,
-    WeightedPrefix,
+    parameter_errors,
 )
 
 
-def _key_values(items: list[str], flag: str) -> dict[str, Any]:
+def _key_values(items: list[str], flag: str, group: str, errors: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` flags, each value read as YAML (``--set lr=3e-4``); a malformed one is an error
+    naming the flag."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"{flag} {item!r}: expected key=value")
-        out[key] = yaml.safe_load(value)
+            errors.append(f"{group}: {flag} {item!r}: expected KEY=VALUE")
+            continue
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            errors.append(f"{group}.{key}: {flag} {item!r}: the value is not valid YAML ({problem}); quote it")
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
-    """Flow parameters from command-line flags (unset flags keep the flow's defaults)."""
+    """Flow parameters from command-line flags (unset flags keep the flow's defaults). Raises
+    ParameterError naming every bad flag value, in the plan's format."""
     p = argparse.ArgumentParser(prog="python -m flows.pretrain", description="Pretrain a GPT: the pretrain flow, run here.")
     p.add_argument("--model", help="preset name, e.g. tiny, gpt3-125m, gpt3-1.3b")
     p.add_argument("--source", action="append", default=[], help="JSONL input: s3:// URI, path or glob (repeatable)")
     p.add_argument("--prefix", nargs=2, action="append", default=[], metavar=("WEIGHT", "PREFIX"),
                    help="already tokenized .bin/.idx prefix with its blend weight (repeatable)")
     p.add_argument("--json-key", action="append", help="JSON field with the text (repeatable; default text)")
+    p.add_argument("--split", help="train,valid,test proportions of documents (default 969,30,1)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for sources and tokenizer files")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
-    p.add_argument("--train-iters", type=int)
+    p.add_argument("--train-iters", type=int, help="iterations; more than a run reached extends it")
     p.add_argument("--train-samples", type=int)
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--global-batch-size", type=int)
@@ -55,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
                    help="torch.compile with a precompile stage first (default on)")
     p.add_argument("--benchmark", action="store_true", default=None)
     p.add_argument("--seed", type=int)
+    p.add_argument("--init-from", help="start a new run from this run (name or folder) or checkpoint")
+    p.add_argument("--init-from-optimizer", action="store_true", default=None,
+                   help="with --init-from: its optimizer state too, not only its weights")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any gpt Config field, e.g. --set lr_warmup_iters=50 (repeatable)")
     p.add_argument("--cluster", help="cluster preset name or YAML path (default local)")
@@ -69,19 +82,32 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     def pick(**kw: Any) -> dict:
         return {k: v for k, v in kw.items() if v is not None and v != []}
 
+    errors: list[str] = []
+
+    def group(name: str, model: type, **fields: Any) -> Any:
+        try:
+            return model(**fields)
+        except ValidationError as e:
+            errors.extend(parameter_errors(e, name))
+            return None
+
     params: dict[str, Any] = pick(model=a.model)
-    params["data"] = DataParams(**pick(
-        sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url,
-        prefixes=[WeightedPrefix(weight=float(w), prefix=pr) for w, pr in a.prefix]))
-    params["tokenizer"] = TokenizerParams(vocab_file=a.vocab_file, merge_file=a.merge_file)
-    params["training"] = TrainingParams(**pick(
+    params["data"] = group("data", DataParams, **pick(
+        sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url, split=a.split,
+        prefixes=[{"weight": w, "prefix": pr} for w, pr in a.prefix]))
+    params["tokenizer"] = group("tokenizer", TokenizerParams, vocab_file=a.vocab_file, merge_file=a.merge_file)
+    params["training"] = group("training", TrainingParams, **pick(
         train_iters=a.train_iters, train_samples=a.train_samples, micro_batch_size=a.micro_batch_size,
         global_batch_size=a.global_batch_size, seq_length=a.seq_length, tensor_parallel=a.tensor_parallel,
         data_parallel=a.data_parallel, device=a.device, precision=a.precision, compile=a.compile,
-        benchmark=a.benchmark, seed=a.seed, overrides=_key_values(a.set, "--set")))
-    params["cluster"] = ClusterParams(**pick(preset=a.cluster, overrides=_key_values(a.cluster_set, "--cluster-set")))
-    params["output"] = OutputParams(**pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
-                                           endpoint_url=a.output_endpoint_url))
+        benchmark=a.benchmark, seed=a.seed, init_from=a.init_from, init_from_optimizer=a.init_from_optimizer,
+        overrides=_key_values(a.set, "--set", "training.overrides", errors)))
+    params["cluster"] = group("cluster", ClusterParams, **pick(
+        preset=a.cluster, overrides=_key_values(a.cluster_set, "--cluster-set", "cluster.overrides", errors)))
+    params["output"] = group("output", OutputParams, **pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
+                                                            endpoint_url=a.output_endpoint_url))
+    if errors:
+        raise ParameterError(errors)
     return params
 
 
@@ -89,7 +115,13 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     """Run the pretrain flow with the parameters the flags give, and print what it produced."""
     # Without PREFECT_API_URL, Prefect starts a temporary server for this run; keep it quiet.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    params = parse_args(argv)
+    try:
+        params = parse_args(argv)
+    except ParameterError as e:
+        print(e, file=sys.stderr)
+        return 2
+    from flows.local_server import ensure_api
+    ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
     started = time.perf_counter()
     try:
         out = pretrain(**params)

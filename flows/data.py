@@ -2,10 +2,12 @@
 and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flows.boundary import Boundary
 from flows.layout import Layout
 from flows.params import (
     SAMPLE_VOCAB_SIZE,
@@ -14,13 +16,19 @@ from flows.params import (
     TokenizerParams,
     is_remote,
 )
+from flows.sizes import GIB, free_bytes
 from flows.stages import Stages, tokenized_intact
+from gpt.config import Config
 from tasks import report as reporting
 from tasks.bpe import load_vocab, vocabulary_size
 from tasks.sample_corpus import sample_corpus_task
 from tasks.sync import local_path, sync_task
+from tasks.index import index_needs
 from tasks.tokenize import tokenize_task
 
+# Beyond this many passes over the same text, more data trains better (repeated data loses value
+# quickly after about four epochs).
+REPEAT_WARNING_EPOCHS = 4
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst")
 
 
@@ -52,7 +60,9 @@ def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages
 def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams, dataset: Dataset,
                       layout: Layout, stages: Stages) -> Any:
     raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)),
-                     endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
+                     endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request,
+                     allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
+                     verify_content=data.verify_content)
     inputs = [f for f in synced_files(raw) if f.endswith(JSONL_SUFFIXES)]
     if not inputs:
         raise ParameterError([f"data.sources: no JSONL files ({', '.join(JSONL_SUFFIXES)}) among "
@@ -97,6 +107,34 @@ def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages) -> list[tup
                    endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
         out.append((p.weight, str(local)))
     return out
+
+
+def check_repetition(dataset: Dataset, split: str, config: Config, index_dir: Path) -> list[str]:
+    """Before the index is built: refuse splits that are given a share but hold no text, and an
+    index the disk or memory cannot hold; returns a warning when the training text is repeated more
+    than REPEAT_WARNING_EPOCHS times (evaluating the same small split again costs nothing but time)."""
+    needs = index_needs(dataset.blend, split=split, seq_length=config.seq_length, num_samples=config.num_samples())
+    errors, warnings = [], []
+    for n in needs:
+        if n.empty and n.share > 0 and n.samples:
+            errors.append(f"data.split: the {n.split} split of {n.prefix} holds {n.documents} documents, {n.tokens} "
+                          f"tokens: too few for one sample of {config.seq_length + 1} tokens (split {split!r} of "
+                          f"{sum(m.documents for m in needs if m.prefix == n.prefix)} documents); give it a larger "
+                          "share, or more data")
+        elif n.split == "train" and n.epochs > REPEAT_WARNING_EPOCHS:
+            warnings.append(f"the {n.split} split of {n.prefix} is repeated {n.epochs:,} times ({n.tokens:,} tokens "
+                            f"for {n.samples:,} samples of {config.seq_length:,}): more data, or fewer samples, "
+                            "would train better")
+    total = sum(n.index_bytes for n in needs)
+    room = min(free_bytes(index_dir), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if total > room:
+        errors.append(f"training: the data index would take {total / GIB:,.1f} GiB (the data repeated up to "
+                      f"{max(n.epochs for n in needs):,} times for these samples and seq_length "
+                      f"{config.seq_length:,}), more than the memory or the free space in {index_dir} "
+                      f"({room / GIB:,.1f} GiB); train fewer samples, or give more data")
+    if errors:
+        raise ParameterError(errors)
+    return warnings
 
 
 def check_vocabulary(index: Any, dataset: Dataset) -> None:

@@ -2,9 +2,10 @@
 for the run is decided once, by `flows.plan.make_plan`."""
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Any, Callable, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpt.config import PRESETS
 
@@ -23,7 +24,38 @@ class ParameterError(ValueError):
 
 
 class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, value: Any, info: Any) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and annotation is not bool and bool not in get_args(annotation):
+            raise ValueError("expected a number, not true/false")
+        return value
+
+
+def refused_as_failed_run(flow_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A flow whose ParameterError ends the run Failed with the error's lines as its message (what
+    the UI shows), without a traceback; a caller of the flow still gets the ParameterError."""
+    @functools.wraps(flow_fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return flow_fn(*args, **kwargs)
+        except ParameterError as e:
+            from prefect.states import Failed
+
+            return Failed(message=str(e), data=e)
+
+    return run
+
+
+def parameter_errors(error: ValidationError, group: str) -> list[str]:
+    """One line per field of a parameter group that pydantic refused, in ParameterError's format."""
+    def where(loc: tuple) -> str:
+        return group + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+    return [f"{where(e['loc'])}: {e['msg']} (got {e['input']!r})" for e in error.errors()]
 
 
 class WeightedPrefix(_Params):
@@ -48,6 +80,9 @@ class DataParams(_Params):
                                                        "(credentials come from the environment, never here)")
     profile: str | None = Field(None, description="AWS profile name for the S3 sources")
     no_sign_request: bool = Field(False, description="Read public buckets anonymously")
+    verify_content: bool = Field(False, description="Hash every local source and copy again and verify every "
+                                                    "S3 copy, instead of trusting unchanged size, times and "
+                                                    "ETags (slow: for a rerun after doubts about the storage)")
 
 
 class TokenizerParams(_Params):
@@ -61,14 +96,15 @@ class TokenizerParams(_Params):
 
 class TrainingParams(_Params):
     """Empty fields take the model preset's value (e.g. tiny: 300 iterations, batch 8/16)."""
-    train_iters: int | None = Field(None, ge=1, description="Iterations to train")
-    train_samples: int | None = Field(None, ge=1, description="Samples to train, instead of train_iters")
-    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per device per micro-step")
-    global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step, all devices")
-    seq_length: int | None = Field(None, ge=8, description="Sequence length")
-    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size (tp)")
-    data_parallel: int | None = Field(None, ge=1, description="Data-parallel size (dp); empty: the "
-                                                            "cluster's tasks divided by tp. Must match.")
+    train_iters: int | None = Field(None, ge=1, le=10**9, description="Iterations to train; a larger value "
+                                    "than the run reached extends it")
+    train_samples: int | None = Field(None, ge=1, le=10**13, description="Samples to train, instead of train_iters")
+    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="Sequences per device per micro-step")
+    global_batch_size: int | None = Field(None, ge=1, le=2**24, description="Sequences per optimizer step, all devices")
+    seq_length: int | None = Field(None, ge=8, le=2**20, description="Sequence length")
+    tensor_parallel: int = Field(1, ge=1, le=1024, description="Tensor-parallel size (tp)")
+    data_parallel: int | None = Field(None, ge=1, le=2**20, description="Data-parallel size (dp); empty: the "
+                                                                       "cluster's tasks divided by tp. Must match.")
     data_parallel_mode: Literal["ddp", "fsdp"] = "ddp"
     device: Literal["auto", "cpu", "cuda", "neuron"] = Field(
         "auto", description="auto: what the cluster preset runs on (its device)")
@@ -81,11 +117,14 @@ class TrainingParams(_Params):
     compile: bool = Field(True, description="torch.compile the model; the precompile stage fills its cache first, so training starts without compiling")
     activation_checkpointing: bool = False
     benchmark: bool = Field(False, description="Benchmark mode: train only, no evaluation")
-    seed: int = 1234
-    log_interval: int | None = Field(None, ge=1)
-    eval_interval: int | None = Field(None, ge=1)
-    eval_iters: int | None = Field(None, ge=1)
-    save_interval: int | None = Field(None, ge=1)
+    seed: int = Field(1234, ge=0, lt=2**32)
+    log_interval: int | None = Field(None, ge=1, le=10**9)
+    eval_interval: int | None = Field(None, ge=1, le=10**9)
+    eval_iters: int | None = Field(None, ge=1, le=10**6)
+    save_interval: int | None = Field(None, ge=1, le=10**9)
+    init_from: str | None = Field(None, description="A new run starts from this run (a name under output.root, or "
+                                                    "its folder) or checkpoint folder: its weights")
+    init_from_optimizer: bool = Field(False, description="With init_from: its optimizer state too")
     overrides: dict[str, Any] = Field(default_factory=dict,
                                       description='Any other gpt Config field, e.g. {"lr_warmup_iters": 50}')
 

@@ -2,22 +2,28 @@
 configuration, the cluster it runs on and where its files live, before any stage runs.
 
 `make_plan(...)` is the one place the parameters are validated: it raises `ParameterError`
-listing every problem, one line per field (`training.micro_batch_size: ...`). What only the data
-stages can know (the vocabulary's size, the index) is added by `Plan.with_data`, the one place the
-job's configuration is completed. Every stage receives its part of the plan; none changes it.
+listing every problem, one line per field (`training.micro_batch_size: ...`): values and their
+cost (memory, disk), what the operator allows the form to reach (flows.boundary), and whether the
+run folder's own run can go on under these parameters (flows.identity, flows.outlook). What only
+the data stages can know (the vocabulary's size, the index) is added by `Plan.with_data`, the one
+place the job's configuration is completed. Every stage receives its part of the plan; none changes it.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
+from flows import identity as run_identity
+from flows.boundary import Boundary, inside
 from flows.layout import Layout
+from flows.outlook import Outlook, cannot_load, outlook
 from flows.params import (
     ClusterParams,
     DataParams,
@@ -27,25 +33,33 @@ from flows.params import (
     TrainingParams,
     is_remote,
 )
+from flows.sizes import disk_problem, memory_problem
+from gpt.checkpoint import MARKER, newest_intact
 from gpt.config import PRESETS, Config, ConfigError
 from tasks.cluster import FLOAT8_GPUS, ClusterConfig, load_cluster
-from tasks.digest import digest
 from tasks.index import parse_split
 from tasks.precompile import cache_key
 from tasks.sync import local_path
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
-# vocabulary's size (the tokenizer's, known once the data stages ran).
-FLOW_DECIDED = frozenset({"run_dir", "data_index", "compile_cache_dir", "precompile", "mock_data", "vocab_size"})
+# vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
+FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "compile_cache_dir", "precompile", "mock_data",
+                          "vocab_size", "init_from"})
+# The preset is the model's shape: the run folder, the plan and the export all name it.
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads")
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.layout)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run does: the training job's configuration, the cluster, and the folders."""
+    """What a run does: the training job's configuration, the cluster, the folders, and what
+    defines the run (flows.identity)."""
     config: Config
     cluster: ClusterConfig
     layout: Layout
     run_dir: Path
+    identity: dict[str, Any]
 
     @property
     def world_size(self) -> int:
@@ -57,6 +71,10 @@ class Plan:
         neuron_parallel_compile's (torch.compile stays off there)."""
         return self.config.compile or self.config.device == "neuron"
 
+    def outlook(self) -> Outlook:
+        """What training will do in the run folder, as it stands now."""
+        return outlook(self.run_dir, self.config, self.cluster)
+
     def with_data(self, vocab_size: int, data_index: str) -> Plan:
         """The plan with the job's configuration completed by what the data stages made."""
         config = dataclasses.replace(self.config, vocab_size=vocab_size, data_index=data_index)
@@ -65,42 +83,185 @@ class Plan:
 
 
 def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training: TrainingParams,
-              cluster: ClusterParams, output: OutputParams) -> Plan:
-    """Check every parameter (paths, tokenizer, gpt Config, cluster) and decide the plan.
+              cluster: ClusterParams, output: OutputParams, boundary: Boundary | None = None) -> Plan:
+    """Check every parameter (values, paths, endpoints, tokenizer, gpt Config, cluster, what the run
+    costs, the run folder's own run) and decide the plan. ``boundary``: what the operator allows
+    (default: from the environment, flows.boundary).
 
     Raises ParameterError with one message per problem; nothing is submitted before this passes.
     """
+    boundary = boundary or Boundary.from_env()
     errors: list[str] = []
     if model not in PRESETS:
         errors.append(f"model: {model!r} is not a preset; choose one of {', '.join(PRESETS)}")
     for name in sorted(FLOW_DECIDED & set(training.overrides)):
-        errors.append(f"training.overrides.{name}: decided by the flow (where runs, data and caches live "
-                      "follows output.root and output.run_name; the vocabulary is the tokenizer's); remove it")
+        errors.append(f"training.overrides.{name}: decided by the flow (the model is the model parameter; where runs, "
+                      "data and caches live follows output.root and output.run_name; the vocabulary is the "
+                      "tokenizer's; a run to start from is training.init_from); remove it")
     if training.train_iters is not None and training.train_samples is not None:
         errors.append("training: set train_iters or train_samples, not both (clear train_iters to train by samples)")
-    _check_paths(data, tokenizer, errors)
-    if output.uri is not None and not is_remote(output.uri):
-        errors.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")
+    root = _output_root(output, boundary, errors)
+    _check_inputs(data, tokenizer, root, boundary, errors)
+    _check_output(output, boundary, errors)
 
     where = None
     try:
         where = load_cluster(cluster.preset, **cluster.overrides)
     except (ValueError, OSError) as e:
         errors.append(f"cluster: {e}")
-    layout = Layout(Path(output.root).expanduser().resolve())
-    run_dir = layout.run(output.run_name or f"{model}-{_params_key(model, data, tokenizer, training, cluster)}")
-    config = _job_config(model, training, where, run_dir, errors) if model in PRESETS else None
+    layout = Layout(root)
+    config = _job_config(model, training, where, errors) if model in PRESETS else None
+    if config is None or where is None:
+        raise ParameterError(errors)
+    identity = run_identity.run_identity(model, data, tokenizer, config, config_fields(training))
+    run_dir = layout.run(_run_name(output, model, identity, errors))
+    config = dataclasses.replace(config, run_dir=str(run_dir),
+                                 init_from=_start_from(training, layout, boundary, config, errors))
+    _check_start(config, boundary, root, errors)
+    problem = memory_problem(config, where)
+    if problem:
+        errors.append(f"training: {problem}")
+    problem = None if any(e.startswith("output.root:") for e in errors) else disk_problem(config, root)
+    if problem:
+        errors.append(f"output.root: {problem}")
+    if not errors:
+        _check_run_folder(run_dir, identity, config, where, output, errors)
     if errors:
         raise ParameterError(errors)
-    return Plan(config=config, cluster=where, layout=layout, run_dir=run_dir)
+    return Plan(config=config, cluster=where, layout=layout, run_dir=run_dir, identity=identity)
 
 
-def _job_config(model: str, training: TrainingParams, where: ClusterConfig | None, run_dir: Path,
+def _output_root(output: OutputParams, boundary: Boundary, errors: list[str]) -> Path:
+    """The output root, resolved, inside what the operator allows and writable."""
+    root = Path(output.root).expanduser().resolve()
+    problem = boundary.output_root(root)
+    if problem:
+        errors.append(f"output.root: {problem}")
+        return root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        errors.append(f"output.root: cannot write in {root} ({e.strerror or e}); choose a folder this user can "
+                      "write, on storage every node sees")
+    return root
+
+
+def _run_name(output: OutputParams, model: str, identity: dict[str, Any], errors: list[str]) -> str:
+    """The run folder's name: the one given, or the model and the digest of the run's identity."""
+    name = output.run_name
+    if name is None:
+        return f"{model}-{run_identity.run_key(identity)}"
+    if not RUN_NAME.match(name) or name in RESERVED_NAMES or set(name) == {"."}:
+        errors.append(f"output.run_name: {name!r} is not a name: use letters, digits and . _ - (up to 128, not "
+                      f"starting with . _ -, not {', '.join(sorted(RESERVED_NAMES))}); runs live in output.root")
+    return name
+
+
+def _check_run_folder(run_dir: Path, identity: dict[str, Any], config: Config, cluster: ClusterConfig,
+                      output: OutputParams, errors: list[str]) -> None:
+    """The run folder's own run goes on only as the same run, and only from a checkpoint this
+    layout can load."""
+    newest, _ = newest_intact(run_dir / "checkpoints")
+    if newest is None:
+        return
+    before = run_identity.recorded(run_dir)
+    if before is not None and before != identity:
+        changed = run_identity.differences(before, identity)
+        errors.append(f"output.run_name: run {run_dir.name} was started with other defining fields "
+                      f"({'; '.join(changed)}): give another output.run_name for a new run, or start a new run "
+                      f"from this one with training.init_from={run_dir.name} (weights only, or with "
+                      "training.init_from_optimizer its optimizer state too)")
+        return
+    problem = cannot_load(newest, config)
+    if problem:
+        errors.append(f"training.tensor_parallel: {problem}")
+
+
+def _start_from(training: TrainingParams, layout: Layout, boundary: Boundary, config: Config,
+                errors: list[str]) -> str | None:
+    """The checkpoint folder a new run starts from: training.init_from names a run (under the
+    output root) or a folder of one (its newest intact checkpoint), or a checkpoint folder."""
+    given = training.init_from
+    if given is None:
+        return None
+    where = layout.run(given) if RUN_NAME.match(given) else Path(local_path(given))
+    problem = boundary.local_input(str(where), layout.root)
+    if problem:
+        errors.append(f"training.init_from: {problem}")
+        return None
+    if (where / "checkpoints").is_dir():
+        checkpoint, _ = newest_intact(where / "checkpoints")
+        run_dir = where
+    elif (where / MARKER).is_file():
+        checkpoint, run_dir = where, where.parent.parent
+    else:
+        checkpoint, run_dir = None, where
+    if checkpoint is None:
+        errors.append(f"training.init_from: {given!r} ({where}) is neither a run with an intact checkpoint nor a "
+                      "checkpoint folder (iter_NNNNNNN with COMPLETE); name a run under output.root or a checkpoint")
+        return None
+    try:
+        theirs = Config.load(run_dir / "config.json")
+    except ConfigError as e:
+        errors.append(f"training.init_from: {e}")
+        return None
+    differ = _shape_differences(theirs, config)
+    if differ:
+        errors.append(f"training.init_from: {checkpoint} holds another model ({'; '.join(differ)}); start from a "
+                      f"run of {config.model} with these shapes")
+    problem = cannot_load(checkpoint, config)
+    if problem:
+        errors.append(f"training.init_from: {problem}")
+    return str(checkpoint)
+
+
+def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[str]) -> None:
+    """A HuggingFace folder to start from is readable and holds a GPT-2 of this model's shape."""
+    if not config.init_from_hf:
+        return
+    from gpt.export import ExportError, config_from_hf
+
+    field = "training.overrides.init_from_hf"
+    folder = Path(local_path(config.init_from_hf))
+    problem = boundary.local_input(str(folder), root)
+    if problem:
+        errors.append(f"{field}: {problem}")
+        return
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        errors.append(f"{field}: {folder} is not a HuggingFace model folder (no {' or '.join(missing)}); give a "
+                      "folder written by gpt.export or save_pretrained")
+        return
+    try:
+        theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
+    except KeyError as e:
+        errors.append(f"{field}: {folder}/config.json has no {e} field: it is not a GPT-2 model's configuration")
+        return
+    except (ExportError, ValueError, TypeError) as e:
+        errors.append(f"{field}: {folder}/config.json: {e}")
+        return
+    differ = _shape_differences(theirs, config)
+    if differ:
+        errors.append(f"{field}: the model in {folder} has another shape ({'; '.join(differ)})")
+
+
+def _shape_differences(theirs: Config, ours: Config) -> list[str]:
+    return [f"{n}: {getattr(theirs, n)} there, {getattr(ours, n)} here"
+            for n in (*SHAPE, "max_position_embeddings") if getattr(theirs, n) != getattr(ours, n)]
+
+
+def _job_config(model: str, training: TrainingParams, where: ClusterConfig | None,
                 errors: list[str]) -> Config | None:
     """The training job's gpt Config from the preset and the parameters, with every problem it
     would have on the cluster's ranks added to ``errors``."""
     fields = config_fields(training)
-    fields["run_dir"] = str(run_dir)
+    for name in SHAPE:
+        if name in training.overrides and training.overrides[name] != PRESETS[model][name]:
+            errors.append(f"training.overrides.{name}: {training.overrides[name]!r}, but preset {model} has "
+                          f"{PRESETS[model][name]}: a run is named after its preset and trains its shape; choose the "
+                          "preset of the shape you want")
     world_size = 1
     if where is not None:
         world_size = where.world_size
@@ -112,7 +273,7 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
         if fields["device"] == "neuron":  # graphs come from neuron_parallel_compile; torch-neuronx has no torch.compile
             fields["compile"] = False
     try:
-        config = Config.from_preset(model, **fields)
+        config = Config.from_preset(model, **{k: v for k, v in fields.items() if k not in FLOW_DECIDED})
     except ConfigError as e:
         errors.append(f"{_config_field(str(e), training)}: {e}")
         return None
@@ -120,9 +281,10 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
         errors.append(f"training.overrides: {e}; see gpt/config.py for the field names")
         return None
     # The data index is built later; stand mock data in for it while checking the rest.
-    for problem in dataclasses.replace(config, mock_data=True).problems(world_size=world_size):
+    problems = dataclasses.replace(config, mock_data=True).problems(world_size=world_size)
+    for problem in problems:
         errors.append(f"{_config_field(problem, training)}: {problem}")
-    return config
+    return None if problems else config
 
 
 def config_fields(training: TrainingParams) -> dict[str, Any]:
@@ -135,9 +297,11 @@ def config_fields(training: TrainingParams) -> dict[str, Any]:
         "benchmark": t.benchmark, "seed": t.seed,
     }
     for name in ("train_iters", "train_samples", "micro_batch_size", "global_batch_size", "seq_length",
-                 "lr", "min_lr", "log_interval", "eval_interval", "eval_iters", "save_interval"):
+                 "lr", "min_lr", "log_interval", "eval_interval", "eval_iters", "save_interval", "init_from"):
         if getattr(t, name) is not None:
             fields[name] = getattr(t, name)
+    if t.init_from_optimizer:
+        fields["init_from_optimizer"] = True
     fields.update(t.overrides)
     return fields
 
@@ -158,23 +322,50 @@ def job_device_and_precision(training: TrainingParams, cluster: ClusterConfig, e
     return device, precision
 
 
-def _check_paths(data: DataParams, tokenizer: TokenizerParams, errors: list[str]) -> None:
+def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boundary: Boundary,
+                  errors: list[str]) -> None:
+    """Sources, prefixes and tokenizer files exist and lie where the operator allows; local sources
+    are not the output root's own files."""
     for i, src in enumerate(data.sources):
-        if not is_remote(src) and not glob.glob(local_path(src)):
-            errors.append(f"data.sources[{i}]: {src} matches no file or folder; give an existing path, "
-                          "a glob or an s3:// URI")
+        field = f"data.sources[{i}]"
+        if is_remote(src):
+            _allowed(field, boundary.s3_uri(src), errors)
+            continue
+        matches = glob.glob(local_path(src))
+        if not matches:
+            errors.append(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
+        for match in matches:
+            real = Path(match).resolve()
+            if inside(real, root) or inside(root, real):
+                errors.append(f"{field}: {match} {'lies in' if inside(real, root) else 'holds'} the output root "
+                              f"{root}: a run never reads its own output back as a source; give the raw data's folder")
+                break
+            if _allowed(field, boundary.local_input(match, root), errors):
+                break
     for i, p in enumerate(data.prefixes):
-        if not is_remote(p.prefix):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(local_path(p.prefix) + ext):
-                    errors.append(f"data.prefixes[{i}].prefix: {local_path(p.prefix)}{ext} not found; give the "
-                                  "prefix without .bin/.idx")
+        field = f"data.prefixes[{i}].prefix"
+        if is_remote(p.prefix):
+            _allowed(field, boundary.s3_uri(p.prefix), errors)
+            continue
+        for ext in (".bin", ".idx"):
+            path = local_path(p.prefix) + ext
+            if not os.path.isfile(path):
+                errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
+            elif _allowed(field, boundary.local_input(path, root), errors):
+                break
+    _allowed("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
     for name in ("vocab_file", "merge_file"):
         value = getattr(tokenizer, name)
-        if value and not is_remote(value) and not os.path.isfile(local_path(value)):
+        if not value:
+            continue
+        if is_remote(value):
+            _allowed(f"tokenizer.{name}", boundary.s3_uri(value), errors)
+        elif not os.path.isfile(local_path(value)):
             errors.append(f"tokenizer.{name}: {value} not found")
+        else:
+            _allowed(f"tokenizer.{name}", boundary.local_input(local_path(value), root), errors)
     if data.prefixes and tokenizer.vocab_file is None:
         errors.append("tokenizer.vocab_file: data.prefixes were tokenized with some vocabulary; give its "
                       "vocab_file and merge_file (also used for the sources, so all data agree)")
@@ -182,6 +373,21 @@ def _check_paths(data: DataParams, tokenizer: TokenizerParams, errors: list[str]
         parse_split(data.split)
     except ValueError as e:
         errors.append(f"data.split: {e}")
+
+
+def _check_output(output: OutputParams, boundary: Boundary, errors: list[str]) -> None:
+    if output.uri is not None and not is_remote(output.uri):
+        errors.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")
+    elif output.uri is not None:
+        _allowed("output.uri", boundary.s3_uri(output.uri), errors)
+    _allowed("output.endpoint_url", boundary.endpoint(output.endpoint_url), errors)
+
+
+def _allowed(field: str, problem: str | None, errors: list[str]) -> bool:
+    """Record what the boundary refuses; True when it refused."""
+    if problem:
+        errors.append(f"{field}: {problem}")
+    return problem is not None
 
 
 def _config_field(message: str, training: TrainingParams) -> str:
@@ -192,8 +398,3 @@ def _config_field(message: str, training: TrainingParams) -> str:
     if name in TrainingParams.model_fields:
         return f"training.{name}"
     return "training"
-
-
-def _params_key(model: str, *groups: BaseModel) -> str:
-    """The same parameters name the same run folder, so a rerun resumes it."""
-    return digest(model, [g.model_dump(mode="json") for g in groups], length=12)

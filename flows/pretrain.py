@@ -24,18 +24,22 @@ from flows.params import (
     OutputParams,
     TokenizerParams,
     TrainingParams,
+    refused_as_failed_run,
 )
-from flows.plan import make_plan
+from flows import identity
+from flows.plan import Plan, make_plan
 from flows.stages import Stages, export_intact, index_intact
 from tasks import report as reporting
 from tasks.export import export_task
 from tasks.index import index_task
 from tasks.precompile import precompile_task
 from tasks.sync import upload_task
-from tasks.train import train_task
+from tasks.run_owner import RunOwner
+from tasks.train import following, train_task
 
 
 @flow(name="pretrain", persist_result=True, log_prints=True)
+@refused_as_failed_run
 def pretrain(
     model: ModelName = "tiny",
     data: DataParams = DataParams(),
@@ -55,12 +59,25 @@ def pretrain(
         output: Root folder on shared storage, run name, and an s3:// URI to upload the run to.
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
+    # One flow run at a time trains a run: a second start of it follows the first, then goes on.
+    with RunOwner(plan.run_dir, wait=following(plan.run_dir, plan.config.total_iters)):
+        return _pretrain(plan, model, data, tokenizer, output)
+
+
+def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams) -> dict:
     stages = Stages()
+    outlook = plan.outlook()
+    identity.record(plan.run_dir, plan.identity)
     print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
-          f"cluster preset {cluster.preset!r})")
-    reporting.plan_table(plan)
+          f"cluster preset {plan.cluster.name!r}): {outlook.message}")
+    reporting.plan_table(plan, outlook.message)
 
     dataset = data_stages.prepare(data, tokenizer, plan.layout, stages)
+    warnings = data_stages.check_repetition(dataset, data.split, plan.config, plan.layout.index())
+    for warning in warnings:
+        print(f"warning: {warning}")
+    if warnings:
+        reporting.plan_table(plan, outlook.message, warnings)
     index = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=plan.config.seq_length,
                        seed=plan.config.seed, num_samples=plan.config.num_samples(), out_dir=str(plan.layout.index()),
                        intact=index_intact)
@@ -68,7 +85,9 @@ def pretrain(
     plan = plan.with_data(dataset.vocab_size, index.path)
 
     compiled = None
-    if plan.precompiles:
+    if outlook.kind == "trained":
+        stages.skip("precompile", "the run is trained to its length already")
+    elif plan.precompiles:
         compiled = stages.run("precompile", precompile_task, plan.config, plan.cluster)
     else:
         stages.skip("precompile", "training.compile is off: nothing to compile")

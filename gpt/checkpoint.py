@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from gpt.config import ConfigError
 from gpt.distributed import barrier
+from gpt.files import WriteError
 from gpt.model import plain_name
 from gpt.tensor_parallel import sharded_names
 
@@ -116,12 +117,14 @@ class Checkpointer:
     host at once where that is one transfer instead of one per tensor (XLA: gpt.backend.Backend.to_host)."""
 
     def __init__(self, directory: str | os.PathLike, keep_last: int, rank: int,
-                 to_host: Callable[[dict[str, Any]], dict[str, Any]] = lambda state: state) -> None:
+                 to_host: Callable[[dict[str, Any]], dict[str, Any]] = lambda state: state,
+                 layout: dict[str, Any] | None = None) -> None:
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
         self.writer = writer_id()
         self.to_host = to_host
+        self.layout = layout or {}      # how the saving job was laid out, kept in each marker (saved_layout)
 
     def complete(self) -> list[Path]:
         """Checkpoints with their marker, newest first."""
@@ -152,54 +155,79 @@ class Checkpointer:
 
     def save(self, iteration: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any]) -> Path:
-        """Write on every rank; returns the final folder once it is complete."""
+        """Write on every rank; returns the final folder once it is complete. A folder already at
+        the final name (a damaged checkpoint this run fell back from) is kept for inspection under
+        ``iter_N.damaged-<writer>``, a name no resume picks up. A save that fails (a full or
+        read-only disk) leaves no temporary folder and raises WriteError naming the folder."""
         final = self.dir / f"iter_{iteration:07d}"
         tmp = self.dir / f"{final.name}.tmp-{self.writer}"
-        if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier()
-        state = self.to_host(self._state(model, optimizer, train_state, rng_state()))
-        with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-        barrier()  # every rank's shards are on disk
-        if self.rank == 0:
-            _write_marker(tmp, iteration)
-            os.rename(tmp, final)
-            self._prune(iteration)
+        try:
+            if self.rank == 0:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()
+            # per rank RNG: DCP keeps one copy of identical keys
+            state = self.to_host(self._state(model, optimizer, {"train": train_state,
+                                                                f"rng_rank{self.rank}": rng_state()}))
+            with _single_process_quiet():
+                dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            barrier()  # every rank's shards are on disk
+            if self.rank == 0:
+                _write_marker(tmp, {"iteration": iteration, "layout": self.layout})
+                if final.exists():
+                    os.rename(final, final.with_name(f"{final.name}.damaged-{self.writer}"))
+                os.rename(tmp, final)
+                self._prune(iteration)
+        except (OSError, dcp.api.CheckpointException) as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            cause = _os_error(e)
+            why = (cause.strerror or str(cause)) if cause is not None else str(e).splitlines()[0]
+            raise WriteError(cause.errno if cause is not None else None,
+                             f"checkpoint iteration {iteration}: cannot write {tmp}: {why}; free space in "
+                             f"{self.dir} (or make it writable) and resume: the run continues from its newest "
+                             "complete checkpoint") from e
         barrier()
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any]) -> dict[str, Any]:
         """Restore model, optimizer and RNG in place; returns the saved training state."""
-        state = self.to_host(self._state(model, optimizer, dict(train_state), b""))
+        rng = f"rng_rank{self.rank}"
+        state = self._read(path, model, optimizer, {"train": dict(train_state), rng: b""})
+        if state[rng]:  # a checkpoint written by fewer ranks lacks this rank's RNG entry
+            set_rng_state(state[rng])
+        return state["train"]
+
+    def initialise(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Start from another run's checkpoint: its weights, and its optimizer state when
+        ``optimizer`` is given; the training state (iteration, samples) and RNG stay this run's."""
+        self._read(path, model, optimizer, {})
+
+    def _read(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              extra: dict[str, Any]) -> dict[str, Any]:
+        """Load the model (and optimizer) in place, and whatever ``extra`` names; returns the state read."""
+        state = self.to_host(self._state(model, optimizer, extra))
         _check_layout(path, state["model"])
-        # A checkpoint written by fewer ranks lacks this rank's RNG entry: load what exists.
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
                      no_dist=not dist.is_initialized())
         original = {saved: key for key, saved in part_names(model).items()}
-        state["optimizer"]["state"] = _renamed(state["optimizer"]["state"], original)
         set_model_state_dict(model, _renamed(state["model"], original))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=True))
-        if state[f"rng_rank{self.rank}"]:
-            set_rng_state(state[f"rng_rank{self.rank}"])
-        return state["train"]
+        if optimizer is not None:
+            state["optimizer"]["state"] = _renamed(state["optimizer"]["state"], original)
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=True))
+        return state
 
-    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-               rng: bytes) -> dict[str, Any]:
-        """What a checkpoint holds, under the keys it is saved with."""
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               extra: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds (or what is read of it), under the keys it is saved with."""
         parts = part_names(model)
-        model_state = _renamed(get_model_state_dict(model), parts)  # before the optimizer's, as FSDP needs
-        optimizer_state = get_optimizer_state_dict(model, optimizer)
-        optimizer_state["state"] = _renamed(optimizer_state["state"], parts)
-        return {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "train": train_state,
-            f"rng_rank{self.rank}": rng,  # per rank: DCP keeps one copy of identical keys
-        }
+        state: dict[str, Any] = {"model": _renamed(get_model_state_dict(model), parts), **extra}
+        if optimizer is not None:  # after the model's, as FSDP needs
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            state["optimizer"]["state"] = _renamed(state["optimizer"]["state"], parts)
+        return state
 
     def _prune(self, iteration: int) -> None:
         for p in self.dir.iterdir():
@@ -209,6 +237,18 @@ class Checkpointer:
         done = sorted((p for p in self.dir.iterdir() if _NAME.match(p.name)), key=lambda p: int(_NAME.match(p.name).group(1)))
         for p in done[:-self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def newest_intact(directory: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint in ``directory`` whose files are all there, and what is wrong with
+    newer ones (read without loading anything)."""
+    skipped = []
+    for path in Checkpointer(directory, 1, 0).complete():
+        problem = damage(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name} is damaged ({problem})")
+    return None, skipped
 
 
 def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -271,9 +311,34 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _write_marker(folder: Path, iteration: int) -> None:
+def _write_marker(folder: Path, content: dict[str, Any]) -> None:
     marker = folder / MARKER
     with open(marker, "w") as f:
-        json.dump({"iteration": iteration}, f)
+        json.dump(content, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def saved_layout(path: Path) -> dict[str, Any]:
+    """How the job that saved a checkpoint was laid out (world_size, nodes, tensor_parallel,
+    data_parallel_mode, device, parts), as its marker says; empty for checkpoints saved without it."""
+    try:
+        return json.loads((path / MARKER).read_text()).get("layout") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def iteration_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The operating system's error behind a failed save, from DCP's per-rank failures too."""
+    found = [failure for failure, _ in error.failures.values()] \
+        if isinstance(error, dcp.api.CheckpointException) else [error]
+    for e in found:
+        while e is not None and not isinstance(e, OSError):
+            e = e.__cause__ or e.__context__
+        if e is not None:
+            return e
+    return None

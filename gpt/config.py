@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,10 @@ class Config:
     benchmark: bool = False                    # no evaluation
     peak_flops: float | None = None            # per device, for MFU; default from gpt.backend.PEAK_FLOPS
     init_from_hf: str | None = None            # a HuggingFace GPT-2 folder (gpt.export) to start from
+    init_from: str | None = None               # a checkpoint folder of another run to start a new run from
+    init_from_optimizer: bool = False          # with init_from: its optimizer state too, not only the weights
+    hang_timeout_s: float | None = None        # no rank advancing this long: hung (None: from the step time)
+    collective_timeout_s: float = 1800.0       # a collective waiting this long fails the job
 
     def __post_init__(self) -> None:
         """Completes the fields left empty from the preset; once built, a Config does not change
@@ -133,8 +138,7 @@ class Config:
         """Numbers given as text (a form field, ``--set lr=3e-4`` read as YAML 1.1) become numbers;
         text that is no number is an error naming the field."""
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            kind = next((k for k in (bool, int, float) if k.__name__ in str(f.type)), None)
+            value, kind = getattr(self, f.name), _kind(f)
             if not isinstance(value, str) or kind is None:
                 continue
             try:
@@ -148,16 +152,16 @@ class Config:
             self._set(f.name, number)
 
     def _fill_schedule(self, preset: dict[str, Any]) -> None:
-        """Take the preset's schedule whole when none is given; otherwise only its warmup of the same kind."""
-        given = [n for n in _SCHEDULE_ITERS + _SCHEDULE_SAMPLES if getattr(self, n) is not None]
-        if not given:
-            for n in _SCHEDULE_ITERS + _SCHEDULE_SAMPLES:
-                if n in preset:
+        """The preset's length (and its decay) when no length is given; the preset's warmup, at most a
+        tenth of the decay, when none is given; the decay is the run's length unless given."""
+        if self.train_iters is None and self.train_samples is None:
+            for n in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples"):
+                if n in preset and getattr(self, n) is None:
                     self._set(n, preset[n])
-        else:  # the preset's warmup, at most a tenth of the run
-            for kind in (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES):
-                if getattr(self, kind[0]) is not None and getattr(self, kind[1]) is None and kind[1] in preset:
-                    self._set(kind[1], min(preset[kind[1]], getattr(self, kind[0]) // 10))
+        for kind in (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES):
+            length = getattr(self, kind[2]) if getattr(self, kind[2]) is not None else getattr(self, kind[0])
+            if getattr(self, kind[0]) is not None and getattr(self, kind[1]) is None and kind[1] in preset:
+                self._set(kind[1], min(preset[kind[1]], length // 10))
         if self.lr_warmup_iters is None and self.train_iters is not None:
             self._set("lr_warmup_iters", 0)
         if self.lr_warmup_samples is None and self.train_samples is not None:
@@ -228,13 +232,15 @@ class Config:
 
     def problems(self, world_size: int = 1) -> list[str]:
         """Every problem of this configuration on ``world_size`` ranks, one message each."""
-        found: list[str] = []
+        found = self._type_problems()
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 found.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                      "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "log_interval",
                      "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
+            if any(f.startswith(f"{name}=") for f in found):
+                continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 found.append(f"{name}={getattr(self, name)!r}: must be a positive integer")
         if world_size < 1:
@@ -262,6 +268,22 @@ class Config:
                          f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
         found += self._schedule_problems()
         found += self._other_problems(dp)
+        return found
+
+    def _type_problems(self) -> list[str]:
+        """Booleans where booleans are meant; finite numbers, never booleans, where numbers are."""
+        found: list[str] = []
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), _kind(f)
+            if value is None or kind is None:
+                continue
+            if kind is bool:
+                if not isinstance(value, bool):
+                    found.append(f"{f.name}={value!r}: expected true or false")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                found.append(f"{f.name}={value!r}: expected {'a whole number' if kind is int else 'a number'}")
+            elif not math.isfinite(value):
+                found.append(f"{f.name}={value!r}: must be a finite number")
         return found
 
     def _schedule_problems(self) -> list[str]:
@@ -312,9 +334,20 @@ class Config:
         if self.precision == "fp8" and self.hidden_size % 16:
             found.append(f"precision='fp8' needs hidden_size divisible by 16 (float8 matmul shapes), not "
                          f"{self.hidden_size}; use bf16 or another hidden_size")
+        if not 0 <= self.seed < 2 ** 32:
+            found.append(f"seed={self.seed}: must lie between 0 and 2**32 - 1 (numpy's generators take no other)")
+        if self.init_from and self.init_from_hf:
+            found.append("init_from and init_from_hf are both set: a new run starts from one of them")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0 or self.collective_timeout_s <= 0:
+            found.append("hang_timeout_s and collective_timeout_s must be positive (seconds)")
         if self.peak_flops is not None and self.peak_flops <= 0:
             found.append(f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)")
         return found
+
+
+def _kind(f: dataclasses.Field) -> type | None:
+    """bool, int or float: the kind of value a field holds, when it is one of those."""
+    return next((k for k in (bool, int, float) if k.__name__ in str(f.type)), None)
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -20,7 +20,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Any
+
 import numpy as np
+
+from gpt.files import process_alive
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -171,19 +175,9 @@ def _remove_stale_temps(prefix: str) -> None:
     folder, name = os.path.split(prefix)
     for entry in os.listdir(folder or "."):
         stem, _, pid = entry.rpartition(".tmp-")
-        if stem in (name + ".bin", name + ".idx") and pid.isdigit() and not _alive(int(pid)):
+        if stem in (name + ".bin", name + ".idx") and pid.isdigit() and not process_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(folder, entry))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class IndexedDatasetWriter:
@@ -309,6 +303,14 @@ class DataIndex:
                for k in ("document_index", "sample_index", "shuffle_index")]
         return out + [getattr(s.blend, k) for s in self.splits.values() if s.blend
                       for k in ("dataset_index", "dataset_sample_index")]
+
+    def drawn_from(self) -> list[Any]:
+        """What the samples are drawn from, whatever their number: each prefix by its content
+        (its fingerprint), the split, seed and sequence length. Two indices with the same answer
+        order the same text the same way."""
+        parts = sorted({json.dumps({k: d[k] for k in ("prefix", "files", "split", "split_name")}, sort_keys=True)
+                        for s in self.splits.values() for d in (json.loads(p.description) for p in s.datasets)})
+        return [self.seq_length, self.seed, self.split, parts]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from gpt import tensor_parallel
+from gpt import heartbeat, tensor_parallel
 from gpt.backend import DEVICES, Backend
 from gpt.config import Config, ConfigError
 from gpt.model import GPT
@@ -40,8 +42,10 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(backend: Backend, tp_size: int) -> DistEnv:
+def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0) -> DistEnv:
     """Join the process group described by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
+    A collective that cannot complete within ``timeout_s`` fails the rank (and so the job) rather
+    than waiting forever.
 
     Without WORLD_SIZE (or with WORLD_SIZE=1) this is a plain single process, no process group.
     """
@@ -58,7 +62,8 @@ def init_distributed(backend: Backend, tp_size: int) -> DistEnv:
         kind = backend.kind
         # torch_xla takes rank and world size from its runtime (set up by torchrun), not from here.
         init_method = "xla://" if kind.dist_backend == "xla" else "env://"
-        dist.init_process_group(kind.dist_backend, init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group(kind.dist_backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     check_world(rank, world_size)
     if backend.lazy:  # a DTensor there would mean GSPMD: tensor parallel with explicit collectives
         tp = tensor_parallel.new_group(rank, world_size, tp_size, lazy=True) if tp_size > 1 else None
@@ -222,8 +227,27 @@ def clip_grads(parameters: list[nn.Parameter], max_norm: float, norm: torch.Tens
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum a small tensor over all ranks (identity for one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
+        heartbeat.enter("collective")
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+def gather_floats(value: float, device: torch.device) -> list[float]:
+    """``value`` from every rank, in rank order (this rank's alone without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float32, device=device)
+    dist.all_gather_into_tensor(out, torch.tensor([value], dtype=torch.float32, device=device))
+    return out.tolist()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """A small picklable ``value`` from every rank, in rank order."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def barrier() -> None:

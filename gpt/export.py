@@ -9,6 +9,13 @@ which ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` 
 ours. The checkpoint may have been saved under any parallel layout (DDP, FSDP2, tensor parallel):
 torch.distributed.checkpoint reads it into one plain model, in one process, on the CPU.
 ``load_hf`` reads such a folder back (``Config.init_from_hf`` starts training from it).
+
+Every export also holds ``export.json``, naming this tool and the checkpoint it was made from (every
+export this tool ever wrote has one). OUT_DIR is written beside itself and replaced only when it is
+absent, an empty folder, or an export: a folder with ``export.json`` and none but an export's files.
+Anything else, such as a HuggingFace folder without ``export.json`` (``save_pretrained``'s, a
+download) or a folder with other files, is refused and left as it is, and so are the run folder,
+its checkpoints and the folders holding them; inside the run folder only ``<run>/hf`` is written.
 """
 from __future__ import annotations
 
@@ -17,16 +24,22 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from gpt.checkpoint import Checkpointer, load_whole_model
 from gpt.config import Config
+from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
 from gpt.model import GPT, split_qkv
 
 EOD = "<|endoftext|>"
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
+TOOL = "python -m gpt.export"
+MARKER = "export.json"
+EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
+                          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", MARKER})
 
 
 class ExportError(ValueError):
@@ -130,7 +143,9 @@ def load_checkpoint(checkpoint: Path, config: Config) -> GPT:
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file: str | None = None,
            merge_file: str | None = None) -> Path:
     """Write the HuggingFace folder for a run or a checkpoint; returns the folder. The tokenizer files
-    default to ``<run>/tokenizer/``. Written to a temporary folder and renamed when complete."""
+    default to ``<run>/tokenizer/``. Written to a temporary folder beside ``out_dir`` and renamed onto
+    it when complete; ``out_dir`` must be new, empty or an earlier export (ExportError otherwise), and a
+    full or read-only disk raises WriteError naming it. Either way nothing is left half-written."""
     from safetensors.torch import save_file
 
     checkpoint, config = find_checkpoint(source)
@@ -144,25 +159,48 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file:
     if max(vocab.values()) + 1 != config.vocab_size:
         raise ExportError(f"{vocab_file} has {max(vocab.values()) + 1} entries but the run's vocab_size is "
                           f"{config.vocab_size}: give the vocabulary the run was tokenized with")
-    model = load_checkpoint(checkpoint, config)
     out = Path(out_dir).resolve()
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    check_out_dir(out, run_dir, checkpoint)
+    eod = vocab.get(EOD)
     try:
-        eod = vocab.get(EOD)
-        save_file(to_hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(config, eod), indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": eod, "eos_token_id": eod, "max_length": config.max_position_embeddings}, indent=2) + "\n")
-        write_tokenizer(tmp, vocab_file, merge_file, config.max_position_embeddings)
-        (tmp / "export.json").write_text(json.dumps({"checkpoint": str(checkpoint), "model": config.model}, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with replaced_folder(out, foreign_to_export, TOOL) as tmp:
+            model = load_checkpoint(checkpoint, config)
+            with as_os_error(tmp / "model.safetensors"):
+                save_file(to_hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(hf_config(config, eod), indent=2) + "\n")
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": eod, "eos_token_id": eod, "max_length": config.max_position_embeddings}, indent=2) + "\n")
+            write_tokenizer(tmp, vocab_file, merge_file, config.max_position_embeddings)
+            (tmp / MARKER).write_text(json.dumps(
+                {"tool": TOOL, "checkpoint": str(checkpoint), "model": config.model}, indent=2) + "\n")
+    except NotReplaceable as e:
+        raise ExportError(str(e)) from None
     return out
+
+
+def check_out_dir(out: Path, run_dir: Path, checkpoint: Path) -> None:
+    """Refuse an output folder that is, holds or lies in what the export reads: the run folder, the
+    checkpoint, or (other than ``<run>/hf``) a folder inside the run."""
+    for what, path in (("the run folder", run_dir), ("the checkpoint", checkpoint)):
+        if out == path or path.is_relative_to(out):
+            raise ExportError(f"{out} is or holds {what} {path}: give a new folder for the export, "
+                              f"such as {run_dir / 'hf'}")
+    if out.is_relative_to(run_dir) and out != run_dir / "hf":
+        raise ExportError(f"{out} is inside the run folder {run_dir}: give {run_dir / 'hf'} or a folder outside the run")
+
+
+def foreign_to_export(folder: Path) -> Iterable[str]:
+    """The entries of ``folder`` that this tool did not write: all of them when it holds no
+    ``export.json`` of this tool's (one written before the marker named the tool names only the
+    checkpoint), else those that are not an export's files."""
+    names = [p.name for p in folder.iterdir()]
+    try:
+        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return names
+    if not isinstance(marker, dict) or "checkpoint" not in marker or marker.get("tool", TOOL) != TOOL:
+        return names
+    return [n for n in names if n not in EXPORT_FILES]
 
 
 def write_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_length: int) -> None:
@@ -171,12 +209,17 @@ def write_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_length: 
 
     shutil.copyfile(vocab_file, folder / "vocab.json")
     shutil.copyfile(merge_file, folder / "merges.txt")
-    tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    try:
+        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception for a bad file
+        raise ExportError(f"{vocab_file} / {merge_file}: not a byte-level BPE vocabulary and its merges ({e}); "
+                          "give the files the run was tokenized with") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([EOD])
-    tok.save(str(folder / "tokenizer.json"))
+    with as_os_error(folder / "tokenizer.json"):
+        tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length, "bos_token": EOD, "eos_token": EOD,
         "unk_token": EOD, "add_prefix_space": False, "add_bos_token": False}, indent=2) + "\n")
@@ -193,9 +236,9 @@ def cli(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         out = export(a.source, a.out_dir, vocab_file=a.vocab_file, merge_file=a.merge_file)
-    except ExportError as e:
+    except (ExportError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, ExportError) else 1
     print(out)
     return 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt.config import Config
+from gpt.files import writing
 
 
 def flops_per_token(config: Config, num_params: int) -> float:
@@ -42,20 +43,23 @@ def valid_line(iteration: int, loss: float) -> str:
 class MetricsWriter:
     """Appends one JSON object per iteration to metrics.jsonl and mirrors scalars to TensorBoard.
 
-    Disabled (writes nothing) on ranks other than 0 and in precompile runs.
+    Disabled (writes nothing) on ranks other than 0 and in precompile runs. A record is appended
+    whole or not at all: a write that fails (a full disk) is cut off again and raises WriteError,
+    naming the file and what to do, as does a run folder that cannot be written.
     """
 
     def __init__(self, run_dir: str, enabled: bool, resume_iteration: int = 0) -> None:
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self._path = Path(run_dir) / "metrics.jsonl"
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
-            path = Path(run_dir) / "metrics.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _truncate_after(path, resume_iteration)
-            self._file = open(path, "a")
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            with writing(self._path, [run_dir]):
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                _truncate_after(self._path, resume_iteration)
+                self._file = open(self._path, "ab", buffering=0)
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def train(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -74,9 +78,24 @@ class MetricsWriter:
                      "valid_loss": loss, "time": time.time()})
         self._tb.add_scalar("valid/lm_loss", loss, iteration)
 
+    def ranks(self, iteration: int, busy_ms: list[float], nodes: list[str]) -> None:
+        """Each rank's busy time per iteration (data loading and forward passes) over the last log
+        interval, and its node: what tells a straggler."""
+        if not self.enabled:
+            return
+        self._write({"kind": "ranks", "iteration": iteration, "busy_ms": [round(b, 3) for b in busy_ms],
+                     "nodes": nodes, "time": time.time()})
+
     def _write(self, obj: dict[str, Any]) -> None:
-        self._file.write(json.dumps(obj) + "\n")
-        self._file.flush()
+        data = memoryview((json.dumps(obj) + "\n").encode())
+        end = os.fstat(self._file.fileno()).st_size
+        with writing(self._path):
+            try:
+                while data:
+                    data = data[self._file.write(data):]
+            except OSError:
+                os.ftruncate(self._file.fileno(), end)
+                raise
 
     def close(self) -> None:
         if self.enabled:

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -24,13 +25,16 @@ import torch.distributed as dist
 from torch import nn
 
 from gpt.backend import Backend, get_backend
-from gpt.checkpoint import Checkpointer
+from gpt import heartbeat
+from gpt.checkpoint import Checkpointer, writer_id
 from gpt.compile_cache import save_compile_cache, use_compile_cache
 from gpt.config import Config, ConfigError, read_config_file
+from gpt.files import WriteError
+from gpt.heartbeat import Heartbeat
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.distributed import (
-    DistEnv, all_reduce_sum, build_model, clip_grads, grad_norm, gradient_sync, init_distributed, scale_grads,
-    shutdown,
+    DistEnv, all_reduce_sum, build_model, clip_grads, gather_floats, gather_objects, grad_norm, gradient_sync,
+    init_distributed, scale_grads, shutdown,
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
@@ -86,6 +90,8 @@ class LossScaler:
         self.good_steps = good
 
     def load(self, scale: float, good_steps: int) -> None:
+        if not self.enabled:  # a run that trained in fp16 before goes on in bf16 or fp32 without a scale
+            return
         self.scale = torch.full_like(self.scale, scale)
         self.good_steps = torch.full_like(self.good_steps, good_steps)
 
@@ -112,10 +118,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     params = [p for p in model.parameters() if p.requires_grad]
     total = torch.zeros((), device=micro_batches[0][0].device)
     for i, (x, y) in enumerate(micro_batches):
+        heartbeat.enter("forward")
         with gradient_sync(model, i == len(micro_batches) - 1), backend.autocast(precision):
             loss = model(x, y) / len(micro_batches)
+        heartbeat.enter("backward")
         (loss * scaler.scale if scaler.enabled else loss).backward()
         total += loss.detach()
+    heartbeat.enter("sync")
     backend.reduce_gradients(optimizer, tp)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
@@ -261,9 +270,15 @@ class StepLog:
     metrics record; its time is the mean over the iterations read together."""
 
     def __init__(self, config: Config, backend: Backend, metrics: MetricsWriter, world_size: int, start: float,
-                 log: Any) -> None:
+                 log: Any, device: torch.device) -> None:
         self.config, self.backend, self.metrics, self.world_size, self.start, self.log = (
             config, backend, metrics, world_size, start, log)
+        self.device = device
+        # Each rank's busy time goes to the records at each read, where the ranks can compare (not on
+        # XLA devices, whose step is one graph: a host-side time would say nothing).
+        self.nodes = gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname()) \
+            if world_size > 1 and not backend.lazy else None
+        self.busy = self._busy_s()
         self.held: list[HeldStep] = []
         self.clock = time.time()
         self.first_iter_s: float | None = None
@@ -282,7 +297,8 @@ class StepLog:
         now = time.time()
         count, tokens = len(self.held), self.config.global_batch_size * self.config.seq_length
         elapsed = (now - self.clock) / count
-        if self.first_iter_s is None:
+        first = self.first_iter_s is None
+        if first:
             self.first_iter_s = now - self.start
         else:
             self.timed_tokens, self.timed_s = self.timed_tokens + count * tokens, self.timed_s + now - self.clock
@@ -295,10 +311,22 @@ class StepLog:
                             "skipped": int(not stepped), "nan": int(not math.isfinite(loss))})
         for record in records:
             self.metrics.train(record)
+        if self.nodes is not None:
+            busy, self.busy = self._busy_s() - self.busy, self._busy_s()
+            busy_ms = gather_floats(1000 * busy / count, self.device)
+            if not first:   # the job's first iteration warms up: it tells nothing about the rank
+                self.metrics.ranks(records[-1]["iteration"], busy_ms, self.nodes)
         self.held = []
         self.interval += records
         self.last = records[-1]
         return records
+
+    @staticmethod
+    def _busy_s() -> float:
+        """Seconds this rank spent loading data and in forward passes: its own work, before it waits
+        for the others in a collective (gpt.heartbeat keeps the time per phase)."""
+        spent = heartbeat.spent()
+        return spent.get("data", 0.0) + spent.get("forward", 0.0)
 
     def log_line(self) -> None:
         """Megatron's line for the iterations since the last one: mean loss of the finite ones."""
@@ -329,8 +357,16 @@ class StepLog:
         return tokens / self.first_iter_s if self.first_iter_s else None
 
 
+def job_layout(config: Config, env: DistEnv, model: nn.Module) -> dict[str, Any]:
+    """How this job is laid out, as each checkpoint's marker keeps it (gpt.checkpoint.saved_layout)."""
+    return {"world_size": env.world_size, "nodes": int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
+            "tensor_parallel": config.tensor_parallel, "data_parallel_mode": config.data_parallel_mode,
+            "device": config.device, "parts": bool(sharded_names(model))}
+
+
 def save_checkpoint(ckpt: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                     scaler: LossScaler) -> None:
+    heartbeat.enter("save")
     state.update(loss_scale=float(scaler.scale), good_steps=int(scaler.good_steps))
     ckpt.save(state["iteration"], model, optimizer, state)
 
@@ -340,11 +376,13 @@ def main(config: Config) -> dict[str, Any]:
     """Train (or resume) on this rank; returns the run summary on every rank."""
     start = time.time()
     backend = get_backend(config.device)
-    env = init_distributed(backend, config.tensor_parallel)
+    env = init_distributed(backend, config.tensor_parallel, config.collective_timeout_s)
     finished = False
     try:
         config.validate(env.world_size)
-        summary = _run(config, backend, env, start)
+        every = min(5.0, config.hang_timeout_s / 4) if config.hang_timeout_s else 5.0
+        with Heartbeat(config.run_dir, env.rank, writer_id(), every_s=every):
+            summary = _run(config, backend, env, start)
         finished = True
         return summary
     finally:
@@ -363,13 +401,19 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     scaler = LossScaler(config.precision == "fp16", device)
     state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
     run_dir = Path(config.run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", config.keep_last, env.rank, to_host=backend.to_host)
+    ckpt = Checkpointer(run_dir / "checkpoints", config.keep_last, env.rank, to_host=backend.to_host,
+                        layout=job_layout(config, env, model))
     log = print if env.is_main else (lambda *a, **k: None)
     latest = None
+    heartbeat.enter("load")
     if not config.precompile:
         latest, state = ckpt.resume(model, optimizer, state, log=log)
     if latest is not None:
         scaler.load(state["loss_scale"], state["good_steps"])
+    elif config.init_from:
+        ckpt.initialise(Path(config.init_from), model, optimizer if config.init_from_optimizer else None)
+        log(f"started from {'the weights and optimizer state' if config.init_from_optimizer else 'the weights'} "
+            f"of {config.init_from}", flush=True)
     elif config.init_from_hf:
         load_hf_weights(model, config)
         log(f"started from the HuggingFace weights in {config.init_from_hf}", flush=True)
@@ -383,7 +427,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     total_iters = config.total_iters
     end_iter = min(total_iters, state["iteration"] + config.precompile_iters) if config.precompile else total_iters
     first_iter, g = state["iteration"] + 1, config.global_batch_size
-    steps = StepLog(config, backend, metrics, env.world_size, start, log)
+    steps = StepLog(config, backend, metrics, env.world_size, start, log, device)
     valid_loss = None
     status = "completed"
 
@@ -393,6 +437,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             lr = lr_at(config, it)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            heartbeat.enter("data", it)
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
                                              precision=config.precision, clip_grad=config.clip_grad, scaler=scaler,
@@ -410,6 +455,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             if logging:
                 steps.log_line()
             if evaluating:
+                heartbeat.enter("eval")
                 valid_loss = evaluate(model, valid_data, config, env, device, backend,
                                       1 if config.precompile else config.eval_iters)
                 if valid_loss is not None:
@@ -417,6 +463,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
                     metrics.valid(it, state["consumed_samples"], valid_loss)
             if saving:
                 save_checkpoint(ckpt, model, optimizer, state, scaler)
+            heartbeat.enter("log")
             if not config.precompile and it < end_iter and stop.should_stop(device):
                 if not saving:
                     save_checkpoint(ckpt, model, optimizer, state, scaler)
@@ -429,6 +476,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
         save_compile_cache(config, env.rank)
     test_loss = None
     if status == "completed" and not config.precompile and not config.benchmark:
+        heartbeat.enter("eval")
         test_loss = evaluate(model, test_data, config, env, device, backend, config.eval_iters)
         if test_loss is not None:
             log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "
@@ -472,6 +520,9 @@ def cli(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except WriteError as e:      # a full or read-only disk: its one line says where and what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
     return EXIT_INTERRUPTED if summary["status"] == "interrupted" else 0

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
+
+from gpt.files import WriteError, as_os_error, writing
 
 EOD = "<|endoftext|>"
 
@@ -65,13 +68,18 @@ def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = 50257) -> tu
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=vocab_size - 1, min_frequency=2, show_progress=False)
     tmp_dir = Path(out_dir) / f".bpe-tmp-{os.getpid()}"
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    bpe.save_model(str(tmp_dir))
-    vocab = json.loads((tmp_dir / "vocab.json").read_text(encoding="utf-8"))
-    vocab[EOD] = len(vocab)
-    (tmp_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     vocab_file, merge_file = str(Path(out_dir) / "vocab.json"), str(Path(out_dir) / "merges.txt")
-    os.replace(tmp_dir / "merges.txt", merge_file)
-    os.replace(tmp_dir / "vocab.json", vocab_file)
-    tmp_dir.rmdir()
+    try:
+        with writing(vocab_file, [tmp_dir]), as_os_error(tmp_dir):
+            tmp_dir.mkdir(parents=True, exist_ok=True)
+            bpe.save_model(str(tmp_dir))
+            vocab = json.loads((tmp_dir / "vocab.json").read_text(encoding="utf-8"))
+            vocab[EOD] = len(vocab)
+            (tmp_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+            os.replace(tmp_dir / "merges.txt", merge_file)
+            os.replace(tmp_dir / "vocab.json", vocab_file)
+    except WriteError as e:
+        raise TokenizeError(f"training a BPE: {e}") from e
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return vocab_file, merge_file

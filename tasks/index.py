@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
-from gpt.files import replaced, write_atomic
+from gpt.files import replaced, write_atomic, writing
 from native import build_blending_indices, build_sample_idx
 from tasks.digest import Digest, digest
 
@@ -133,8 +134,12 @@ def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
+    """An .npy file as np.save writes it, through a file write whose errors say what failed (numpy's
+    own raises "N requested and M written" on a full disk)."""
+    array = np.ascontiguousarray(array)
     with replaced(path) as tmp, open(tmp, "wb") as f:
-        np.save(f, array, allow_pickle=False)
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+        f.write(array.data)
 
 
 def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[int, int], split: str, split_str: str,
@@ -174,12 +179,78 @@ def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[in
         shuffle_index = build_shuffle_index(samples_sans_final, total, rng)
     else:
         shuffle_index = build_shuffle_index(total, total, rng)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with writing(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     _save_npy(out_dir / names["document_index"], document_index)
     _save_npy(out_dir / names["sample_index"], sample_index)
     _save_npy(out_dir / names["shuffle_index"], shuffle_index)
     write_atomic(desc_path, description)
     return entry, len(shuffle_index)
+
+
+@dataclass(frozen=True)
+class SplitNeed:
+    """What one prefix's share of one split takes, known from its .idx alone."""
+    split: str
+    prefix: str
+    share: float        # of the documents, by the split weights
+    documents: int
+    tokens: int
+    samples: int        # the samples it must provide
+    epochs: int         # passes over its documents to provide them; 0 when it holds too few tokens
+    index_bytes: int    # its document, sample and shuffle indices, about
+
+    @property
+    def empty(self) -> bool:
+        return self.epochs == 0
+
+
+class _Inputs:
+    """The prefixes of an index, their blend weights and their split boundaries."""
+
+    def __init__(self, data_path: list[tuple[float, str]] | list[str], split: str,
+                 num_samples: dict[str, int], seq_length: int) -> None:
+        if seq_length < 1:
+            raise ValueError(f"seq_length={seq_length}: must be >= 1")
+        unknown = set(num_samples) - set(SPLITS)
+        if unknown:
+            raise ValueError(f"num_samples: unknown split(s) {sorted(unknown)}; use {list(SPLITS)}")
+        if any(int(v) < 0 for v in num_samples.values()):
+            raise ValueError(f"num_samples={num_samples}: counts must be >= 0")
+        self.split_weights = parse_split(split)
+        self.entries = parse_data_path(data_path)
+        self.datasets = [MMapIndexedDataset(p) for _, p in self.entries]
+        if self.entries[0][0] is None:
+            weights = [float(d.num_tokens) for d in self.datasets]
+        else:
+            weights = [w for w, _ in self.entries]
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"data_path: weights {weights} must all be positive; drop a prefix instead of weighting it 0")
+        self.weights = [w / sum(weights) for w in weights]
+        self.blended = len(self.datasets) > 1
+        self.bounds = [split_bounds(self.split_weights, len(d)) for d in self.datasets]
+
+    def part_samples(self, target: int, weight: float) -> int:
+        """Samples a prefix builds for a split's ``target``: its share, with the blending margin."""
+        return math.ceil(math.ceil(target * weight) * BLEND_MARGIN) if self.blended else target
+
+
+def index_needs(data_path: list[tuple[float, str]] | list[str], *, split: str, seq_length: int,
+                num_samples: dict[str, int]) -> list[SplitNeed]:
+    """What building the indices would take, per split and prefix, before building anything: the
+    documents and tokens of each split, the passes over them its samples need, the bytes."""
+    inputs = _Inputs(data_path, split, num_samples, seq_length)
+    out = []
+    for s, name in enumerate(SPLITS):
+        target = int(num_samples.get(name, 0))
+        for d, b, w in zip(inputs.datasets, inputs.bounds, inputs.weights):
+            samples = inputs.part_samples(target, w) if target else 0
+            tokens = int(np.asarray(d.sizes)[b[s]:b[s + 1]].sum(dtype=np.int64))
+            epochs = num_epochs_needed(tokens, samples, seq_length) if tokens > ADD_EXTRA_TOKEN and samples else 0
+            built = epochs * max(0, tokens - ADD_EXTRA_TOKEN) // seq_length + 1
+            out.append(SplitNeed(name, d.prefix, inputs.split_weights[s], b[s + 1] - b[s], tokens, samples, epochs,
+                                 4 * epochs * (b[s + 1] - b[s]) + 12 * built))
+    return out
 
 
 def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str = "969,30,1", seq_length: int,
@@ -189,28 +260,13 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     ``num_samples`` maps train/valid/test to sample counts (missing = 0: the split is left empty).
     Prefixes without weights are blended in proportion to their token counts.
     """
-    if seq_length < 1:
-        raise ValueError(f"seq_length={seq_length}: must be >= 1")
-    unknown = set(num_samples) - set(SPLITS)
-    if unknown:
-        raise ValueError(f"num_samples: unknown split(s) {sorted(unknown)}; use {list(SPLITS)}")
-    if any(int(v) < 0 for v in num_samples.values()):
-        raise ValueError(f"num_samples={num_samples}: counts must be >= 0")
-    weights_split = parse_split(split)
-    entries = parse_data_path(data_path)
-    datasets = [MMapIndexedDataset(p) for _, p in entries]
-    if entries[0][0] is None:
-        weights = [float(d.num_tokens) for d in datasets]
-    else:
-        weights = [w for w, _ in entries]
-    if any(w <= 0 for w in weights):
-        raise ValueError(f"data_path: weights {weights} must all be positive; drop a prefix instead of weighting it 0")
-    weights = [w / sum(weights) for w in weights]
+    inputs = _Inputs(data_path, split, num_samples, seq_length)
+    entries, datasets, weights, blended, bounds = (inputs.entries, inputs.datasets, inputs.weights, inputs.blended,
+                                                   inputs.bounds)
     fingerprints = [_fingerprint(d) for d in datasets]
     out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    blended = len(datasets) > 1
-    bounds = [split_bounds(weights_split, len(d)) for d in datasets]
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
 
     splits: dict[str, IndexedSplit] = {}
     counts: dict[str, int] = {}
@@ -223,7 +279,7 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
             continue
         sizes = []
         for d, fingerprint, b, w in zip(datasets, fingerprints, bounds, weights):
-            part_samples = math.ceil(math.ceil(target * w) * BLEND_MARGIN) if blended else target
+            part_samples = inputs.part_samples(target, w)
             entry, n = _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out)
             parts.append(entry)
             sizes.append(n)

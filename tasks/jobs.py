@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +30,11 @@ from typing import Any, Callable
 import submitit
 from submitit.core.utils import FailedJobError, JobPaths, pickle_load
 
+from gpt import heartbeat
 from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster import ClusterConfig, ClusterError, credential_variables
+from tasks.hang import Hang, HangWatch
 from tasks.run_context import flow_run_cancelled, flow_run_id, run_logger
 from tasks.run_owner import RunBusy, RunOwner
 
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 2.0
 CANCEL_CHECK_S = 5.0
+STACK_WAIT_S = 3.0       # for the ranks to write their stacks after the signal
+CANCEL_WAIT_S = 120.0    # for a cancelled hung job to end
 RESULT_GRACE_S = 20.0
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
@@ -53,6 +59,14 @@ class JobError(RuntimeError):
 
 class FlowRunCancelled(JobError):
     """The flow run was cancelled while its job ran; the job has been scancelled."""
+
+
+class JobHung(JobError):
+    """The job stopped advancing (tasks.hang); its stacks were saved and it has been cancelled."""
+
+    def __init__(self, hang: Hang) -> None:
+        super().__init__(hang.line())
+        self.hang = hang
 
 
 class DistributedTask(submitit.helpers.Checkpointable):
@@ -104,7 +118,7 @@ class JobRecord:
     def state(self, job_id: str, state: str, reason: str, nodes: str) -> None:
         job = next(j for j in self.jobs if j["job_id"] == job_id)
         job["states"].append({"time": time.time(), "state": state, "reason": reason, "nodes": nodes})
-        if state in TERMINAL or state in {"FINISHED", "INTERRUPTED"}:
+        if state in TERMINAL or state in {"FINISHED", "INTERRUPTED", "HUNG"}:
             job["final"] = state
         write_json(self.path, self.jobs)
 
@@ -269,14 +283,26 @@ class RunningJob:
         running = not self.handle.done() if self.handle is not None else _local_alive(int(self.job_id))
         return ("RUNNING" if running else "FINISHED"), "", os.uname().nodename
 
-    def cancel(self) -> None:
-        """scancel, or SIGTERM to every process of a local job (each rank saves and stops)."""
+    def cancel(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """scancel, or ``sig`` to every process of a local job (SIGTERM: each rank saves and stops;
+        SIGKILL for ranks that no longer answer). SLURM kills what SIGTERM leaves after its KillWait."""
         if self.kind == "slurm":
             scancel(self.job_id)
         else:
             for pid in _process_tree(int(self.job_id)):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, sig)
+
+    def signal_ranks(self, sig: signal.Signals, pids: list[int]) -> None:
+        """Send ``sig`` to the job's ranks: every task of its steps on SLURM, the given processes here."""
+        if self.kind == "slurm":
+            r = _run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", self.job_id])
+            if r.returncode != 0:
+                log.warning("scancel --signal %s: %s", self.job_id, r.stderr.strip())
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
 
 def _local_alive(pid: int) -> bool:
@@ -316,9 +342,12 @@ def _unfinished(record: JobRecord, job_name: str, kind: str) -> RunningJob | Non
 
 
 def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
-           python: str | None = None, on_poll: Callable[[], None] | None = None) -> tuple[Any, str, str]:
+           python: str | None = None, on_poll: Callable[[], None] | None = None,
+           watch: Callable[[str], HangWatch] | None = None) -> tuple[Any, str, str]:
     """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
     ``on_poll`` runs each time the job's state is checked (every POLL_S) and once at the end.
+    ``watch(job_id)`` gives the job's HangWatch: a job that stops advancing has every rank's stack
+    saved, is cancelled, and raises JobHung.
 
     The run folder is owned for the whole time (RunOwner). A job of the same name that an earlier
     run submitted and that still runs (the process that followed it died) is followed again
@@ -333,7 +362,8 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
                               running.job_id, running.state("")[0])
         else:
             running = _submit(fn, cluster, run_dir=run_dir, job_name=job_name, python=python, record=record)
-        return _follow(running, cluster, run_dir=run_dir, record=record, on_poll=on_poll or (lambda: None))
+        return _follow(running, cluster, run_dir=run_dir, record=record, on_poll=on_poll or (lambda: None),
+                       watch=watch(running.job_id) if watch is not None else None)
 
 
 def _submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str, python: str | None,
@@ -355,7 +385,7 @@ def _submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job
 
 
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
-            on_poll: Callable[[], None]) -> tuple[Any, str, str]:
+            on_poll: Callable[[], None], watch: HangWatch | None = None) -> tuple[Any, str, str]:
     logger = run_logger()
     job_id, folder = running.job_id, run_dir / "jobs"
     with _ACTIVE_LOCK:
@@ -382,6 +412,11 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 last = info
             on_poll()
             state, reason, _ = info
+            hang = watch.check(state) if watch is not None else None
+            if hang is not None:
+                hang = _stop_hung(running, hang, run_dir, record, nodes)
+                finished = True
+                raise JobHung(hang)
             if state == "PENDING" and reason.split(",")[0] in PENDING_FOREVER:
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
@@ -412,20 +447,43 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             record.state(job_id, "CANCELLED", "cancelled by the submitting process", nodes)
 
 
+def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord, nodes: str) -> Hang:
+    """Every rank's Python stack and the heartbeats into ``<run>/jobs/<job>/hang-<time>/`` with a
+    report, then the job cancelled (its ranks no longer answer SIGTERM: killed)."""
+    folder = run_dir / "jobs" / running.job_id / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    hang = dataclasses.replace(hang, folder=str(folder))
+    run_logger().warning("%s: saving every rank's stack, then cancelling it", hang.line())
+    running.signal_ranks(heartbeat.STACK_SIGNAL, [b["pid"] for b in hang.ranks])
+    time.sleep(STACK_WAIT_S)
+    for b in hang.ranks:
+        stacks = run_dir / heartbeat.FOLDER / f"stacks-rank-{b['rank']}.txt"
+        with contextlib.suppress(OSError):
+            shutil.copyfile(stacks, folder / f"rank-{b['rank']}-stacks.txt")
+    write_json(folder / "report.json", hang.to_dict())
+    running.cancel(signal.SIGKILL)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while time.monotonic() < deadline and running.state(nodes)[0] not in TERMINAL | {"GONE", "FINISHED"}:
+        time.sleep(POLL_S)
+    record.state(running.job_id, "HUNG", hang.line(), nodes)
+    return hang
+
+
 # What each of torchrun's processes runs: SLURM's rank variables made theirs, so that submitit's
 # task (and its result file) is per rank, then the command that followed.
 _RANK_AS_SLURM_TASK = 'export SLURM_PROCID="$RANK" SLURM_LOCALID="$LOCAL_RANK" SLURM_NTASKS="$WORLD_SIZE"; exec "$@"'
 # What each node runs: its own Neuron compile cache under $0 when one is given (the cache's file
 # locks are unreliable on NFS), then torchrun with $1 processes, under the wrapper in $2 (neuron_parallel_compile or
-# nothing). SLURM signals every process of the step: torchrun ignores USR2 (which would end it),
-# and its ranks, which install their own handler, checkpoint and stop.
+# nothing). SLURM signals every process of the step: torchrun ignores USR2 and USR1 (which would end
+# it), and its ranks, which install their own handlers, checkpoint and stop (USR2) or write their
+# stacks (USR1).
 _NODE_LAUNCHER = "; ".join([
     'export NEURON_CC_FLAGS="${NEURON_CC_FLAGS:-}${0:+ --cache_dir=$0/${SLURMD_NODENAME:-$(hostname -s)}}"',
     'nproc=$1 wrapper=$2',
     'shift 2',
     'master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
     'port=$((15000 + (SLURM_JOB_ID + ${SLURM_RESTART_COUNT:-0} * 7919) % 15000))',
-    'trap "" USR2',
+    'trap "" USR1 USR2',
     'exec $wrapper @PYTHON@ -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --node_rank="$SLURM_NODEID" '
     '--nproc_per_node="$nproc" --master_addr="$master" --master_port="$port" --no-python '
     '/bin/bash -c @RANK@ rank @PYTHON@ "$@"',

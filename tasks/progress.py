@@ -37,6 +37,7 @@ class Progress:
                  artifact_key: str | None = None, log_every_s: float | None = 10.0) -> None:
         self.label, self.unit, self.items, self.bytes = label, unit, items, nbytes
         self.done_items = self.done_bytes = 0
+        self.note = ""                      # said after the figures while set (e.g. a straggler)
         self.start = time.monotonic()
         self._lock = threading.Lock()
         self._last_line = self._last_bar = self._last_artifact = self.start
@@ -73,8 +74,10 @@ class Progress:
         rate = f"{self.done_items / elapsed:.1f} {self.unit}/s"
         if self.bytes is not None or self.done_bytes:
             total = f"/{human_bytes(self.bytes)}" if self.bytes is not None else ""
-            return f"{self.label}: {done}, {human_bytes(self.done_bytes)}{total}, {rate}, {human_bytes(self.done_bytes / elapsed)}/s"
-        return f"{self.label}: {done}, {rate}"
+            line = f"{self.label}: {done}, {human_bytes(self.done_bytes)}{total}, {rate}, {human_bytes(self.done_bytes / elapsed)}/s"
+        else:
+            line = f"{self.label}: {done}, {rate}"
+        return f"{line}; {self.note}" if self.note else line
 
     def show(self, final: bool = False) -> None:
         if final and self.items == 0:

@@ -55,8 +55,9 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
     )
 
 
-def plan_rows(plan: Any) -> list[dict[str, str]]:
-    """What the run will do, decided before any stage runs (flows.plan.Plan)."""
+def plan_rows(plan: Any, outlook: str, warnings: list[str] = ()) -> list[dict[str, str]]:
+    """What the run will do, decided before any stage runs (flows.plan.Plan), what its folder says
+    will happen (flows.outlook), and what the data stages found worth a warning."""
     c, k = plan.config, plan.cluster
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
     rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
@@ -64,12 +65,14 @@ def plan_rows(plan: Any) -> list[dict[str, str]]:
             ("parallel", f"tp {c.tensor_parallel} x dp {plan.world_size // c.tensor_parallel} ({c.data_parallel_mode})"),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
-            ("compile", str(c.compile))]
+            ("compile", str(c.compile)), ("what happens", outlook)]
+    rows += [("warning", w) for w in warnings]
     return [{"item": item, "value": value} for item, value in rows]
 
 
-def plan_table(plan: Any, key: str = "pretrain-plan") -> None:
-    create_table_artifact(plan_rows(plan), key=key, description="The run's plan, decided once before any stage ran")
+def plan_table(plan: Any, outlook: str, warnings: list[str] = (), key: str = "pretrain-plan") -> None:
+    create_table_artifact(plan_rows(plan, outlook, warnings), key=key,
+                          description="The run's plan, decided once before any stage ran")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -208,3 +211,24 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
 
 
 report_task = task(report, name="report")
+
+
+def hang_report(hang: Any, run_name: str) -> None:
+    """A hung job (tasks.hang.Hang) in the run's log, as a Prefect event and as an artifact naming
+    the rank, node, phase and iteration, with every rank's last heartbeat."""
+    from tasks.run_context import run_context, run_logger
+
+    run_logger().warning("%s", hang.line())
+    if run_context() is None:
+        return
+    from prefect.events import emit_event
+
+    emit_event(event="gpt.training.hang", resource={"prefect.resource.id": f"gpt.run.{run_name}",
+                                                    "prefect.resource.name": run_name},
+               payload={k: v for k, v in hang.to_dict().items() if k != "ranks"})
+    rows = "\n".join(f"| {b['rank']} | {b['node']} | {b['phase']} | {b['iteration']} | {b['entered']} |"
+                     for b in sorted(hang.ranks, key=lambda b: b["rank"]))
+    create_markdown_artifact(
+        key="training-hang", description=f"job {hang.job_id} hung at iteration {hang.iteration}",
+        markdown=f"**{hang.line()}**\n\n| rank | node | phase | iteration | phases entered |\n|---|---|---|---|---|\n"
+                 f"{rows}\n")

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tasks.run_context import flow_run_id
 
@@ -21,14 +21,18 @@ class RunOwner:
     """One owner per run folder: an exclusive lock on ``<run_dir>/.owner`` that the operating system
     drops when its holder dies, however it dies. The file names the holder, for the message a second
     run gets. Nested use in one process (a stage that owns the folder submitting a job into it)
-    holds the one lock."""
+    holds the one lock.
+
+    ``wait``: instead of refusing, wait for the holder to let go, calling ``wait(holder)`` every
+    ``poll_s`` seconds meanwhile (to show what the holder does)."""
 
     _held: dict[Path, int] = {}
     _lock = threading.Lock()
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, wait: Callable[[str], None] | None = None, poll_s: float = 2.0) -> None:
         self.path = Path(run_dir).resolve() / ".owner"
         self.fd: int | None = None
+        self.wait, self.poll_s = wait, poll_s
 
     def __enter__(self) -> "RunOwner":
         with self._lock:
@@ -37,13 +41,22 @@ class RunOwner:
                 return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise RunBusy(f"run folder {self.path.parent} is in use by {holder}: wait for that run to finish (or "
-                          "cancel it), or set output.run_name to train in another folder") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            if self.wait is None:
+                os.close(fd)
+                raise RunBusy(f"run folder {self.path.parent} is in use by {holder}: wait for that run to finish (or "
+                              "cancel it), or set output.run_name to train in another folder")
+            try:
+                self.wait(holder)
+            except BaseException:
+                os.close(fd)
+                raise
+            time.sleep(self.poll_s)
         os.ftruncate(fd, 0)
         flow_run = flow_run_id()
         os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}" + (f", flow run {flow_run}" if flow_run else "")

@@ -67,7 +67,8 @@ def read_works(sdist: Path) -> list[tuple[str, str, str]]:
 
 
 def split_documents(text: str, doc_chars: int) -> list[str]:
-    """Group blank-line-separated paragraphs into documents of about doc_chars characters."""
+    """Group blank-line-separated paragraphs into documents of about doc_chars characters; a short
+    remainder at the end joins the last document (the last one may be the whole test split)."""
     docs, current, size = [], [], 0
     for para in (p.strip() for p in text.split("\n\n")):
         if not para:
@@ -77,7 +78,9 @@ def split_documents(text: str, doc_chars: int) -> list[str]:
         if size >= doc_chars:
             docs.append("\n\n".join(current))
             current, size = [], 0
-    if current:
+    if current and docs and size < doc_chars // 4:
+        docs[-1] += "\n\n" + "\n\n".join(current)
+    elif current:
         docs.append("\n\n".join(current))
     return docs
 

@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from prefect import task
 from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel, ConfigDict
 
-from gpt.checkpoint import Checkpointer
+from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.config import Config
+from gpt.data import DataIndex
 from gpt.files import write_json
 from gpt.metrics import train_line, valid_line
 from tasks.cluster import ClusterConfig
+from tasks import report as reporting
+from tasks.hang import Hang, HangWatch, Stragglers
 from tasks.jobs import (
     DistributedTask,
     JobError,
+    JobHung,
     JobRecord,
     job_launch,
     retryable,
@@ -31,6 +35,7 @@ from tasks.run_owner import RunOwner
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
 
+SUMMARY = "summary.json"      # the last completed job's summary: what a run trained to its length reports
 
 
 class MetricsFollower:
@@ -89,20 +94,43 @@ class DataChanged(ValueError):
 
 def refuse_other_data(run_dir: Path, config: Config) -> None:
     """Resuming a run on other data would mix two corpora silently (or, with the old run finished,
-    train on nothing and report success): refuse, naming both."""
+    train on nothing and report success): refuse, naming both. The data compared is what the
+    indices draw samples from (each prefix by its content), not how many samples they hold: a
+    longer run of the same data is the same run."""
     saved = run_dir / "config.json"
     if not saved.exists() or Checkpointer(run_dir / "checkpoints", 1, 0).latest() is None:
         return
     before = json.loads(saved.read_text()).get("data_index")
-    if before and config.data_index and Path(before).name != Path(config.data_index).name:
+    if not before or not config.data_index or before == config.data_index:
+        return
+    try:
+        same = DataIndex.read(before).drawn_from() == DataIndex.read(config.data_index).drawn_from()
+    except ValueError:
+        same = Path(before).name == Path(config.data_index).name  # the old index is gone: compare names
+    if not same:
         raise DataChanged(f"run folder {run_dir} holds checkpoints trained on {before}, but this run's data is "
                           f"{config.data_index}: the sources or their tokenization changed. Set output.run_name "
                           "(or change the seed) to train on the new data in a new folder, or restore the old data")
 
 
+def trained(run_dir: Path, config: Config, cluster: ClusterConfig) -> TrainResult | None:
+    """The run's result when it is trained to this length already (its newest intact checkpoint
+    reached it, and the job that got there left its summary): nothing to submit."""
+    newest, _ = newest_intact(run_dir / "checkpoints")
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    if newest is None or iteration_of(newest) < config.total_iters or summary.get("iteration") != iteration_of(newest):
+        return None
+    return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
+                       metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind)
+
+
 def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileManifest | None" = None) -> TrainResult:
-    """Run (or resume) training in ``config.run_dir`` on the cluster; a second call resumes from the
-    last checkpoint there. The run folder has one owner while this runs (tasks.run_owner.RunOwner)."""
+    """Run (or resume, or extend) training in ``config.run_dir`` on the cluster; a second call
+    resumes from the last checkpoint there, and a run trained to this length already submits
+    nothing. The run folder has one owner while this runs (tasks.run_owner.RunOwner)."""
     run_dir = Path(config.run_dir)
     if not run_dir.is_absolute():
         raise ValueError(f"run_dir={config.run_dir!r}: give an absolute path on storage every node sees")
@@ -110,8 +138,37 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
     cluster = on_compiled_nodes(cluster, precompiled)
     with RunOwner(run_dir):
         refuse_other_data(run_dir, config)
+        done = trained(run_dir, config, cluster)
+        if done is not None:
+            run_logger().info("run %s is trained to iteration %s already: nothing to submit", run_dir.name,
+                              done.summary["iteration"])
+            return done
         write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
-        return _train_owned(config, cluster, run_dir, precompiled)
+        result = _train_owned(config, cluster, run_dir, precompiled)
+        write_json(run_dir / SUMMARY, result.summary)
+        return result
+
+
+def following(run_dir: Path, total_iters: int) -> Callable[[str], None]:
+    """While another flow run owns the run folder (the same run started twice): its training
+    progress shown as this run's, from the folder's metrics records."""
+    logger = run_logger()
+    progress = Progress(f"{run_dir.name}, trained by another flow run", "iterations", items=total_iters,
+                        artifact_key="training-progress", log_every_s=60)
+    records = MetricsFollower(run_dir / "metrics.jsonl")
+    told: list[str] = []
+
+    def show(holder: str) -> None:
+        if not told:
+            logger.info("run folder %s is in use by %s: following that run until it ends, then going on from "
+                        "what it left", run_dir, holder)
+            told.append(holder)
+        for r in records.new():
+            if r["kind"] == "train":
+                progress.set(r["iteration"])
+        progress.show()
+
+    return show
 
 
 def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
@@ -121,12 +178,18 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     progress = Progress(f"{config.model} on {cluster.name}", "iterations", items=total,
                         artifact_key="training-progress", log_every_s=None)
     records = MetricsFollower(run_dir / "metrics.jsonl")
+    stragglers = Stragglers()
 
     def on_poll() -> None:
-        """The job's new metrics records: progress, and a log line per logged iteration."""
+        """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
         for r in records.new():
             if r["kind"] == "valid":
                 logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
+                continue
+            if r["kind"] == "ranks":
+                progress.note = "; ".join(stragglers.add(r))
+                if progress.note:
+                    logger.warning("%s", progress.note)
                 continue
             progress.set(r["iteration"])
             progress.show()
@@ -137,9 +200,26 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                     grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
                     mfu_value=r["mfu"]))
 
-    launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
-    summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
-                                    job_name=f"train-{config.model}", python=python, on_poll=on_poll)
+    def watch(job_id: str) -> HangWatch:
+        return HangWatch(run_dir, job_id, cluster.world_size, config.hang_timeout_s)
+
+    hangs: list[Hang] = []
+    while True:
+        launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
+        try:
+            summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
+                                            job_name=f"train-{config.model}", python=python, on_poll=on_poll,
+                                            watch=watch)
+            break
+        except JobHung as e:
+            reporting.hang_report(e.hang, run_dir.name)
+            if any(h.iteration == e.hang.iteration for h in hangs):
+                raise HungTwice(f"{e.hang.line()}. It hung at iteration {e.hang.iteration} before as well: not "
+                                "resubmitted again; see the stacks, fix what holds it, and run again") from None
+            hangs.append(e.hang)
+            cluster = without_node(cluster, e.hang.node)
+            logger.warning("resubmitting the job to resume from the newest checkpoint%s",
+                           f", without node {e.hang.node}" if cluster.exclude and e.hang.node else "")
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
     progress.set(total)
@@ -150,6 +230,18 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                        metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
 
 
+class HungTwice(JobError):
+    """The run hung twice at one iteration: resubmitting again would loop."""
+
+
+def without_node(cluster: ClusterConfig, node: str | None) -> ClusterConfig:
+    """The cluster with a node that hung excluded (on SLURM), and no longer pinned to a nodelist."""
+    if cluster.kind != "slurm" or not node:
+        return cluster
+    exclude = ",".join(filter(None, [cluster.exclude, node]))
+    return cluster.model_copy(update={"exclude": exclude, "nodelist": None})
+
+
 def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Inputs that decide what training produces: a precompile result counts by which cache and
     nodes it names, not by whether that cache was just built or found (the hit flag, timings)."""
@@ -158,5 +250,10 @@ def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return hash_objects(parameters["config"], parameters["cluster"], compiled)
 
 
-train_task = task(train, name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retryable,
+def _retryable(task: Any, task_run: Any, state: Any) -> bool:
+    """A failed job is retried once, not a run that hung twice at one iteration (it would again)."""
+    return retryable(task, task_run, state) and not isinstance(state.result(raise_on_failure=False), HungTwice)
+
+
+train_task = task(train, name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=_retryable,
                   persist_result=True, cache_key_fn=_train_cache_key)

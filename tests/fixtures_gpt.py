@@ -74,3 +74,19 @@ def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict]:
 @pytest.fixture
 def gpt_launcher(tmp_path: Path) -> GPTLauncher:
     return GPTLauncher(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A run of the small mock-data model (checkpoints at iterations 4 and 8) with a 256-entry
+    byte-level vocabulary in ``<run>/tokenizer/``."""
+    from tokenizers import pre_tokenizers
+
+    base = tmp_path_factory.mktemp("small")
+    run = base / "run"
+    GPTLauncher(base).run({**SMALL, "run_dir": str(run)})
+    (run / "tokenizer").mkdir()
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    (run / "tokenizer" / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(alphabet)}))
+    (run / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")
+    return run

@@ -45,6 +45,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from flows.boundary import S3_ENDPOINTS
+
 ACCESS_KEY, SECRET_KEY = "sync-test-admin", "sync-test-admin-secret"
 DENIED_KEY, DENIED_SECRET = "sync-test-denied", "sync-test-denied-secret"
 LISTER_KEY, LISTER_SECRET = "sync-test-lister", "sync-test-lister-secret"
@@ -179,6 +181,7 @@ def _start_once(root: Path) -> S3Server:
     names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
              "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc"]
     ports = dict(zip(names, _free_ports(len(names))))
+    allow_endpoint(f"http://127.0.0.1:{ports['s3.port']}")
     argv = [weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             *(f"-{k}={v}" for k, v in ports.items()), "-admin.ui=false", "-webdav=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", f"-s3.config={config}",
@@ -193,6 +196,13 @@ def _start_once(root: Path) -> S3Server:
         server.stop()
         raise
     return server
+
+
+def allow_endpoint(url: str) -> None:
+    """List the server as an endpoint the operator allows (flows.boundary), for this process and
+    the environments handed to subprocesses."""
+    listed = [e for e in os.environ.get(S3_ENDPOINTS, "").split(",") if e]
+    os.environ[S3_ENDPOINTS] = ",".join([*listed, url])
 
 
 def _launch(argv: list[str], log: Path) -> subprocess.Popen:

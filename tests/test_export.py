@@ -136,3 +136,105 @@ def test_export_errors_name_what_is_missing(tmp_path):
         from gpt.export import config_from_hf
         config_from_hf({"model_type": "gpt2", "n_embd": 8, "activation_function": "relu", "vocab_size": 10,
                         "n_layer": 1, "n_head": 2, "n_positions": 8})
+
+
+# ---------------------------------------------------------------- the output folder: written beside, replaced only if ours
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """Temporary or set-aside folders of the export beside ``folder``."""
+    return [p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}.")]
+
+
+@pytest.mark.timeout(60)
+def test_export_refuses_a_folder_it_did_not_write_and_leaves_it_as_it_was(small_run, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match=r"mine holds what python -m gpt.export did not write \(notes.txt\)"):
+        export(small_run, mine)
+    assert _tree(mine) == {"notes.txt": b"keep me"} and _leftovers(mine) == []
+
+    # A HuggingFace folder that this tool did not write (no export.json) is not replaced either.
+    theirs = export(small_run, tmp_path / "theirs")
+    (theirs / "export.json").unlink()
+    before = _tree(theirs)
+    with pytest.raises(ExportError, match="did not write"):
+        export(small_run, theirs)
+    assert _tree(theirs) == before and _leftovers(theirs) == []
+
+
+@pytest.mark.timeout(60)
+def test_export_refuses_the_run_folder_its_checkpoints_and_what_holds_them(small_run):
+    before = _tree(small_run.parent)
+    checkpoint, _ = find_checkpoint(small_run)
+    for out in (small_run, small_run.parent, checkpoint, small_run / "checkpoints", small_run / "tokenizer",
+                small_run / "exports" / "hf"):
+        with pytest.raises(ExportError, match=str(out)):
+            export(small_run, out)
+        with pytest.raises(ExportError, match=str(out)):
+            export(checkpoint, out)
+    assert _tree(small_run.parent) == before
+
+
+@pytest.mark.timeout(60)
+def test_export_replaces_its_own_earlier_export(small_run, tmp_path):
+    out = export(small_run, tmp_path / "hf")
+    marker = json.loads((out / "export.json").read_text())
+    checkpoint, _ = find_checkpoint(small_run)
+    assert marker == {"tool": "python -m gpt.export", "checkpoint": str(checkpoint), "model": "tiny"}
+
+    earlier = checkpoint.parent / "iter_0000004"
+    assert export(earlier, out) == out
+    assert json.loads((out / "export.json").read_text())["checkpoint"] == str(earlier)
+    # An export written before export.json named the tool (it named only the checkpoint) is one too.
+    (out / "export.json").write_text(json.dumps({"checkpoint": str(earlier), "model": "tiny"}))
+    export(small_run, out)
+    assert json.loads((out / "export.json").read_text())["checkpoint"] == str(checkpoint)
+    assert _leftovers(out) == []
+    # An empty folder is written into; <run>/hf, the export stage's folder, too.
+    (tmp_path / "empty").mkdir()
+    assert (export(small_run, tmp_path / "empty") / "model.safetensors").is_file()
+    assert (export(small_run, small_run / "hf") / "model.safetensors").is_file()
+    # An export someone added a file to is no longer only ours.
+    (out / "README.md").write_text("my notes")
+    with pytest.raises(ExportError, match=r"\(README.md\)"):
+        export(small_run, out)
+    assert (out / "README.md").read_text() == "my notes"
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_export_leaves_the_previous_export_and_no_temporary_folder(small_run, tmp_path):
+    out = export(small_run, tmp_path / "hf")
+    before = _tree(out)
+    bad_merges = tmp_path / "merges.txt"
+    bad_merges.write_text("#version: 0.2\nnot-a-merge-line\n")
+    # Fails after model.safetensors was written into the temporary folder.
+    with pytest.raises(ExportError, match="not a byte-level BPE"):
+        export(small_run, out, vocab_file=str(small_run / "tokenizer" / "vocab.json"), merge_file=str(bad_merges))
+    assert _tree(out) == before and _leftovers(out) == []
+    with pytest.raises(ExportError, match="neither a run folder"):
+        export(tmp_path / "no-such-run", out)
+    assert _tree(out) == before and _leftovers(out) == []
+
+
+@pytest.mark.timeout(60)
+def test_export_command_refuses_in_one_line_with_exit_code_2(small_run, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.csv").write_text("1,2\n")
+    for out in (mine, small_run):
+        before = _tree(out)
+        result = subprocess.run([sys.executable, "-m", "gpt.export", str(small_run), str(out)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {out}"), result.stderr
+        assert _tree(out) == before
+    result = subprocess.run([sys.executable, "-m", "gpt.export", str(small_run), str(tmp_path / "hf")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == str(tmp_path / "hf"), result.stderr

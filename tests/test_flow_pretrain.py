@@ -91,8 +91,10 @@ def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, corp
     again = _run(corpus, tmp_path)
     assert again.is_completed(), again.message
     states = _task_states(again.state_details.flow_run_id)
-    assert [states[k] for k in ("sync", "tokenize", "index", "train", "export")] == ["Cached"] * 5
-    assert again.result()["run_dir"] == out["run_dir"]
+    assert [states[k] for k in ("sync", "tokenize", "index", "export")] == ["Cached"] * 4
+    # Trained to its length already: no precompile, and the train stage submits nothing.
+    assert states["train"] == "Completed" and "precompile" not in states
+    assert again.result()["run_dir"] == out["run_dir"] and again.result()["job_ids"] == out["job_ids"]
 
     # A different schedule reuses the data stages and trains into a new run folder.
     third = _run(corpus, tmp_path, seed=7)
@@ -127,7 +129,7 @@ def test_tokenized_prefixes_and_vocabulary_from_s3(harness, corpus, tmp_path, s3
         s3_server.put(bucket, f"tok/{Path(path).name}", Path(path))
     name = Path(prefix).name
     state = pretrain(
-        data=DataParams(prefixes=[{"prefix": f"s3://{bucket}/tok/{name}", "weight": 1.0}],
+        data=DataParams(prefixes=[{"prefix": f"s3://{bucket}/tok/{name}", "weight": 1.0}], split="80,10,10",
                         endpoint_url=s3_server.endpoint_url),
         tokenizer=TokenizerParams(vocab_file=f"s3://{bucket}/tok/vocab.json", merge_file=f"s3://{bucket}/tok/merges.txt"),
         training=TrainingParams(train_iters=2, eval_interval=2, eval_iters=1, log_interval=1,

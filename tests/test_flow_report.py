@@ -25,6 +25,9 @@ def test_split_documents_keeps_paragraphs_whole():
     text = "\n\n".join(f"paragraph {i} " + "x" * 50 for i in range(20))
     docs = split_documents(text, 200)
     assert "\n\n".join(docs) == text and all(len(d) < 400 for d in docs)
+    # A short remainder joins the last document rather than standing alone (it may be the test split).
+    tail = split_documents(text + "\n\nFinis.", 200)
+    assert len(tail) == len(docs) and tail[-1].endswith("Finis.") and "\n\n".join(tail) == text + "\n\nFinis."
 
 
 def test_loss_curve_and_summary_from_metrics(tmp_path):

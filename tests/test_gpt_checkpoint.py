@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -9,11 +10,11 @@ from gpt.config import Config
 from gpt.train import EXIT_INTERRUPTED, lr_at
 from tests.fixtures_gpt import SMALL, read_metrics
 
-SIGNAL_AT_3 = """
+SIGNAL_AT = """
 import os, signal, gpt.metrics as _m
 _train = _m.MetricsWriter.train
 def _signal_then_record(self, record):
-    if record["iteration"] == 3 and os.environ["RANK"] == "{rank}":
+    if record["iteration"] == {iteration} and os.environ["RANK"] == "{rank}":
         os.kill(os.getpid(), signal.{signal})
     _train(self, record)
 _m.MetricsWriter.train = _signal_then_record
@@ -22,10 +23,10 @@ _m.MetricsWriter.train = _signal_then_record
 KILL_WHILE_SAVING_4 = """
 import os, signal, gpt.checkpoint as _ck
 _mark = _ck._write_marker
-def _die_before_marker(folder, iteration):
-    if iteration == 4:
+def _die_before_marker(folder, content):
+    if content["iteration"] == 4:
         os.kill(os.getpid(), signal.SIGKILL)  # every shard is written, the save is not complete
-    _mark(folder, iteration)
+    _mark(folder, content)
 _ck._write_marker = _die_before_marker
 """
 
@@ -46,7 +47,7 @@ def test_sigterm_then_killed_save_then_exact_resume(gpt_launcher, tmp_path):
 
     run = tmp_path / "run"
     cfg = {**config, "run_dir": str(run)}
-    out = gpt_launcher.run(cfg, prelude=SIGNAL_AT_3.format(rank=0, signal="SIGTERM"), expect_rc=EXIT_INTERRUPTED)
+    out = gpt_launcher.run(cfg, prelude=SIGNAL_AT.format(iteration=3, rank=0, signal="SIGTERM"), expect_rc=EXIT_INTERRUPTED)
     summary = _summary(out)
     assert (summary["status"], summary["iteration"]) == ("interrupted", 3)
     assert (run / "checkpoints" / "iter_0000003" / "COMPLETE").is_file()
@@ -71,14 +72,15 @@ def test_sigterm_then_killed_save_then_exact_resume(gpt_launcher, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated shard", "missing metadata"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(gpt_launcher, tmp_path, damage):
+def test_a_damaged_newest_checkpoint_falls_back_then_is_set_aside_when_training_passes_it(gpt_launcher, tmp_path,
+                                                                                          damage):
     config = {**SMALL, "keep_last": 3, "save_interval": 2}
     reference = tmp_path / "reference"
     gpt_launcher.run({**config, "run_dir": str(reference)})
     run = tmp_path / "run"
     cfg = {**config, "run_dir": str(run)}
-    gpt_launcher.run(cfg, prelude=SIGNAL_AT_3.format(rank=0, signal="SIGTERM"), expect_rc=EXIT_INTERRUPTED)
-    newest = run / "checkpoints" / "iter_0000003"
+    gpt_launcher.run(cfg, prelude=SIGNAL_AT.format(iteration=4, rank=0, signal="SIGTERM"), expect_rc=EXIT_INTERRUPTED)
+    newest = run / "checkpoints" / "iter_0000004"        # a save point: training saves there again
     if damage == "truncated shard":
         shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
         os.truncate(shard, shard.stat().st_size // 2)
@@ -88,6 +90,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(gpt_lau
     assert f"checkpoint {newest} is damaged (" in out and "falling back" in out
     assert re.search(r"resumed from \S+iter_0000002 at iteration 2", out)
     assert _losses(run) == _losses(reference)
+    # The save at iteration 4 went through; the damaged folder is kept, under a name no resume takes.
+    (kept,) = (run / "checkpoints").glob("iter_0000004.damaged-*")
+    assert (kept / "COMPLETE").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_???????")) == \
+        ["iter_0000004", "iter_0000006", "iter_0000008"]
+    out = gpt_launcher.run({**cfg, "train_iters": 10, "lr_decay_iters": 8})
+    assert re.search(r"resumed from \S+iter_0000008 at iteration 8", out) and "falling back" not in out
 
 
 def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_path):
@@ -95,9 +104,33 @@ def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_p
     gpt_launcher.run({**SMALL, "run_dir": str(reference)}, world_size=2)
     run = tmp_path / "run"
     cfg = {**SMALL, "run_dir": str(run)}
-    results = gpt_launcher.wait(gpt_launcher.start(cfg, 2, prelude=SIGNAL_AT_3.format(rank=1, signal="SIGUSR2")))
+    results = gpt_launcher.wait(gpt_launcher.start(cfg, 2, prelude=SIGNAL_AT.format(iteration=3, rank=1, signal="SIGUSR2")))
     assert [rc for rc, _ in results] == [EXIT_INTERRUPTED, EXIT_INTERRUPTED], results[0][1][-3000:]
     assert _summary(results[0][1])["iteration"] == 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000003"]
     gpt_launcher.run(cfg, world_size=2)
     assert _losses(run) == _losses(reference)
+
+
+def test_a_full_disk_fails_the_save_naming_the_folder_and_leaves_nothing_half_written(gpt_launcher, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    run = tmp_path / "small-disk"
+    run.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(run)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mount is not permitted here: {mounted.stderr.strip()}")
+    try:
+        cfg = {**SMALL, "run_dir": str(run)}
+        results = gpt_launcher.wait(gpt_launcher.start(cfg))
+        rc, out = results[0]
+        assert rc != 0
+        assert re.search(r"checkpoint iteration 4: cannot write \S+iter_0000004\.tmp-\S+: No space left on device; "
+                         rf"free space in {run / 'checkpoints'}", out), out[-3000:]
+        assert not list((run / "checkpoints").iterdir())           # no partial save, nothing to resume from
+        subprocess.run(["mount", "-o", "remount,size=16m", str(run)], check=True)
+        out = gpt_launcher.run(cfg)
+        assert _summary(out)["status"] == "completed" and "resumed from" not in out
+    finally:
+        subprocess.run(["umount", "-l", str(run)], check=False)

@@ -411,6 +411,38 @@ def test_local_sources(tmp_path: Path) -> None:
     assert sorted(f.path for f in g.files) == ["a.jsonl", "sub/b.jsonl"]
 
 
+def test_s3_copies_get_the_umask_default_mode(s3: S3Server, corpus, tmp_path: Path) -> None:
+    """S3 objects have no mode: their copies get 0o666 narrowed by the umask (s5cmd alone writes 0644)."""
+    bucket, files = corpus
+    for mask, expected in ((0o077, 0o600), (0o002, 0o664)):
+        old = os.umask(mask)
+        try:
+            sync([f"s3://{bucket}/data/"], str(tmp_path / f"d{mask:o}"), endpoint_url=s3.endpoint_url)
+        finally:
+            os.umask(old)
+        dest = tmp_path / f"d{mask:o}"
+        assert {rel: (dest / rel).stat().st_mode & 0o777 for rel in files} == dict.fromkeys(files, expected)
+        assert (dest / MANIFEST_NAME).stat().st_mode & 0o777 == expected & 0o666
+
+
+def test_verify_content_reads_every_s3_copy_again(s3: S3Server, corpus, tmp_path: Path) -> None:
+    """A copy damaged with its size and mtime kept passes the manifest's check; verify_content finds it."""
+    bucket, files = corpus
+    dest = tmp_path / "dest"
+    sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url)
+    for name, at in (("big.bin", 6 * MIB), ("part-4.jsonl", 10)):
+        st = (dest / name).stat()
+        with open(dest / name, "r+b") as f:
+            f.seek(at)
+            f.write(b"\0" * 8)
+        os.utime(dest / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url).transferred_files == 0
+    full = sync([f"s3://{bucket}/data/"], str(dest), endpoint_url=s3.endpoint_url, verify_content=True)
+    assert full.transferred_files == 2 and read_tree(dest) == files
+    r = cli(f"s3://{bucket}/data/", str(dest), "--endpoint-url", s3.endpoint_url, "--verify-content", env=s3.env)
+    assert r.returncode == 0, r.stderr
+
+
 def test_upload_folder(s3: S3Server, tmp_path: Path) -> None:
     bucket = s3.new_bucket()
     run = tmp_path / "run"
@@ -491,3 +523,38 @@ def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, 
 
     assert attempts(f"s3://{bucket}/data/", "http://127.0.0.1:9") == 2         # unreachable: retried
     assert attempts("s3://no-such-bucket-here/", s3.endpoint_url) == 1          # missing bucket: not retried
+
+
+def test_sync_task_of_local_sources_runs_again_on_new_content(tmp_path: Path, prefect_harness) -> None:
+    """Cached while nothing is written; a same-size rewrite with its mtime set back runs it again with a
+    new digest (so tokenize and index run again); a touch runs it and keeps the digest."""
+    from prefect import flow
+
+    from tasks.sync import sync_task
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(b'{"text": "one"}\n')
+    dest, roots = str(tmp_path / "dest"), [str(tmp_path)]
+
+    @flow
+    def pipeline(allowed: list[str], verify_content: bool = False):
+        return sync_task([str(src)], dest, allowed_roots=allowed, verify_content=verify_content, return_state=True)
+
+    first = pipeline(roots)
+    assert first.name == "Completed" and pipeline(roots).name == "Cached"
+    st = os.stat(src / "a.jsonl")
+    (src / "a.jsonl").write_bytes(b'{"text": "ONE"}\n')
+    os.utime(src / "a.jsonl", ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = pipeline(roots)
+    assert changed.name == "Completed" and changed.result().transferred_files == 1
+    assert changed.result().digest != first.result().digest
+    assert pipeline(roots).name == "Cached"
+    os.utime(src / "a.jsonl")
+    touched = pipeline(roots)
+    assert touched.name == "Completed" and touched.result().transferred_files == 0
+    assert touched.result().digest == changed.result().digest
+    forced = pipeline(roots, verify_content=True)
+    assert forced.name == "Completed" and forced.result().hashed_bytes == 2 * len(b'{"text": "ONE"}\n')
+    with pytest.raises(SyncError, match=f"^{src}/a.jsonl is outside the folders this sync may read"):
+        pipeline([str(tmp_path / "elsewhere")])                  # the cached result is not handed out

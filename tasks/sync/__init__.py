@@ -15,7 +15,17 @@ transfer: each file is hashed as soon as s5cmd reports it done, and the parts of
 download are hashed while s5cmd is still writing them (`PartFollower`). Files and parts are
 hashed many at once, side by side in SIMD lanes (`HASHER`, over `native.md5_ranges`).
 
-    python -m tasks.sync SRC... DST [--endpoint-url URL] [--no-sign-request] [--profile NAME]
+What counts as changed: an S3 object whose ETag or size differs from the manifest's; a local file
+whose content differs. A local file's content digest (CRC64NVME, `content` in the manifest) is
+taken while it is copied and kept with its size, mtime, ctime and inode; it is taken again only
+when one of those changed (ctime changes on every write and cannot be set back), and the file is
+copied again only when the digest differs. A file written less than SETTLE_NS before it was listed
+is hashed once more at the end of the sync before its stamp is kept, so that a write within the
+same tick of the file system's clock is not missed. `verify_content=True` (`--verify-content`) reads
+everything again. Local sources are regular files, never the destination, and, given
+`allowed_roots`, only inside those folders (links resolved); copies keep their permission bits.
+
+    python -m tasks.sync SRC... DST [--endpoint-url URL] [--no-sign-request] [--profile NAME] [--verify-content]
 
 SRC: `s3://bucket/key`, `s3://bucket/prefix/`, `s3://bucket/data/*.bin`, `/path`, `file:///path`
 or a local glob. A DST of `s3://bucket/prefix` uploads one local SRC folder instead.

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-size-mb", type=int, default=50, help="multipart part size in MiB")
     p.add_argument("--concurrency", type=int, default=5, help="parts in flight per file")
     p.add_argument("--delete", action="store_true", help="remove local files that no source has")
+    p.add_argument("--verify-content", action="store_true",
+                   help="read everything again: hash every local source and its copy, verify every S3 copy")
     args = p.parse_args(argv)
     if len(args.paths) < 2:
         p.error("give at least one SRC and a DST")
@@ -32,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers, part_size_mb=args.part_size_mb, concurrency=args.concurrency)
     try:
         if dest.startswith("s3://"):
-            if len(sources) != 1 or args.delete:
-                p.error("an upload takes exactly one local SRC and no --delete")
+            if len(sources) != 1 or args.delete or args.verify_content:
+                p.error("an upload takes exactly one local SRC and no --delete or --verify-content")
             m = upload(sources[0], dest, **opts)
         else:
-            m = sync(sources, dest, delete=args.delete, **opts)
+            m = sync(sources, dest, delete=args.delete, verify_content=args.verify_content, **opts)
     except SyncError as e:
         print(f"error: {redact(str(e))}", file=sys.stderr)
         return 1

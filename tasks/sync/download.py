@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import fcntl
 import os
 import shutil
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpt.files import write_json
 from tasks import crc
+from tasks.sync import content
 from tasks.sync.follower import PartFollower
 from tasks.sync.integrity import (
     Check,
@@ -24,6 +27,7 @@ from tasks.sync.integrity import (
 from tasks.sync.listing import (
     MANIFEST_NAME,
     PARTIAL_DIR,
+    SETTLE_NS,
     Source,
     _reserved,
     _walk,
@@ -32,11 +36,16 @@ from tasks.sync.listing import (
 from tasks.sync.manifest import (
     FileEntry,
     SyncManifest,
+    _copy_intact,
     _entry,
     _manifest,
     _read_manifest,
     _up_to_date,
+    manifest_mode,
+    stamp_fields,
+    write_manifest,
 )
+from tasks.sync.reach import Reach
 from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, TransientSyncError
 from tasks.sync.s5cmd import _raise_first, run_s5cmd
@@ -78,12 +87,23 @@ def _lock(folder: Path) -> int:
 
 def sync(sources: list[str] | str, dest: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
          profile: str | None = None, workers: int = 256, part_size_mb: int = 50, concurrency: int = 5,
-         delete: bool = False) -> SyncManifest:
+         delete: bool = False, allowed_roots: Sequence[str] | None = None,
+         verify_content: bool = False) -> SyncManifest:
     """Make `dest` hold verified copies of every file of `sources` (S3 URIs, globs or local paths).
 
     Files already there and unchanged (by the manifest) are left alone; a file that is there but
-    not in the manifest is verified and kept if it matches. `delete` removes files under `dest`
-    that no source has. Raises SyncError (TransientSyncError when running again may succeed).
+    not in the manifest is verified and kept if it matches. A local source is unchanged while its
+    size, mtime, ctime and inode are those its content digest was taken at; otherwise it is hashed
+    again, and copied again when its content differs. `verify_content` reads everything again:
+    every local source and its copy are hashed, every S3 copy is verified against its ETag or the
+    store's checksum, and whatever differs is copied again. `delete` removes files under `dest`
+    that no source has.
+
+    Local sources are regular files (or folders of them) outside `dest`, and, when `allowed_roots`
+    is given, inside those folders once links are resolved. Copies of local files get the source's
+    permission bits (the owner may always read its copy), narrowed by the umask; copies of S3
+    objects get the umask's default. Raises SyncError (TransientSyncError when running again may
+    succeed).
     """
     sources = [sources] if isinstance(sources, str) else list(sources)
     remote = Remote.make(endpoint_url, no_sign_request, profile)
@@ -91,13 +111,15 @@ def sync(sources: list[str] | str, dest: str, *, endpoint_url: str | None = None
     if folder.exists() and not folder.is_dir():
         raise SyncError(f"destination {dest} is a file: give a folder")
     client = remote.client() if any(s.startswith("s3://") for s in sources) else None
-    objs = list_sources(sources, remote, client)
+    objs = list_sources(sources, remote, client, Reach.make(allowed_roots, folder))
     partial = folder / PARTIAL_DIR
-    partial.mkdir(parents=True, exist_ok=True)
+    partial.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(partial, 0o700)                # what is staged there is this user's until it is promoted
     lock = _lock(partial)
     try:
         return _sync_locked(sources, objs, folder, partial, remote, client, workers=workers,
-                            part_size_mb=part_size_mb, concurrency=concurrency, delete=delete)
+                            part_size_mb=part_size_mb, concurrency=concurrency, delete=delete,
+                            verify_content=verify_content)
     finally:
         os.close(lock)
 
@@ -108,21 +130,38 @@ class SyncWork:
     entries: dict[str, FileEntry] = field(default_factory=dict)     # already there, unchanged
     todo: list[Source] = field(default_factory=list)                   # to transfer
     recheck: list[tuple[Source, Path]] = field(default_factory=list)   # there (or staged by an interrupted run): verify first
+    rehash: list[tuple[Source, FileEntry]] = field(default_factory=list)   # local, written since copied: hash first
 
 
-def sync_work(objs: list[Source], folder: Path, partial: Path, old: dict[str, FileEntry]) -> SyncWork:
+def sync_work(objs: list[Source], folder: Path, partial: Path, old: dict[str, FileEntry],
+              verify_content: bool = False) -> SyncWork:
     out = SyncWork()
     for o in objs:
-        final, staged = folder / o.rel, partial / o.rel
-        if _up_to_date(o, old.get(o.rel), final):
-            out.entries[o.rel] = old[o.rel]
-        elif o.etag is not None and expected_check(o.etag) != "size" and _has_size(final, o.size):
+        final, staged, prev = folder / o.rel, partial / o.rel, old.get(o.rel)
+        if not verify_content and _up_to_date(o, prev, final):
+            out.entries[o.rel] = prev  # type: ignore[assignment]
+        elif o.etag is None:
+            if prev is not None and prev.content is not None and _copy_intact(o, prev, final):
+                out.rehash.append((o, prev))
+            else:
+                out.todo.append(o)
+        elif _has_size(final, o.size) and (verify_content or expected_check(o.etag) != "size"):
             out.recheck.append((o, final))
-        elif o.etag is not None and _has_size(staged, o.size):
+        elif _has_size(staged, o.size):
             out.recheck.append((o, staged))     # s5cmd renames a download to its name only when complete
         else:
             out.todo.append(o)
     return out
+
+
+def _umask() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+
+
+def copy_mode(o: Source) -> int:
+    """A local source's permission bits, readable by the owner (the umask narrows them further)."""
+    return o.stat.mode & 0o777 | 0o400  # type: ignore[union-attr]
 
 
 class Download:
@@ -130,9 +169,12 @@ class Download:
     the partial folder into place, and entered in the manifest; a file that fails is removed."""
 
     def __init__(self, folder: Path, partial: Path, client: Any, pool: cf.ThreadPoolExecutor,
-                 entries: dict[str, FileEntry]) -> None:
+                 entries: dict[str, FileEntry], verify_content: bool = False) -> None:
         self.folder, self.partial, self.client, self.pool = folder, partial, client, pool
-        self.entries = entries
+        self.entries, self.verify_content = entries, verify_content
+        self.s3_mode = 0o666 & ~_umask()     # what S3 copies get: they have no mode of their own
+        self.hashed: list[int] = []         # bytes of local files read to hash them
+        self.unsettled: list[Source] = []   # local sources entered before their stamp settled
         self.checksums: dict[str, crc.ServerChecksum] = {}
         self.failures: list[str] = []
         self.futures: list[cf.Future] = []
@@ -148,6 +190,8 @@ class Download:
     def promote(self, o: Source, staged: Path) -> None:
         final = self.folder / o.rel
         final.parent.mkdir(parents=True, exist_ok=True)
+        if o.etag is not None:
+            os.chmod(staged, self.s3_mode)          # s5cmd writes 0644 whatever the umask
         os.replace(staged, final)
 
     def check_existing(self, item: tuple[Source, Path]) -> tuple[Source, Check | None]:
@@ -169,13 +213,77 @@ class Download:
         self.futures = [self.pool.submit(self.copy_local, o) for o in todo if o.etag is None]
 
     def copy_local(self, o: Source) -> None:
+        """Copy a local source under the partial folder, created with its final mode, and take the
+        content digest of the bytes copied."""
         staged = self.partial / o.rel
         staged.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(o.uri, staged)
-        if os.stat(o.uri).st_mtime_ns != o.mtime_ns:
-            staged.unlink()
-            raise TransientSyncError(f"{o.uri} changed while it was copied: run the sync again")
-        self.finish(o, staged)
+        staged.unlink(missing_ok=True)
+        try:
+            with content.opened(o) as src:
+                dst = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, copy_mode(o))
+                try:
+                    digest = content.digest(src, o.size, copy_to=dst)
+                finally:
+                    os.close(dst)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        self.hashed.append(o.size)
+        self.finish(dataclasses.replace(o, content=digest), staged)
+
+    def rehash_local(self, item: tuple[Source, FileEntry]) -> tuple[Source, FileEntry | None]:
+        """A local source written since its copy was made (or any, with verify_content): its entry
+        when its content is still that of the copy, else None (copy it again)."""
+        o, prev = item
+        final = self.folder / o.rel
+        with content.opened(o) as fd:
+            digest = content.digest(fd, o.size)
+        self.hashed.append(o.size)
+        if digest != prev.content:
+            return o, None
+        if self.verify_content:
+            fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                same = content.digest(fd, o.size) == digest
+            finally:
+                os.close(fd)
+            self.hashed.append(o.size)
+            if not same:
+                return o, None
+        mode = os.stat(final).st_mode & 0o777
+        if mode & ~copy_mode(o):
+            os.chmod(final, mode & copy_mode(o))    # the source's mode narrowed since: so does the copy's
+        o = dataclasses.replace(o, content=digest)
+        if not o.stat.settled:  # type: ignore[union-attr]
+            self.unsettled.append(o)
+        return o, _entry(o, self.folder, prev.check)
+
+    def settle(self) -> None:
+        """Record the stamps of the local sources listed within SETTLE_NS of their last write: once the
+        clock has left that write's tick, each is hashed again, and the same content gets its stamp
+        recorded (any later write changes it). Other content, or a ctime in the future, is left
+        without one, for the next sync to hash again."""
+        due = [o for o in self.unsettled if o.stat.ctime_ns <= time.time_ns()]  # type: ignore[union-attr]
+        if not due:
+            return
+        wait_ns = max(o.stat.ctime_ns for o in due) + SETTLE_NS - time.time_ns()  # type: ignore[union-attr]
+        time.sleep(max(wait_ns, 0) / 1e9 + 0.001)
+        for rel, entry in self.pool.map(self.resettle, due):
+            if entry is not None:
+                self.entries[rel] = entry
+
+    def resettle(self, o: Source) -> tuple[str, FileEntry | None]:
+        now = time.time_ns()
+        try:
+            with content.opened(o) as fd:
+                digest = content.digest(fd, o.size)
+        except SyncError:
+            return o.rel, None
+        self.hashed.append(o.size)
+        if digest != o.content:
+            return o.rel, None
+        settled = dataclasses.replace(o.stat, listed_ns=now)  # type: ignore[arg-type]
+        return o.rel, self.entries[o.rel].model_copy(update=stamp_fields(settled))
 
     def downloaded(self, uri: str) -> None:
         """s5cmd reports `uri` complete: verify it without holding s5cmd up."""
@@ -203,6 +311,8 @@ class Download:
             return
         self.promote(o, staged)
         self.entries[o.rel] = _entry(o, self.folder, check)
+        if o.stat is not None and not o.stat.settled:
+            self.unsettled.append(o)
         self.progress.add(o.size)  # type: ignore[union-attr]
 
     def close(self) -> None:
@@ -214,17 +324,24 @@ class Download:
 
 
 def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: Path, remote: Remote, client: Any, *,
-                 workers: int, part_size_mb: int, concurrency: int, delete: bool) -> SyncManifest:
+                 workers: int, part_size_mb: int, concurrency: int, delete: bool,
+                 verify_content: bool) -> SyncManifest:
     manifest_path = folder / MANIFEST_NAME
-    work = sync_work(objs, folder, partial, _read_manifest(manifest_path))
+    mode = manifest_mode(objs)
+    work = sync_work(objs, folder, partial, _read_manifest(manifest_path), verify_content)
     with cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
-        run = Download(folder, partial, client, pool, work.entries)
+        run = Download(folder, partial, client, pool, work.entries, verify_content)
         run.ask_checksums(work.todo + [o for o, _ in work.recheck])
         for o, check in pool.map(run.check_existing, work.recheck):
             if check is None:
                 work.todo.append(o)
             else:
                 run.entries[o.rel] = _entry(o, folder, check)
+        for o, entry in pool.map(run.rehash_local, work.rehash):
+            if entry is None:
+                work.todo.append(o)
+            else:
+                run.entries[o.rel] = entry
         _empty(partial)                     # leftovers of an interrupted run
         run.start(work.todo, f"sync to {folder}")
         if run.entries:
@@ -235,20 +352,23 @@ def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: 
                                workers=workers, part_size_mb=part_size_mb, concurrency=concurrency,
                                on_done=run.downloaded) if run.fetching else []
             _await_verifications(run.futures, run.progress, errors, run.failures, remote, "does not match its ETag after download")
+            run.settle()
             ok = True
         finally:
             run.close()
             if not ok:   # record what is verified so far; the next run resumes from it
-                write_json(manifest_path, _manifest(sources, objs, run.entries, folder, run.progress, 0, False).model_dump())
+                write_manifest(manifest_path, _manifest(sources, objs, run.entries, folder, run.progress, 0, False,
+                                                        sum(run.hashed)), mode)
     progress = run.progress
     deleted = _delete_extra(folder, {o.rel for o in objs}) if delete else 0
-    manifest = _manifest(sources, objs, run.entries, folder, progress, deleted, True)
-    write_json(manifest_path, manifest.model_dump())
+    manifest = _manifest(sources, objs, run.entries, folder, progress, deleted, True, sum(run.hashed))
+    write_manifest(manifest_path, manifest, mode)
     shutil.rmtree(partial, ignore_errors=True)
     methods = collections.Counter(f.check for f in manifest.files)
     summary = (f"synced {len(objs)} files ({human_bytes(manifest.bytes)}) to {folder}: {progress.done_items} "
                f"transferred ({human_bytes(progress.done_bytes)}), {len(objs) - progress.done_items} already there; "
-               f"verified by {', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}")
+               f"verified by {', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}"
+               + (f"; local sources hashed: {human_bytes(manifest.hashed_bytes)}" if manifest.hashed_bytes else ""))
     progress.logger.info(summary + (f", {deleted} deleted" if delete else ""))
     return manifest
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from tasks.digest import Digest
+from tasks.sync.reach import Reach
 from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
 
 MANIFEST_NAME = ".sync-manifest.json"
@@ -18,18 +20,58 @@ PARTIAL_DIR = ".sync-partial"
 GLOB_CHARS = "*?["
 
 
+# A file's ctime is set from a clock that advances in ticks (a few ms; a second or two on some
+# file systems): a write in the tick of the ctime a sync recorded would leave it unchanged. A ctime
+# older than this when the file was listed is settled: any later write gets another.
+SETTLE_NS = 2_000_000_000
+
+
+@dataclass(frozen=True)
+class LocalStat:
+    """A local source file as it was listed. Writing to a file changes its ctime, which no one can set
+    back: a file with the same `stamp` (and size) has not been written since, once `settled`."""
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    dev: int
+    mode: int
+    listed_ns: int          # the clock just before the file was listed
+
+    @classmethod
+    def of(cls, st: os.stat_result, listed_ns: int) -> LocalStat:
+        return cls(st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, st.st_mode, listed_ns)
+
+    @property
+    def stamp(self) -> str:
+        return f"{self.mtime_ns}:{self.ctime_ns}:{self.ino}"
+
+    @property
+    def settled(self) -> bool:
+        return self.listed_ns - self.ctime_ns > SETTLE_NS
+
+    def same(self, st: os.stat_result, size: int) -> bool:
+        """Whether `st` is this file, unchanged."""
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (
+            self.dev, self.ino, size, self.mtime_ns, self.ctime_ns)
+
+
 @dataclass(frozen=True)
 class Source:
     """One source file and where it goes."""
-    uri: str            # s3://bucket/key or an absolute local path
-    rel: str            # destination path relative to the local folder
+    uri: str                        # s3://bucket/key or an absolute local path
+    rel: str                        # destination path relative to the local folder
     size: int
-    etag: str | None = None
-    mtime_ns: int | None = None
+    etag: str | None = None         # S3 sources
+    stat: LocalStat | None = None   # local sources, as listed
+    content: str | None = None      # local sources: their content digest, once known (tasks.sync.content)
 
     @property
     def version(self) -> str:
-        return self.etag if self.etag is not None else str(self.mtime_ns)
+        """What names this version of the file: the ETag; for a local file its content digest once
+        known, else its stat stamp (a stamp that changes may still hold the same content)."""
+        if self.etag is not None:
+            return self.etag
+        return self.content if self.content is not None else self.stat.stamp  # type: ignore[union-attr]
 
 
 def _glob_base(pattern: str) -> str:
@@ -87,33 +129,35 @@ def _walk(root: str) -> Iterator[str]:
             yield os.path.join(folder, name)
 
 
-def _list_local(src: str) -> list[Source]:
+def _list_local(src: str, reach: Reach) -> list[Source]:
     path = local_path(src)
     if any(c in path for c in GLOB_CHARS):
         base = _glob_base(path)
+        reach.folder(base)
         paths = [p for p in _walk(base) if fnmatch.fnmatchcase(p, path)]
         if not paths:
             raise SyncError(f"no files match {src}: check the pattern")
         pairs = [(p, p[len(base):]) for p in paths]
     elif os.path.isdir(path):
+        reach.folder(path)
         pairs = [(p, os.path.relpath(p, path).replace(os.sep, "/")) for p in _walk(path)]
         if not pairs:
             raise SyncError(f"{src} is an empty folder: check the path")
-    elif os.path.isfile(path):
-        pairs = [(path, os.path.basename(path))]
     else:
-        raise SyncError(f"{src} does not exist: check the path")
+        pairs = [(path, os.path.basename(path))]
     out = []
     for p, rel in pairs:
         if _reserved(rel):
             continue
-        st = os.stat(p)
-        out.append(Source(p, rel, st.st_size, None, st.st_mtime_ns))
+        now = time.time_ns()
+        st = reach.file(p)
+        out.append(Source(p, rel, st.st_size, stat=LocalStat.of(st, now)))
     return out
 
 
-def list_sources(sources: Iterable[str], remote: Remote, client: Any = None) -> list[Source]:
-    """Every file of `sources`, with its relative destination path; names clashing are an error."""
+def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, reach: Reach = Reach()) -> list[Source]:
+    """Every file of `sources`, with its relative destination path; names clashing are an error.
+    Local files are read only as `reach` allows."""
     sources = list(sources)
     if not sources:
         raise SyncError("no sources given: pass at least one s3:// URI or local path")
@@ -121,7 +165,7 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None) -> 
         client = remote.client()
     objs: dict[str, Source] = {}
     for src in sources:
-        for o in (_list_s3(src, client, remote) if src.startswith("s3://") else _list_local(src)):
+        for o in (_list_s3(src, client, remote) if src.startswith("s3://") else _list_local(src, reach)):
             other = objs.setdefault(o.rel, o)
             if other.uri != o.uri:
                 raise SyncError(f"{other.uri} and {o.uri} would both be written to {o.rel}: "

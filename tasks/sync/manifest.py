@@ -1,15 +1,19 @@
-"""The manifest beside the synced files: what was verified, how, and whether the copy is complete."""
+"""The manifest beside the synced files: what was verified, how, and whether the copy is complete.
+For local sources it also keeps each file's content digest with the stat stamp it was taken at,
+so that a later sync hashes again only the files written since."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from tasks.sync.integrity import Check
-from tasks.sync.listing import MANIFEST_NAME, Source, listing_digest
+from gpt.files import replaced
 from tasks.progress import Progress
+from tasks.sync.integrity import Check
+from tasks.sync.listing import MANIFEST_NAME, LocalStat, Source, listing_digest
 
 
 class FileEntry(BaseModel):
@@ -19,10 +23,17 @@ class FileEntry(BaseModel):
     path: str                           # relative to SyncManifest.local_dir
     size: int
     etag: str | None = None             # S3 ETag without quotes (None for local sources)
-    source_mtime_ns: int | None = None  # local sources: their mtime, to notice changes
+    source_mtime_ns: int | None = None  # local sources: their stat stamp (mtime, ctime, inode) when
+    source_ctime_ns: int | None = None  # `content` was taken: while it holds, the content is the same
+    source_ino: int | None = None
+    content: str | None = None          # local sources: digest of the bytes copied (tasks.sync.content)
     mtime_ns: int                       # the local copy's mtime when verified: a later change re-verifies it
     verified: bool
     check: Check
+
+    @property
+    def source_stamp(self) -> str:
+        return f"{self.source_mtime_ns}:{self.source_ctime_ns}:{self.source_ino}"
 
 
 class SyncManifest(BaseModel):
@@ -33,10 +44,11 @@ class SyncManifest(BaseModel):
     sources: list[str]
     files: list[FileEntry]
     bytes: int
-    digest: str               # hash of keys, paths, sizes and versions: stable while nothing changes
+    digest: str               # hash of keys, paths, sizes and versions (ETags, local content digests)
     manifest_path: str
     transferred_files: int = 0    # moved by this run (0 for a no-op)
     transferred_bytes: int = 0
+    hashed_bytes: int = 0         # of local sources, read by this run to take their content digest
     deleted_files: int = 0
     complete: bool = True     # False on disk while a sync is unfinished
 
@@ -49,12 +61,21 @@ def _read_manifest(path: Path) -> dict[str, FileEntry]:
         return {}
 
 
+def stamp_fields(st: LocalStat | None) -> dict[str, int]:
+    """The FileEntry fields of a local source's stamp; none while it is not settled (a later write
+    could leave it as it is), so that the next sync hashes the file again."""
+    if st is None or not st.settled:
+        return {}
+    return dict(source_mtime_ns=st.mtime_ns, source_ctime_ns=st.ctime_ns, source_ino=st.ino)
+
+
 def _entry(o: Source, folder: Path, check: Check) -> FileEntry:
-    return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, source_mtime_ns=o.mtime_ns,
+    return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, content=o.content, **stamp_fields(o.stat),
                      mtime_ns=os.stat(folder / o.rel).st_mtime_ns, verified=True, check=check)
 
 
-def _up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
+def _copy_intact(o: Source, old: FileEntry | None, path: Path) -> bool:
+    """Whether `path` is still the verified copy `old` records of this source's key, size and ETag."""
     if old is None or not old.verified:
         return False
     try:
@@ -62,29 +83,54 @@ def _up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
     except OSError:
         return False
     return (old.key == o.uri and old.size == o.size == st.st_size and old.etag == o.etag
-            and old.source_mtime_ns == o.mtime_ns and old.mtime_ns == st.st_mtime_ns)
+            and old.mtime_ns == st.st_mtime_ns)
 
 
-def local_copy_matches(dest: str | os.PathLike, digest: str) -> bool:
-    """Whether `dest` holds a complete sync with this listing digest, its files untouched since."""
+def _up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
+    """The copy is intact and its source unchanged: the same ETag, or a local file not written since
+    its content digest was taken."""
+    return _copy_intact(o, old, path) and (o.stat is None or (
+        old.content is not None and old.source_stamp == o.stat.stamp))  # type: ignore[union-attr]
+
+
+def local_copy_matches(dest: str | os.PathLike, objs: list[Source]) -> bool:
+    """Whether `dest` holds a complete sync of exactly the listing `objs`, its files untouched since."""
     folder = Path(dest)
     try:
         data = json.loads((folder / MANIFEST_NAME).read_text())
-        if not data.get("complete") or data.get("digest") != digest:
-            return False
-        for f in data["files"]:
-            st = (folder / f["path"]).stat()
-            if (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"]):
-                return False
+        entries = {f["path"]: FileEntry(**f) for f in data["files"]}
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return True
+    return (bool(data.get("complete")) and entries.keys() == {o.rel for o in objs}
+            and all(_up_to_date(o, entries[o.rel], folder / o.rel) for o in objs))
 
 
 def _manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], folder: Path,
-              progress: Progress, deleted: int, complete: bool) -> SyncManifest:
+              progress: Progress, deleted: int, complete: bool, hashed: int) -> SyncManifest:
     files = [entries[o.rel] for o in objs if o.rel in entries]
+    known = [dataclasses.replace(o, content=entries[o.rel].content) if o.rel in entries and o.etag is None else o
+             for o in objs]
     return SyncManifest(dest=str(folder), local_dir=str(folder), sources=sources, files=files,
-                        bytes=sum(f.size for f in files), digest=listing_digest(objs, str(folder)),
+                        bytes=sum(f.size for f in files), digest=listing_digest(known, str(folder)),
                         manifest_path=str(folder / MANIFEST_NAME), transferred_files=progress.done_items,
-                        transferred_bytes=progress.done_bytes, deleted_files=deleted, complete=complete)
+                        transferred_bytes=progress.done_bytes, hashed_bytes=hashed, deleted_files=deleted,
+                        complete=complete)
+
+
+def manifest_mode(objs: list[Source]) -> int:
+    """The manifest's mode: no wider than any local source's (the owner may always read and write it),
+    then narrowed by the umask."""
+    mode = 0o666
+    for o in objs:
+        if o.stat is not None:
+            mode &= o.stat.mode | 0o600
+    return mode
+
+
+def write_manifest(path: Path, manifest: SyncManifest, mode: int) -> None:
+    """Write `manifest` to `path` whole, created with `mode` (and the umask) from its first byte."""
+    text = json.dumps(manifest.model_dump(), indent=2, sort_keys=True, default=str) + "\n"
+    with replaced(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o666)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)

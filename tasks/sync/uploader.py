@@ -17,7 +17,8 @@ from tasks.sync.listing import (
     listing_digest,
     local_path,
 )
-from tasks.sync.manifest import FileEntry, SyncManifest
+from tasks.sync.manifest import FileEntry, SyncManifest, stamp_fields
+from tasks.sync.reach import Reach
 from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
 from tasks.sync.s5cmd import run_s5cmd
@@ -38,7 +39,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
     root = local_path(src)
     local_dir = root if os.path.isdir(root) else os.path.dirname(root)
-    objs = _list_local(src)
+    objs = _list_local(src, Reach())
     client = remote.client()
     base = f"s3://{bucket}/{prefix}"
     there: dict[str, tuple[int, str]] = {}
@@ -51,15 +52,16 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     entries: dict[str, FileEntry] = {}
 
     def entry(o: Source, etag: str, check: Check) -> FileEntry:
-        return FileEntry(key=base + o.rel, path=o.rel, size=o.size, etag=etag, source_mtime_ns=o.mtime_ns,
-                         mtime_ns=o.mtime_ns, verified=True, check=check)  # type: ignore[arg-type]
+        return FileEntry(key=base + o.rel, path=o.rel, size=o.size, etag=etag, **stamp_fields(o.stat),
+                         mtime_ns=o.stat.mtime_ns, verified=True, check=check)  # type: ignore[union-attr]
 
     def already_there(o: Source) -> tuple[Source, Check | None]:
         size, etag = there.get(prefix + o.rel, (-1, ""))
         if size != o.size:
             return o, None
         prev = old.get(o.rel)
-        if prev is not None and prev.etag == etag and prev.mtime_ns == o.mtime_ns and prev.size == o.size:
+        if (prev is not None and prev.etag == etag and prev.size == o.size
+                and prev.source_stamp == o.stat.stamp):  # type: ignore[union-attr]
             return o, prev.check
         check = verify(o.uri, o.size, etag, base + o.rel, client)
         return o, check if check != "size" else None

@@ -1,0 +1,112 @@
+"""What the operator lets the form reach: the local folders a run may read and write, the S3
+locations and endpoints its credentials may be sent to.
+
+Set in the environment of the process that runs the flow (the serve process, or the work pool's
+job variables), never by a flow parameter, like ``GPT_CLUSTER_PRESET_DIRS``:
+
+=====================  =======================================================  ==================
+variable               what                                                     unset
+=====================  =======================================================  ==================
+``GPT_INPUT_ROOTS``    folders (colon-separated) local sources, tokenizer        the current folder
+                       files, tokenized prefixes, ``init_from_hf`` and
+                       ``init_from`` may be read from (the output root is
+                       always readable)
+``GPT_OUTPUT_ROOTS``   folders (colon-separated) ``output.root`` may be or lie   the current folder
+                       under
+``GPT_S3_ALLOWED``     ``s3://bucket`` or ``s3://bucket/prefix`` entries         any bucket
+                       (comma-separated) that sources and ``output.uri`` may
+                       use
+``GPT_S3_ENDPOINTS``   S3-compatible endpoint URLs (comma-separated) that        none: AWS's own
+                       ``data.endpoint_url`` and ``output.endpoint_url`` may     endpoints only
+                       name
+=====================  =======================================================  ==================
+
+Paths are compared after resolving links, so a link cannot lead out of a root.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+INPUT_ROOTS = "GPT_INPUT_ROOTS"
+OUTPUT_ROOTS = "GPT_OUTPUT_ROOTS"
+S3_ALLOWED = "GPT_S3_ALLOWED"
+S3_ENDPOINTS = "GPT_S3_ENDPOINTS"
+
+
+def _folders(value: str | None) -> tuple[Path, ...]:
+    if not value:
+        return (Path.cwd().resolve(),)
+    return tuple(Path(p).expanduser().resolve() for p in value.split(":") if p.strip())
+
+
+def _entries(value: str | None) -> tuple[str, ...]:
+    return tuple(e.strip() for e in (value or "").replace("\n", ",").split(",") if e.strip())
+
+
+def normalise_endpoint(url: str) -> str:
+    """scheme://host[:port] in lower case: what an endpoint is compared by."""
+    parts = urlsplit(url.strip())
+    return f"{parts.scheme.lower()}://{(parts.netloc or '').lower()}"
+
+
+def inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The operator's limits on what a run's parameters may name."""
+    input_roots: tuple[Path, ...]
+    output_roots: tuple[Path, ...]
+    s3: tuple[str, ...] | None          # allowed s3://bucket[/prefix] entries; None: any
+    endpoints: tuple[str, ...]          # allowed endpoint URLs, normalised
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Boundary:
+        s3 = _entries(env.get(S3_ALLOWED))
+        return cls(input_roots=_folders(env.get(INPUT_ROOTS)), output_roots=_folders(env.get(OUTPUT_ROOTS)),
+                   s3=tuple(e.rstrip("/") for e in s3) or None,
+                   endpoints=tuple(normalise_endpoint(e) for e in _entries(env.get(S3_ENDPOINTS))))
+
+    def output_root(self, path: Path) -> str | None:
+        """What is wrong with ``path`` (resolved) as the output root, or None."""
+        if any(inside(path, root) for root in self.output_roots):
+            return None
+        return (f"{path} is outside the output roots the operator allows ({_listed(self.output_roots)}; "
+                f"{OUTPUT_ROOTS} where the flow runs); choose a folder under one of them")
+
+    def local_input(self, path: str, output_root: Path) -> str | None:
+        """What is wrong with reading the local ``path`` (links resolved), or None."""
+        real = Path(path).resolve()
+        if any(inside(real, root) for root in (*self.input_roots, output_root)):
+            return None
+        shown = f"{path} (a link to {real})" if str(real) != os.path.abspath(path) else path
+        return (f"{shown} is outside the folders the operator allows reading from ({_listed(self.input_roots)}, "
+                f"and the output root; {INPUT_ROOTS} where the flow runs); copy it there or ask the operator")
+
+    def s3_uri(self, uri: str) -> str | None:
+        """What is wrong with using the S3 location ``uri``, or None."""
+        if self.s3 is None:
+            return None
+        bare = uri.rstrip("/")
+        if any(bare == e or bare.startswith(e + "/") for e in self.s3):
+            return None
+        return (f"{uri} is outside the S3 locations the operator allows ({', '.join(self.s3)}; {S3_ALLOWED} "
+                "where the flow runs)")
+
+    def endpoint(self, url: str | None) -> str | None:
+        """What is wrong with sending requests (and credentials) to ``url``, or None (AWS's own
+        endpoints, chosen by the SDK, are always allowed)."""
+        if url is None or normalise_endpoint(url) in self.endpoints:
+            return None
+        allowed = ", ".join(self.endpoints) or "none: only AWS's own endpoints"
+        return (f"{url!r} is not an endpoint the operator allows ({allowed}; {S3_ENDPOINTS} where the flow "
+                "runs); leave it empty for AWS, or ask the operator to list it")
+
+
+def _listed(folders: tuple[Path, ...]) -> str:
+    return ", ".join(str(f) for f in folders)

@@ -1,0 +1,111 @@
+"""A temporary Prefect server for one command-line run, that ends with the process that runs the flow.
+
+Without ``PREFECT_API_URL`` Prefect starts a server of its own for the run (``SubprocessASGIServer``)
+and stops it at exit, but only at a normal exit: when the flow's process is killed, that server
+lives on. Here the command line starts the same ephemeral server itself, through this module, which
+asks the kernel to kill it when the process that started it ends (``PR_SET_PDEATHSIG``), before it
+serves anything; then it points ``PREFECT_API_URL`` at it, so Prefect starts none of its own. A normal
+end or an exception stops it as Prefect stops its own (SIGTERM at exit, after Prefect's log and
+event workers have drained); SIGTERM or SIGKILL of the flow's process kills it with that process.
+
+    python -m flows.local_server PARENT_PID FD   (started by ``ensure_api``, not by hand)
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 5.0
+
+
+def ensure_api() -> str | None:
+    """Start a temporary server and point this process (and its children) at it, unless
+    ``PREFECT_API_URL`` is set or Prefect's ephemeral mode is off; returns its API address, or None."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/api"
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        server = subprocess.Popen([sys.executable, "-m", "flows.local_server", str(os.getpid()), str(sock.fileno())],
+                                  pass_fds=[sock.fileno()], env=env)
+    atexit.register(_stop, server)
+    print(f"Started a temporary Prefect server for this run at {url} (it ends with the run; "
+          "set PREFECT_API_URL to use your own)", file=sys.stderr, flush=True)
+    _wait_healthy(server, url, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    os.environ["PREFECT_API_URL"] = url
+    refresh_global_settings_context()
+    return url
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"the temporary Prefect server exited with code {server.returncode} before it "
+                                   "answered: see its output above, or set PREFECT_API_URL to a running server")
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    _stop(server)
+    raise RuntimeError(f"the temporary Prefect server at {url} did not answer within {timeout_s:.0f} s "
+                       "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): raise it, or set PREFECT_API_URL "
+                       "to a running server")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process when the thread that started it ends (its whole process:
+    ``ensure_api`` runs on the main thread); exit at once if that already happened."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        sys.exit(0)
+
+
+def main(argv: list[str]) -> None:
+    parent, fd = int(argv[0]), int(argv[1])
+    if sys.platform.startswith("linux"):
+        _die_with(parent)
+    import uvicorn
+    from prefect.server.api.server import create_app
+
+    app = create_app(ephemeral=True, final=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on")).run(sockets=[socket.socket(fileno=fd)])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,89 @@
+"""What a run's folder says will happen before anything is submitted: a new run, a resume from its
+newest intact checkpoint (under the same layout or another one), or nothing, the run being
+trained to its length already; and which checkpoints a run's layout cannot load.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from gpt.checkpoint import iteration_of, newest_intact, saved_layout
+from gpt.config import Config
+from tasks.cluster import ClusterConfig
+
+_PART = re.compile(r"\.tp\d+of(\d+)$")
+
+
+@dataclass(frozen=True)
+class Outlook:
+    kind: Literal["new", "resume", "trained"]
+    message: str
+    iteration: int = 0
+    checkpoint: Path | None = None
+
+
+def outlook(run_dir: Path, config: Config, cluster: ClusterConfig) -> Outlook:
+    """What training will do in ``run_dir`` with this configuration on this cluster."""
+    newest, skipped = newest_intact(run_dir / "checkpoints")
+    notes = "".join(f"; {s}, skipped" for s in skipped)
+    total = config.total_iters
+    if newest is None:
+        start = f" from {config.init_from}" if config.init_from else (
+            f" from {config.init_from_hf}" if config.init_from_hf else "")
+        return Outlook("new", f"new run {run_dir.name}{start}, {total:,} iterations{notes}")
+    done = iteration_of(newest)
+    if done >= total:
+        return Outlook("trained", f"run {run_dir.name} is already trained to iteration {done:,} ({total:,} asked): "
+                                  f"nothing to train{notes}", done, newest)
+    saved = saved_layout(newest)
+    was = (f"saved by {saved['nodes']} x {saved['world_size'] // saved['nodes']} ranks, TP {saved['tensor_parallel']}"
+           if saved else "saved by an earlier version, layout not recorded")
+    now = f"now {cluster.nodes} x {cluster.tasks_per_node}, TP {config.tensor_parallel}"
+    return Outlook("resume", f"resumes run {run_dir.name} from iteration {done:,} of {total:,} ({was}; {now})"
+                             f"{_extension(run_dir, config)}{notes}", done, newest)
+
+
+def _extension(run_dir: Path, config: Config) -> str:
+    """What a changed length does to the schedule, when the length changed."""
+    try:
+        before = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    unit = "train_iters" if config.train_iters is not None else "train_samples"
+    decay = "lr_decay_iters" if unit == "train_iters" else "lr_decay_samples"
+    old, new = before.get(unit), getattr(config, unit)
+    if old is None or old == new:
+        return ""
+    follows = ("the LR decay follows the new length" if getattr(config, decay) == new
+               else f"the LR decay stays fixed at {decay}={getattr(config, decay):,}")
+    return f"; {unit} {old:,} -> {new:,}: {follows}"
+
+
+def parts_of(checkpoint: Path) -> int | None:
+    """The tensor-parallel size whose parts a checkpoint holds (Trainium's split layers save each
+    rank's part under its own name), or None when it holds whole tensors."""
+    saved = saved_layout(checkpoint)
+    if "parts" in saved:
+        return saved["tensor_parallel"] if saved["parts"] else None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for key in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata:
+        m = _PART.search(key)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def cannot_load(checkpoint: Path, config: Config) -> str | None:
+    """Why a run with ``config`` cannot load ``checkpoint``, or None. Whole tensors (DDP, FSDP,
+    DTensor tensor parallel) load under any layout; Trainium's parts only under their own size."""
+    parts = parts_of(checkpoint)
+    if parts is None or (config.device == "neuron" and config.tensor_parallel == parts):
+        return None
+    return (f"checkpoint {checkpoint} holds Trainium tensor-parallel parts of TP {parts}, which only a run on "
+            f"device neuron with tensor_parallel={parts} loads (this run: {config.device}, TP "
+            f"{config.tensor_parallel}); resume with --tp {parts} on a Trainium preset, or export it (python -m "
+            "gpt.export joins the parts) and start a new run from the export with init_from_hf")

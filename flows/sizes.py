@@ -1,0 +1,88 @@
+"""What a run will cost, estimated before anything runs: the memory each rank needs at least, and
+the bytes it writes under the output root at least. Both are lower bounds, so that what they
+refuse cannot fit, whatever the data turn out to be.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from gpt.config import Config
+from tasks.cluster import ClusterConfig
+
+GIB = 1 << 30
+# Memory of one device (GiB), the largest variant of each generation: what a rank may use at most.
+DEVICE_MEMORY_GIB = {"a100": 80, "a10g": 24, "l4": 24, "l40s": 48, "t4": 16, "v100": 32, "h100": 94, "h800": 80,
+                     "h20": 96, "h200": 141, "gh200": 144, "b100": 192, "b200": 192, "gb200": 192, "b300": 288,
+                     "gb300": 288, "trn1": 16, "trn2": 24}
+SMALLEST_VOCABULARY = 257      # a byte-level BPE: the vocabulary is not known before the data stages
+STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
+CHECKPOINT_BYTES = 12          # per parameter: the weight and the two moments
+INDEX_BYTES = 12               # per sample at least: its sample-index entry and its shuffle-index entry
+
+
+def parameters(config: Config, vocab_size: int = SMALLEST_VOCABULARY) -> int:
+    """GPT-2's parameter count: blocks, embeddings (tied output layer) and the final norm."""
+    h, layers = config.hidden_size, config.num_layers
+    return layers * (12 * h * h + 13 * h) + (vocab_size + config.max_position_embeddings) * h + 2 * h
+
+
+def rank_memory(config: Config, world_size: int) -> tuple[int, int]:
+    """(model state, activations) bytes one rank holds at least: the fp32 state of its share of the
+    parameters, and each block's input kept for the backward pass (all that activation
+    checkpointing keeps)."""
+    share = config.tensor_parallel * (world_size // config.tensor_parallel if config.data_parallel_mode == "fsdp" else 1)
+    state = STATE_BYTES * parameters(config) // share
+    element = 4 if config.precision == "fp32" else 2
+    activations = config.micro_batch_size * config.seq_length * config.hidden_size * config.num_layers * element
+    return state, activations
+
+
+def device_memory(cluster: ClusterConfig) -> tuple[int, str] | None:
+    """Bytes one rank may use, and what says so: the accelerator's memory, or for CPU ranks of the
+    local executor this machine's memory shared by its tasks; None where it is not known here."""
+    if cluster.job_device in ("cuda", "neuron"):
+        gib = DEVICE_MEMORY_GIB.get((cluster.accelerator or "").lower())
+        return (gib * GIB, f"a {cluster.accelerator} has {gib} GiB") if gib else None
+    if cluster.kind == "local":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total // cluster.tasks_per_node, (f"this machine has {total / GIB:.0f} GiB for "
+                                                 f"{cluster.tasks_per_node} rank(s)")
+    return None
+
+
+def memory_problem(config: Config, cluster: ClusterConfig) -> str | None:
+    """Why the ranks cannot hold this model and batch, or None."""
+    limit = device_memory(cluster)
+    if limit is None:
+        return None
+    state, activations = rank_memory(config, cluster.world_size)
+    if state + activations <= limit[0]:
+        return None
+    return (f"each rank needs at least {(state + activations) / GIB:,.1f} GiB (model state {state / GIB:,.1f}, "
+            f"activations {activations / GIB:,.1f}) but {limit[1]}; lower micro_batch_size or seq_length, raise "
+            "tensor_parallel, use data_parallel_mode fsdp, or choose a larger model's cluster")
+
+
+def written_bytes(config: Config) -> tuple[int, int]:
+    """(index, one checkpoint) bytes the run writes under the output root at least."""
+    samples = sum(config.num_samples().values())
+    return INDEX_BYTES * samples, CHECKPOINT_BYTES * parameters(config)
+
+
+def free_bytes(path: Path) -> int:
+    """Free space where ``path`` is (or would be created)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def disk_problem(config: Config, root: Path) -> str | None:
+    """Why the output root cannot hold what the run writes, or None."""
+    index, checkpoint = written_bytes(config)
+    free = free_bytes(root)
+    if index + checkpoint <= free:
+        return None
+    return (f"{root} has {free / GIB:,.2f} GiB free, but the run writes at least {(index + checkpoint) / GIB:,.2f} "
+            f"GiB there (the data index {index / GIB:,.2f} GiB for {sum(config.num_samples().values()):,} samples, "
+            f"a checkpoint {checkpoint / GIB:,.2f} GiB); free space there, or train fewer samples")

@@ -1,0 +1,157 @@
+"""Whether a job still advances, decided where the run is owned: from its ranks' heartbeats
+(gpt.heartbeat, in the run folder), on the machine that follows the job (tasks.jobs).
+
+A job is hung when no rank has entered a new phase for longer than its limit: ``hang_timeout_s``
+when the run sets it, else ``STEP_FACTOR`` step times with a floor of ``FLOOR_S``. Phases that are
+long by nature (starting, loading or saving a checkpoint, the job's first step, which compiles) get
+``SLOW_FACTOR`` times that, and never less than ``SAVE_FACTOR`` times the longest such phase seen.
+The rank that is behind the others (fewer phases entered, or no heartbeat at all) is named with
+its node when it is one rank, or ranks of one node; the others are then waiting for it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gpt import heartbeat
+
+FLOOR_S = 600.0
+STEP_FACTOR = 20.0
+SLOW_FACTOR = 4.0
+SAVE_FACTOR = 3.0
+SLOW_PHASES = frozenset({"start", "load", "save"})
+
+
+@dataclass(frozen=True)
+class Hang:
+    """Where a job stopped advancing."""
+    job_id: str
+    iteration: int
+    phase: str
+    stalled_s: float
+    limit_s: float
+    rank: int | None            # the rank behind the others, when one is
+    node: str | None            # its node, or the one node whose ranks are behind
+    ranks: list[dict[str, Any]]  # every rank's last heartbeat
+    folder: str = ""            # where its stacks and report were written
+
+    def line(self) -> str:
+        who = (f"rank {self.rank} on node {self.node} is behind the others" if self.rank is not None else
+               f"the ranks of node {self.node} are behind the others" if self.node else
+               "no single rank or node is behind the others")
+        return (f"job {self.job_id} hung: no rank advanced for {self.stalled_s:.0f} s (limit {self.limit_s:.0f} s) "
+                f"at iteration {self.iteration}, phase {self.phase}; {who}"
+                + (f"; stacks and report in {self.folder}" if self.folder else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class HangWatch:
+    """Follows one job's heartbeats; ``check`` says when it is hung. ``clock`` is the follower's
+    own (heartbeat times come from other machines and are only shown, never compared)."""
+
+    def __init__(self, run_dir: Path, job_id: str, world_size: int, hang_timeout_s: float | None,
+                 clock: Any = time.monotonic) -> None:
+        self.run_dir, self.job_id, self.world_size = Path(run_dir), job_id, world_size
+        self.hang_timeout_s, self.clock = hang_timeout_s, clock
+        self.progress_at: float | None = None         # when a rank last entered a phase
+        self.seen: dict[int, tuple[int, int]] = {}     # rank -> (phases entered, iteration)
+        self.step_s: float | None = None               # the slowest rank's time per iteration
+        self.longest_slow = 0.0
+
+    def beats(self) -> list[dict[str, Any]]:
+        """This job's heartbeats (a requeued SLURM job writes ``<id>.<restart>``)."""
+        return [b for b in heartbeat.read(self.run_dir) if str(b.get("job", "")).split(".")[0] == self.job_id]
+
+    def check(self, state: str) -> Hang | None:
+        now = self.clock()
+        if state != "RUNNING":
+            self.progress_at = None                    # queued or requeued: the clock starts when it runs
+            return None
+        beats = self.beats()
+        if self.progress_at is None:
+            self.progress_at = now
+        for b in beats:
+            mark = (b["entered"], b["iteration"])
+            if self.seen.get(b["rank"]) != mark:
+                self.seen[b["rank"]] = mark
+                self.progress_at = now
+            self.longest_slow = max([self.longest_slow, *(v for k, v in b["longest"].items() if k in SLOW_PHASES)])
+            if b.get("step_s"):
+                self.step_s = max(self.step_s or 0.0, b["step_s"])
+        limit, phase = self.limit(beats)
+        stalled = now - self.progress_at
+        if stalled <= limit:
+            return None
+        rank, node = self.behind(beats)
+        iteration = min((b["iteration"] for b in beats), default=0)
+        return Hang(self.job_id, iteration, phase, stalled, limit, rank, node, beats)
+
+    def limit(self, beats: list[dict[str, Any]]) -> tuple[float, str]:
+        """The limit for where the ranks are now, and the phase that decides it."""
+        base = self.hang_timeout_s or max(FLOOR_S, STEP_FACTOR * (self.step_s or 0.0))
+        slow = [b["phase"] for b in beats if b["phase"] in SLOW_PHASES]
+        behind = min(beats, key=lambda b: b["entered"])["phase"] if beats else "start"
+        if slow or self.step_s is None:                 # a slow phase, or the job's first step (compiling)
+            return max(SLOW_FACTOR * base, SAVE_FACTOR * self.longest_slow), slow[0] if slow else behind
+        return base, behind
+
+    def behind(self, beats: list[dict[str, Any]]) -> tuple[int | None, str | None]:
+        """The rank (and node) that the others wait for, when the heartbeats single one out."""
+        entered = {b["rank"]: b["entered"] for b in beats}
+        nodes = {b["rank"]: b["node"] for b in beats}
+        missing = [r for r in range(self.world_size) if r not in entered]
+        if missing and entered:                       # never started while others did
+            behind = missing
+        elif len(set(entered.values())) > 1:
+            low = min(entered.values())
+            behind = [r for r, e in entered.items() if e == low]
+        else:
+            return None, None
+        behind_nodes = {nodes.get(r) for r in behind}
+        if len(behind_nodes) != 1 or None in behind_nodes:
+            return (behind[0], None) if len(behind) == 1 else (None, None)
+        return (behind[0] if len(behind) == 1 else None), behind_nodes.pop()
+
+
+STRAGGLER_FACTOR = 1.5      # busier than the median of the ranks by this much ...
+STRAGGLER_ITERATIONS = 20   # ... over this many iterations in a row ...
+STRAGGLER_RECORDS = 3       # ... and at least this many log intervals: a straggler
+
+
+class Stragglers:
+    """Ranks persistently slower than the others, from the ``ranks`` records of metrics.jsonl (each
+    rank's busy time per iteration over a log interval: data loading and forward passes, the work
+    it does before it waits for the others)."""
+
+    def __init__(self) -> None:
+        self.last_iteration: int | None = None
+        self.slow: dict[int, tuple[int, int]] = {}    # rank -> (iterations, records) slow in a row
+
+    def add(self, record: dict[str, Any]) -> list[str]:
+        """Take one ``ranks`` record; returns a line per straggler."""
+        busy, median = record["busy_ms"], _median(record["busy_ms"])
+        covered = record["iteration"] - (self.last_iteration or record["iteration"] - 1)
+        self.last_iteration = record["iteration"]
+        lines = []
+        for rank, ms in enumerate(busy):
+            if ms < STRAGGLER_FACTOR * median or covered <= 0:
+                self.slow.pop(rank, None)
+                continue
+            iterations, records = self.slow.get(rank, (0, 0))
+            self.slow[rank] = (iterations + covered, records + 1)
+            if self.slow[rank][0] >= STRAGGLER_ITERATIONS and self.slow[rank][1] >= STRAGGLER_RECORDS:
+                lines.append(f"straggler: rank {rank} on node {record['nodes'][rank]} is busy {ms:.0f} ms per "
+                             f"iteration, {ms / max(median, 1e-6):.1f}x the median of the ranks ({median:.0f} ms), "
+                             f"slower than {STRAGGLER_FACTOR}x for {self.slow[rank][0]} iterations (to iteration "
+                             f"{record['iteration']})")
+        return lines
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -1,0 +1,201 @@
+"""The form reaches only what the operator allows, and every bad value stops before anything runs.
+
+Each case below was once accepted by the plan and failed late, or trained on the wrong thing, or
+wrote where it should not. Through `make_plan` (what the UI's form and `--param` reach) and through
+the command line (one `invalid parameters:` block, exit 2, no traceback).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.boundary import INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS, Boundary
+from flows.params import (
+    ClusterParams,
+    DataParams,
+    OutputParams,
+    ParameterError,
+    TokenizerParams,
+    TrainingParams,
+    WeightedPrefix,
+)
+from flows.plan import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _errors(root: Path, *, model: str = "tiny", data: DataParams | None = None, training: TrainingParams | None = None,
+            cluster: ClusterParams | None = None, tokenizer: TokenizerParams | None = None, **output) -> list[str]:
+    with pytest.raises(ParameterError) as e:
+        make_plan(model, data or DataParams(), tokenizer or TokenizerParams(), training or TrainingParams(),
+                  cluster or ClusterParams(), OutputParams(root=str(root), **output))
+    return e.value.errors
+
+
+def _cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.pretrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+# ---------------------------------------------------------------- paths and names
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/elsewhere", "a/b", "data", ".", "..", ".hidden", "x" * 200])
+def test_a_run_name_is_a_name_not_a_path(tmp_path, name):
+    (line,) = [e for e in _errors(tmp_path / "root", run_name=name) if e.startswith("output.run_name")]
+    assert f"{name!r} is not a name" in line
+    assert not (tmp_path / "escaped").exists() and not Path("/tmp/elsewhere").exists()
+
+
+def test_the_output_root_and_local_inputs_stay_inside_the_operators_folders(tmp_path, monkeypatch):
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    (allowed / "corpus").mkdir(parents=True)
+    outside.mkdir()
+    (allowed / "corpus" / "a.jsonl").write_text('{"text": "x"}\n')
+    (outside / "secret.jsonl").write_text('{"text": "private"}\n')
+    (allowed / "corpus" / "link.jsonl").symlink_to(outside / "secret.jsonl")   # a link leading out
+    monkeypatch.setenv(INPUT_ROOTS, str(allowed))
+    monkeypatch.setenv(OUTPUT_ROOTS, str(allowed / "runs"))
+    text = "\n".join(_errors(outside / "runs"))
+    assert f"output.root: {outside / 'runs'} is outside the output roots the operator allows" in text
+    text = "\n".join(_errors(allowed / "runs", data=DataParams(sources=[
+        str(outside / "secret.jsonl"), str(allowed / "corpus" / "link.jsonl"), "/etc/passwd",
+        str(allowed / "corpus" / "a.jsonl")])))
+    assert f"data.sources[0]: {outside / 'secret.jsonl'} is outside the folders the operator allows reading from" in text
+    assert f"data.sources[1]: {allowed / 'corpus' / 'link.jsonl'} (a link to {outside / 'secret.jsonl'})" in text
+    assert "data.sources[2]: /etc/passwd is outside" in text and "data.sources[3]" not in text
+    text = "\n".join(_errors(allowed / "runs", tokenizer=TokenizerParams(vocab_file="/etc/passwd",
+                                                                        merge_file="/etc/hostname")))
+    assert "tokenizer.vocab_file: /etc/passwd is outside" in text and "tokenizer.merge_file: /etc/hostname" in text
+    assert not (outside / "runs").exists()
+
+
+def test_a_run_never_reads_its_own_output_back_as_a_source(tmp_path):
+    root = tmp_path / "runs"
+    (root / "data" / "raw").mkdir(parents=True)
+    (root / "data" / "raw" / "a.jsonl").write_text('{"text": "x"}\n')
+    for source, how in ((root, "lies in"), (root / "data" / "raw" / "a.jsonl", "lies in"), (tmp_path, "holds")):
+        (line,) = [e for e in _errors(root, data=DataParams(sources=[str(source)])) if e.startswith("data.sources")]
+        assert f"{how} the output root {root}" in line
+
+
+def test_s3_locations_and_endpoints_are_the_operators(tmp_path, monkeypatch):
+    monkeypatch.setenv(S3_ALLOWED, "s3://corpora/public, s3://runs-bucket")
+    monkeypatch.setenv(S3_ENDPOINTS, "http://minio.internal:9000/")
+    text = "\n".join(_errors(tmp_path, data=DataParams(
+        sources=["s3://corpora/public/a.jsonl", "s3://corpora/publicity/b.jsonl", "s3://attacker/x.jsonl"],
+        endpoint_url="http://attacker.example:9000"),
+        uri="s3://attacker/loot", endpoint_url="https://attacker.example"))
+    assert "data.sources[0]" not in text
+    assert "data.sources[1]: s3://corpora/publicity/b.jsonl is outside the S3 locations the operator allows" in text
+    assert "data.sources[2]: s3://attacker/x.jsonl is outside" in text and "output.uri: s3://attacker/loot is outside" in text
+    assert "data.endpoint_url: 'http://attacker.example:9000' is not an endpoint the operator allows" in text
+    assert "output.endpoint_url: 'https://attacker.example' is not an endpoint" in text
+    boundary = Boundary.from_env()
+    assert boundary.endpoint("HTTP://MINIO.internal:9000") is None and boundary.s3_uri("s3://runs-bucket/gpt/") is None
+    monkeypatch.delenv(S3_ENDPOINTS)
+    assert "only AWS's own endpoints" in Boundary.from_env().endpoint("http://127.0.0.1:9000")
+    assert Boundary.from_env().endpoint(None) is None
+
+
+def test_by_default_everything_under_the_current_folder_and_no_other_endpoint(tmp_path, monkeypatch):
+    for name in (INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    boundary = Boundary.from_env()
+    assert boundary.input_roots == boundary.output_roots == (tmp_path.resolve(),) and boundary.s3 is None
+    assert make_plan("tiny", DataParams(), TokenizerParams(), TrainingParams(), ClusterParams(),
+                     OutputParams(root="runs")).run_dir.parent == tmp_path / "runs"
+    assert any(e.startswith("data.endpoint_url:") for e in _errors(tmp_path / "runs", data=DataParams(
+        endpoint_url="http://127.0.0.1:9000")))
+
+
+# ---------------------------------------------------------------- values and what they cost
+
+
+@pytest.mark.parametrize("training, field, says", [
+    (TrainingParams(overrides={"micro_batch_size": True}), "training.overrides.micro_batch_size", "whole number"),
+    (TrainingParams(overrides={"lr": float("nan")}), "training.overrides.lr", "finite"),
+    (TrainingParams(overrides={"clip_grad": float("inf")}), "training.overrides.clip_grad", "finite"),
+    (TrainingParams(overrides={"seed": -1}), "training.overrides.seed", "between 0 and 2**32 - 1"),
+    (TrainingParams(overrides={"num_layers": 24}), "training.overrides.num_layers", "preset tiny has 4"),
+    (TrainingParams(overrides={"model": "gpt3-1.3b"}), "training.overrides.model", "decided by the flow"),
+    (TrainingParams(overrides={"compile": "yes"}), "training.overrides.compile", "true or false"),
+], ids=["bool-as-number", "nan", "inf", "seed", "preset-shape", "preset-name", "text-as-bool"])
+def test_values_that_were_accepted_but_wrong(tmp_path, training, field, says):
+    errors = _errors(tmp_path, training=training)
+    assert any(e.startswith(f"{field}:") and says in e for e in errors), errors
+
+
+@pytest.mark.parametrize("fields", [{"micro_batch_size": True}, {"lr": float("inf")}, {"seq_length": 10**9},
+                                    {"train_iters": 0}, {"tensor_parallel": -1}, {"seed": 2**40}])
+def test_the_form_refuses_booleans_non_finite_and_out_of_range_numbers(fields):
+    with pytest.raises(ValueError) as e:
+        TrainingParams(**fields)
+    assert list(fields)[0] in str(e.value)
+
+
+def test_what_the_ranks_or_the_disk_cannot_hold_is_refused_before_anything_runs(tmp_path):
+    (line,) = [e for e in _errors(tmp_path, model="gpt3-175b") if e.startswith("training:")]
+    assert "each rank needs at least" in line and "this machine has" in line
+    (line,) = [e for e in _errors(tmp_path, training=TrainingParams(train_samples=10**13)) if e.startswith("output.root")]
+    assert f"{tmp_path} has" in line and "GiB free, but the run writes at least" in line and "data index" in line
+
+
+def test_a_huggingface_folder_to_start_from_must_be_a_model_of_this_shape(tmp_path):
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
+    assert any(e.startswith("training.overrides.init_from_hf:") and "no model.safetensors" in e for e in errors)
+    (folder / "model.safetensors").write_bytes(b"")
+    errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
+    assert any("has no 'n_embd' field: it is not a GPT-2 model's configuration" in e for e in errors)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "n_embd": 128}))
+    errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
+    assert any("model_type='llama'" in e for e in errors)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4,
+                                                    "n_positions": 128, "vocab_size": 1000}))
+    errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
+    assert any("another shape (hidden_size: 64 there, 128 here)" in e for e in errors)
+
+
+def test_a_read_only_output_root_is_named(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only folder needs root")
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mount is not permitted here: {mounted.stderr.strip()}")
+    try:
+        (line,) = [e for e in _errors(target) if e.startswith("output.root")]
+        assert f"cannot write in {target} (Read-only file system)" in line
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+# ---------------------------------------------------------------- from the command line
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--train-iters", "0"], "training.train_iters: Input should be greater than or equal to 1 (got 0)"),
+    (["--tp", "-1"], "training.tensor_parallel: Input should be greater than or equal to 1"),
+    (["--prefix", "abc", "X"], "data.prefixes[0].weight: Input should be a valid number"),
+    (["--set", "lr=[1,2"], "training.overrides.lr: --set 'lr=[1,2': the value is not valid YAML"),
+    (["--set", "micro_batch_size=true"], "training.overrides.micro_batch_size: micro_batch_size=True: expected a whole number"),
+    (["--set", "lr=.nan"], "training.overrides.lr: lr=nan: must be a finite number"),
+    (["--run-name", "../../etc"], "output.run_name: '../../etc' is not a name"),
+])
+def test_the_command_line_answers_one_block_of_lines_and_exit_2(tmp_path, args, says):
+    out = _cli("--root", str(tmp_path), *args)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "invalid parameters:\n" in out.stderr and says in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name != "data"] or not list(tmp_path.glob("*/checkpoints"))

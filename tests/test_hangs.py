@@ -1,0 +1,135 @@
+"""A hung or slow rank never burns the allocation: the follower finds a job that stopped advancing
+from its ranks' heartbeats, saves every rank's stack, cancels it and resubmits it without the node
+that hung; a run that hangs twice at one iteration stops with the report; a slow rank is named.
+
+Faults come from GPT_FAULT (gpt.heartbeat.Fault), which these tests set for the jobs they submit:
+a chosen rank sleeps when it enters a phase at an iteration.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.cluster import load_cluster
+from tasks.hang import STRAGGLER_FACTOR, Stragglers
+from tasks.train import HungTwice, train
+from tests.fixtures_gpt import read_metrics
+from tests.run_folder import job_records
+from tests.test_cluster_slurm import tiny
+from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
+
+HANG_S = 8.0          # hang_timeout_s of these runs
+
+
+def _run(tmp_path: Path, monkeypatch, fault: str, cluster, **config):
+    monkeypatch.setenv("GPT_FAULT", fault)
+    settings = dict(train_iters=16, save_interval=4, log_interval=1, hang_timeout_s=HANG_S, run_dir=str(tmp_path / "run"))
+    started = time.monotonic()
+    result = train(tiny(**{**settings, **config}), cluster)
+    return result, time.monotonic() - started
+
+
+def _hang_reports(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("jobs/*/hang-*/report.json"))]
+
+
+def _stacks(report: dict) -> dict[int, str]:
+    return {r: (Path(report["folder"]) / f"rank-{r}-stacks.txt").read_text() for r in (0, 1)}
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_rank_hung_before_a_collective_is_found_stacked_and_resubmitted_without_its_node(
+        slurm_cluster, tmp_path, monkeypatch):
+    cluster = load_cluster(slurm_cluster["preset"], nodes=1, tasks_per_node=2, nodelist="node1")
+    result, _ = _run(tmp_path, monkeypatch, "rank=1,iteration=7,phase=sync,seconds=900,node=node1", cluster)
+    run_dir = Path(result.run_dir)
+    assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
+    (report,) = _hang_reports(run_dir)
+    assert (report["rank"], report["node"], report["phase"], report["iteration"]) == (1, "node1", "sync", 7)
+    assert HANG_S <= report["stalled_s"] <= HANG_S + 10
+    stacks = _stacks(report)
+    assert "in at" in stacks[1] and "gpt/heartbeat.py" in stacks[1]          # rank 1 sleeping in the fault
+    assert "all_reduce" in stacks[0]                                         # rank 0 waiting for it
+    first, second = job_records(run_dir)
+    assert first["final"] == "HUNG" and second["final"] == "COMPLETED"
+    assert {s["nodes"] for s in second["states"] if s["state"] == "RUNNING"} == {"node2"}
+    assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
+    assert_weights_equal_an_uninterrupted_run(run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_hung_in_data_loading_is_found_and_the_run_goes_on(tmp_path, monkeypatch):
+    once = tmp_path / "fired"
+    result, _ = _run(tmp_path, monkeypatch, f"rank=0,iteration=6,phase=data,seconds=900,once={once}",
+                     load_cluster("local", tasks_per_node=2))
+    (report,) = _hang_reports(Path(result.run_dir))
+    assert (report["rank"], report["phase"], report["iteration"]) == (0, "data", 6)
+    assert "in at" in _stacks(report)[0]
+    assert result.summary["iteration"] == 16 and len(result.job_ids) == 2
+    assert [r["iteration"] for r in read_metrics(result.run_dir)] == list(range(1, 17))
+
+
+@pytest.mark.timeout(300)
+def test_a_long_save_is_not_a_hang_but_a_save_that_never_ends_is(tmp_path, monkeypatch):
+    # Every rank spends 2 x hang_timeout_s in each save: saving is slow, not hung.
+    result, _ = _run(tmp_path, monkeypatch, f"rank=-1,iteration=4,every=1,phase=save,seconds={2 * HANG_S}",
+                     load_cluster("local", tasks_per_node=2), train_iters=8)
+    assert _hang_reports(Path(result.run_dir)) == [] and len(result.job_ids) == 1
+    once = tmp_path / "fired"
+    result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=12,phase=save,seconds=900,once={once}",
+                     load_cluster("local", tasks_per_node=2), train_iters=16)
+    (report,) = _hang_reports(Path(result.run_dir))
+    assert (report["phase"], report["iteration"]) == ("save", 12)
+    assert report["limit_s"] >= 4 * HANG_S                    # a save gets several times the limit
+    assert result.summary["iteration"] == 16
+
+
+@pytest.mark.timeout(300)
+def test_the_same_hang_twice_stops_the_run_with_its_report(tmp_path, monkeypatch):
+    with pytest.raises(HungTwice, match=r"hung: .* at iteration 6, phase data; rank 1 .* before as well"):
+        _run(tmp_path, monkeypatch, "rank=1,iteration=6,phase=data,seconds=900", load_cluster("local", tasks_per_node=2))
+    run_dir = tmp_path / "run"
+    assert len(_hang_reports(run_dir)) == 2 and [j["final"] for j in job_records(run_dir)] == ["HUNG", "HUNG"]
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_that_cannot_complete_fails_the_job_within_its_timeout(tmp_path, monkeypatch):
+    from tasks.jobs import JobError
+
+    monkeypatch.setenv("GPT_FAULT", "rank=1,iteration=3,phase=sync,seconds=900")
+    started = time.monotonic()
+    with pytest.raises(JobError) as e:
+        train(tiny(train_iters=8, hang_timeout_s=900, collective_timeout_s=10, run_dir=str(tmp_path / "run")),
+              load_cluster("local", tasks_per_node=2))
+    assert time.monotonic() - started < 120
+    assert "imeout" in str(e.value) or "timed out" in str(e.value), str(e.value)[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_slow_rank_is_named_as_a_straggler_and_a_normal_run_has_none(tmp_path, monkeypatch):
+    result, _ = _run(tmp_path, monkeypatch, "rank=1,iteration=2,every=1,phase=data,seconds=0.3",
+                     load_cluster("local", tasks_per_node=2), train_iters=40, log_interval=5, hang_timeout_s=None)
+    records = [r for r in _records(result.run_dir) if r["kind"] == "ranks"]
+    watch = Stragglers()
+    found = [line for r in records for line in watch.add(r)]
+    assert len(records[0]["busy_ms"]) == 2 and found, records
+    assert found[0].startswith("straggler: rank 1 on node") and "for 20 iterations" in found[0]
+    assert all(line.startswith("straggler: rank 1 ") for line in found)
+
+    normal = tmp_path / "normal"
+    monkeypatch.delenv("GPT_FAULT")
+    result = train(tiny(train_iters=300, log_interval=10, save_interval=100, run_dir=str(normal)),
+                   load_cluster("local", tasks_per_node=2))
+    records = [r for r in _records(result.run_dir) if r["kind"] == "ranks"]
+    watch = Stragglers()
+    assert len(records) == 30 and [line for r in records for line in watch.add(r)] == []
+    ratios = [max(r["busy_ms"]) / min(r["busy_ms"]) for r in records]
+    assert max(ratios) < 2 * STRAGGLER_FACTOR
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
