@@ -138,12 +138,12 @@ def _output_root(output: OutputParams, boundary: Boundary, errors: list[str]) ->
     if problem:
         errors.append(f"output.root: {problem}")
         return root
+    existing = next(p for p in (root, *root.parents) if p.exists())
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
+        with tempfile.TemporaryFile(dir=existing):    # gone at once: the plan writes nothing
             pass
     except OSError as e:
-        errors.append(f"output.root: cannot write in {root} ({e.strerror or e}); choose a folder this user can "
+        errors.append(f"output.root: cannot write in {existing} ({e.strerror or e}); choose a folder this user can "
                       "write, on storage every node sees")
     return root
 

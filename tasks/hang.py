@@ -22,6 +22,7 @@ STEP_FACTOR = 20.0
 SLOW_FACTOR = 4.0
 SAVE_FACTOR = 3.0
 SLOW_PHASES = frozenset({"start", "load", "save"})
+FAILED_GRACE_S = 15.0       # a rank failed this long ago while the others still run: the job is stopped
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class HangWatch:
         self.seen: dict[int, tuple[int, int]] = {}     # rank -> (phases entered, iteration)
         self.step_s: float | None = None               # the slowest rank's time per iteration
         self.longest_slow = 0.0
+        self.failed: tuple[float, dict[str, Any]] | None = None   # (seen at, heartbeat) of a rank that failed
 
     def beats(self) -> list[dict[str, Any]]:
         """This job's heartbeats (a requeued SLURM job writes ``<id>.<restart>``)."""
@@ -75,6 +77,8 @@ class HangWatch:
         if self.progress_at is None:
             self.progress_at = now
         for b in beats:
+            if b["phase"] == "failed" and self.failed is None:
+                self.failed = (now, b)
             mark = (b["entered"], b["iteration"])
             if self.seen.get(b["rank"]) != mark:
                 self.seen[b["rank"]] = mark
@@ -89,6 +93,14 @@ class HangWatch:
         rank, node = self.behind(beats)
         iteration = min((b["iteration"] for b in beats), default=0)
         return Hang(self.job_id, iteration, phase, stalled, limit, rank, node, beats)
+
+    def abandoned(self) -> dict[str, Any] | None:
+        """The heartbeat of a rank that failed while the job still runs, once that has lasted
+        FAILED_GRACE_S: its peers wait for it in a collective (SLURM's --kill-on-bad-exit ends such a
+        step by itself; the local executor waits for every rank)."""
+        if self.failed is not None and self.clock() - self.failed[0] > FAILED_GRACE_S:
+            return self.failed[1]
+        return None
 
     def limit(self, beats: list[dict[str, Any]]) -> tuple[float, str]:
         """The limit for where the ranks are now, and the phase that decides it."""

@@ -417,6 +417,14 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 hang = _stop_hung(running, hang, run_dir, record, nodes)
                 finished = True
                 raise JobHung(hang)
+            failed = watch.abandoned() if watch is not None else None
+            if failed is not None:
+                logger.warning("rank %s failed while the others run on: stopping job %s", failed["rank"], job_id)
+                _kill(running, nodes)
+                record.state(job_id, "FAILED", f"rank {failed['rank']} failed, the others stopped", nodes)
+                finished = True
+                raise JobError(_failure_report(folder, job_id, cluster.world_size, "FAILED",
+                                               f"rank {failed['rank']} failed, the others stopped"))
             if state == "PENDING" and reason.split(",")[0] in PENDING_FOREVER:
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
@@ -461,12 +469,17 @@ def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord
         with contextlib.suppress(OSError):
             shutil.copyfile(stacks, folder / f"rank-{b['rank']}-stacks.txt")
     write_json(folder / "report.json", hang.to_dict())
+    _kill(running, nodes)
+    record.state(running.job_id, "HUNG", hang.line(), nodes)
+    return hang
+
+
+def _kill(running: RunningJob, nodes: str) -> None:
+    """Cancel a job whose ranks no longer answer SIGTERM, and wait (bounded) for it to end."""
     running.cancel(signal.SIGKILL)
     deadline = time.monotonic() + CANCEL_WAIT_S
     while time.monotonic() < deadline and running.state(nodes)[0] not in TERMINAL | {"GONE", "FINISHED"}:
         time.sleep(POLL_S)
-    record.state(running.job_id, "HUNG", hang.line(), nodes)
-    return hang
 
 
 # What each of torchrun's processes runs: SLURM's rank variables made theirs, so that submitit's

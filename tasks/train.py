@@ -243,11 +243,10 @@ def without_node(cluster: ClusterConfig, node: str | None) -> ClusterConfig:
 
 
 def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    """Inputs that decide what training produces: a precompile result counts by which cache and
-    nodes it names, not by whether that cache was just built or found (the hit flag, timings)."""
-    pre = parameters.get("precompiled")
-    compiled = (pre.cache_dir, pre.key, pre.nodelist) if pre is not None else None
-    return hash_objects(parameters["config"], parameters["cluster"], compiled)
+    """Inputs that decide what training produces: the job's configuration (its compile cache
+    included) and the cluster. Not the precompile result: which nodes compiled, or whether its
+    cache was just built, found or not needed (a run trained to its length compiles nothing)."""
+    return hash_objects(parameters["config"], parameters["cluster"])
 
 
 def _retryable(task: Any, task_run: Any, state: Any) -> bool:

@@ -35,3 +35,15 @@ def bpe_vocab(shakespeare_jsonl, tmp_path_factory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("bpe")
     vocab, merges = train_bpe(iter_texts([str(shakespeare_jsonl)], "text", 1 << 20), str(out), vocab_size=2000)
     return Path(vocab), Path(merges)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """The first 150 documents of the embedded default's sample corpus: real text, small enough to be
+    quick through the whole flow (split it 80,10,10 so that every split holds text)."""
+    from tasks.sample_corpus import sample_corpus
+
+    full = Path(sample_corpus(str(tmp_path_factory.mktemp("sample"))))
+    small = full.parent / "small.jsonl"
+    small.write_text("".join(full.read_text().splitlines(keepends=True)[:150]))
+    return small

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import pytest
 
+from flows.boundary import S3_ENDPOINTS
 from tasks.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
 from tests.fixtures_s3 import SECRET_KEY
@@ -56,6 +57,7 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
     s3_server.put(bucket, "corpus/shakespeare.jsonl", corpus)
     env = dict(prefect_server.env)
     env.update({k: v for k, v in s3_server.env.items() if k.startswith("AWS_")})
+    env[S3_ENDPOINTS] = s3_server.endpoint_url          # the operator lets runs use the S3 server
     env["PYTHONPATH"] = str(ROOT)
     log = work / "serve.log"
     with open(log, "w") as out:

@@ -14,7 +14,6 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
 from flows.pretrain import pretrain
-from tasks.sample_corpus import sample_corpus
 from tests.fixtures_gpt import GPTLauncher, read_metrics
 from tests.run_folder import job_records
 
@@ -22,18 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ITERS = 30
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """The first 150 documents of the sample corpus: real text, small enough to be quick."""
-    full = Path(sample_corpus(str(tmp_path_factory.mktemp("sample"))))
-    small = full.parent / "small.jsonl"
-    small.write_text("".join(full.read_text().splitlines(keepends=True)[:150]))
-    return small
-
-
-def _leg(corpus: Path, root: Path, iters: int, cluster: ClusterParams) -> dict:
+def _leg(small_corpus: Path, root: Path, iters: int, cluster: ClusterParams) -> dict:
     state = pretrain(
-        data=DataParams(sources=[str(corpus)], split="80,10,10"),
+        data=DataParams(sources=[str(small_corpus)], split="80,10,10"),
         tokenizer=TokenizerParams(train_vocab_size=1024),
         # The decay is fixed at the run's full length: each leg extends the one before.
         training=TrainingParams(train_iters=iters, eval_interval=10, eval_iters=1, log_interval=5, save_interval=10,
@@ -45,12 +35,12 @@ def _leg(corpus: Path, root: Path, iters: int, cluster: ClusterParams) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
-def test_legs_on_other_layouts_resume_one_run_with_the_uninterrupted_losses(slurm_cluster, corpus, tmp_path):
+def test_legs_on_other_layouts_resume_one_run_with_the_uninterrupted_losses(slurm_cluster, small_corpus, tmp_path):
     legs = [(10, ClusterParams(preset="slurm-local")),
             (20, ClusterParams(preset="slurm-local", overrides={"nodes": 1, "tasks_per_node": 2})),
             (ITERS, ClusterParams(preset="local"))]
     with prefect_test_harness(server_startup_timeout=120):
-        runs = [_leg(corpus, tmp_path, iters, cluster) for iters, cluster in legs]
+        runs = [_leg(small_corpus, tmp_path, iters, cluster) for iters, cluster in legs]
     run_dir = Path(runs[0]["run_dir"])
     assert {r["run_dir"] for r in runs} == {str(run_dir)}
     assert [len(r["job_ids"]) for r in runs] == [1, 2, 3]          # one job per leg, in one run folder
@@ -66,20 +56,20 @@ def test_legs_on_other_layouts_resume_one_run_with_the_uninterrupted_losses(slur
         assert got[it] == pytest.approx(want[it], rel=1e-4), f"iteration {it}: {got[it]} vs {want[it]}"
 
 
-def _cli(root: Path, corpus: Path, home: Path, storage: Path) -> subprocess.Popen:
+def _cli(root: Path, small_corpus: Path, home: Path, storage: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_LOCAL_STORAGE_PATH=str(storage), PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "flows.pretrain", "--source", str(corpus), "--split", "80,10,10",
+    return subprocess.Popen([sys.executable, "-m", "flows.pretrain", "--source", str(small_corpus), "--split", "80,10,10",
                              "--root", str(root),
                              "--train-iters", str(ITERS), "--no-compile", "--set", "log_interval=5"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.timeout(600)
-def test_the_same_run_started_twice_at_once_trains_once_and_both_end_with_its_result(corpus, tmp_path):
+def test_the_same_run_started_twice_at_once_trains_once_and_both_end_with_its_result(small_corpus, tmp_path):
     storage = tmp_path / "results"                 # one result store: the second run finds the first's results
-    first = _cli(tmp_path / "runs", corpus, tmp_path / "home-1", storage)
-    second = _cli(tmp_path / "runs", corpus, tmp_path / "home-2", storage)
+    first = _cli(tmp_path / "runs", small_corpus, tmp_path / "home-1", storage)
+    second = _cli(tmp_path / "runs", small_corpus, tmp_path / "home-2", storage)
     outputs = []
     for proc in (first, second):
         out, _ = proc.communicate(timeout=500)

@@ -18,7 +18,6 @@ from flows.params import (
     TrainingParams,
 )
 from flows.pretrain import pretrain
-from tasks.sample_corpus import sample_corpus
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +26,9 @@ def harness():
         yield
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """The first 150 documents of the sample corpus: real text, small enough to be quick."""
-    full = Path(sample_corpus(str(tmp_path_factory.mktemp("sample"))))
-    small = full.parent / "small.jsonl"
-    small.write_text("".join(full.read_text().splitlines(keepends=True)[:150]))
-    return small
-
-
-def _run(corpus: Path, root: Path, **training):
+def _run(small_corpus: Path, root: Path, **training):
     return pretrain(
-        data=DataParams(sources=[str(corpus)], split="80,10,10"),   # 150 documents: a test split too
+        data=DataParams(sources=[str(small_corpus)], split="80,10,10"),   # 150 documents: a test split too
         tokenizer=TokenizerParams(train_vocab_size=1024),
         training=TrainingParams(train_iters=6, eval_interval=3, eval_iters=1, log_interval=1, save_interval=3,
                                 overrides={"lr_warmup_iters": 1}, **training),
@@ -60,8 +50,8 @@ def _artifacts(flow_run_id) -> dict[str, object]:
     return {a.key: a for a in arts if a.key}
 
 
-def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, corpus, tmp_path):
-    state = _run(corpus, tmp_path)
+def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, small_corpus, tmp_path):
+    state = _run(small_corpus, tmp_path)
     assert state.is_completed(), state.message
     out = state.result()
     states = _task_states(state.state_details.flow_run_id)
@@ -88,16 +78,15 @@ def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, corp
     assert {"stage sync (s)", "stage tokenize (s)", "stage index (s)", "stage train (s)"} <= set(summary)
     assert "tokens/s" in summary and "MFU" in summary and float(summary["held-out test perplexity"]) > 1
 
-    again = _run(corpus, tmp_path)
+    again = _run(small_corpus, tmp_path)
     assert again.is_completed(), again.message
     states = _task_states(again.state_details.flow_run_id)
-    assert [states[k] for k in ("sync", "tokenize", "index", "export")] == ["Cached"] * 4
-    # Trained to its length already: no precompile, and the train stage submits nothing.
-    assert states["train"] == "Completed" and "precompile" not in states
+    assert [states[k] for k in ("sync", "tokenize", "index", "train", "export")] == ["Cached"] * 5
+    assert "precompile" not in states           # trained to its length already: nothing to compile
     assert again.result()["run_dir"] == out["run_dir"] and again.result()["job_ids"] == out["job_ids"]
 
     # A different schedule reuses the data stages and trains into a new run folder.
-    third = _run(corpus, tmp_path, seed=7)
+    third = _run(small_corpus, tmp_path, seed=7)
     states = _task_states(third.state_details.flow_run_id)
     assert [states[k] for k in ("sync", "tokenize")] == ["Cached"] * 2 and states["train"] == "Completed"
     assert third.result()["run_dir"] != out["run_dir"]
@@ -116,13 +105,13 @@ def test_bad_parameters_fail_the_run_before_any_task(harness, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_tokenized_prefixes_and_vocabulary_from_s3(harness, corpus, tmp_path, s3_server, monkeypatch):
+def test_tokenized_prefixes_and_vocabulary_from_s3(harness, small_corpus, tmp_path, s3_server, monkeypatch):
     from tasks.tokenize import tokenize
 
     for k, v in s3_server.env.items():
         if k.startswith("AWS_"):
             monkeypatch.setenv(k, v)
-    made = tokenize([str(corpus)], str(tmp_path / "tok" / "plays"), train_vocab_size=1024, workers=1)
+    made = tokenize([str(small_corpus)], str(tmp_path / "tok" / "plays"), train_vocab_size=1024, workers=1)
     prefix = made.prefixes["text"]
     bucket = s3_server.new_bucket()
     for path in (prefix + ".bin", prefix + ".idx", made.vocab_file, made.merge_file):
@@ -145,9 +134,9 @@ def test_tokenized_prefixes_and_vocabulary_from_s3(harness, corpus, tmp_path, s3
     assert config["vocab_size"] == made.vocab_size and config["data_index"] == out["index"]
 
 
-def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(harness, corpus, tmp_path):
-    src = tmp_path / "corpus.jsonl"
-    src.write_text(corpus.read_text())
+def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(harness, small_corpus, tmp_path):
+    src = tmp_path / "small_corpus.jsonl"
+    src.write_text(small_corpus.read_text())
     root = tmp_path / "root"
     first = _run(src, root, compile=False)
     assert first.is_completed(), first.message

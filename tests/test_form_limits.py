@@ -25,6 +25,7 @@ from flows.params import (
     WeightedPrefix,
 )
 from flows.plan import make_plan
+from tests.fixtures_disk import read_only
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,20 +166,11 @@ def test_a_huggingface_folder_to_start_from_must_be_a_model_of_this_shape(tmp_pa
     assert any("another shape (hidden_size: 64 there, 128 here)" in e for e in errors)
 
 
-def test_a_read_only_output_root_is_named(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only folder needs root")
-    target = tmp_path / "ro"
-    target.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mount is not permitted here: {mounted.stderr.strip()}")
-    try:
-        (line,) = [e for e in _errors(target) if e.startswith("output.root")]
-        assert f"cannot write in {target} (Read-only file system)" in line
-    finally:
-        subprocess.run(["umount", str(target)], check=True)
+def test_a_read_only_output_root_is_named(disk):
+    target = disk("1m")
+    read_only(target)
+    (line,) = [e for e in _errors(target) if e.startswith("output.root")]
+    assert f"cannot write in {target} (Read-only file system)" in line
 
 
 # ---------------------------------------------------------------- from the command line

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,35 +16,9 @@ from gpt.data import IndexedDatasetWriter
 from gpt.export import export
 from gpt.files import WriteError, write_json
 from gpt.metrics import MetricsWriter
+from tests.fixtures_disk import read_only
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """Mounts a tmpfs of the given size (``"2m"``) under tmp_path; unmounted after the test."""
-    mounts: list[Path] = []
-
-    def mount(size: str = "2m") -> Path:
-        folder = tmp_path / f"disk{len(mounts)}"
-        folder.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): these tests need root "
-                        "with the right to mount (CAP_SYS_ADMIN)")
-        mounts.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounts:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
-def read_only(folder: Path) -> None:
-    done = subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot remount {folder} read-only ({done.stderr.strip()})")
 
 
 def fill(folder: Path, leave: int = 0) -> None:
@@ -210,3 +183,16 @@ def test_a_denied_read_elsewhere_is_not_blamed_on_the_output(tmp_path):
     writing = PermissionError(13, "Permission denied", str(tmp / "model.safetensors"))
     assert str(storage_error(writing, out, [tmp])) == (f"cannot write {out}: permission denied: make {out.parent} "
                                                        "writable for this user (or write elsewhere) and run it again")
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_that_the_destination_cannot_hold_is_refused_before_copying(disk, tmp_path):
+    from tasks.sync import SyncError, sync
+
+    source = tmp_path / "corpus"
+    source.mkdir()
+    (source / "a.jsonl").write_bytes(b'{"text": "x"}\n' * 250_000)      # 3.5 MB
+    dest = disk("2m")
+    with pytest.raises(SyncError, match=rf"1 files \(3.5 MB\) to copy into {dest}, which has .* free: free space"):
+        sync([str(source)], str(dest))
+    assert [p.name for p in dest.rglob("*") if p.is_file()] == []

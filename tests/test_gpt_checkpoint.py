@@ -112,25 +112,14 @@ def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_p
     assert _losses(run) == _losses(reference)
 
 
-def test_a_full_disk_fails_the_save_naming_the_folder_and_leaves_nothing_half_written(gpt_launcher, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    run = tmp_path / "small-disk"
-    run.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(run)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mount is not permitted here: {mounted.stderr.strip()}")
-    try:
-        cfg = {**SMALL, "run_dir": str(run)}
-        results = gpt_launcher.wait(gpt_launcher.start(cfg))
-        rc, out = results[0]
-        assert rc != 0
-        assert re.search(r"checkpoint iteration 4: cannot write \S+iter_0000004\.tmp-\S+: No space left on device; "
-                         rf"free space in {run / 'checkpoints'}", out), out[-3000:]
-        assert not list((run / "checkpoints").iterdir())           # no partial save, nothing to resume from
-        subprocess.run(["mount", "-o", "remount,size=16m", str(run)], check=True)
-        out = gpt_launcher.run(cfg)
-        assert _summary(out)["status"] == "completed" and "resumed from" not in out
-    finally:
-        subprocess.run(["umount", "-l", str(run)], check=False)
+def test_a_full_disk_fails_the_save_naming_the_folder_and_leaves_nothing_half_written(gpt_launcher, disk):
+    run = disk("200k")
+    cfg = {**SMALL, "run_dir": str(run)}
+    ((rc, out),) = gpt_launcher.wait(gpt_launcher.start(cfg))
+    assert rc != 0
+    assert re.search(r"checkpoint iteration 4: cannot write \S+iter_0000004\.tmp-\S+: No space left on device; "
+                     rf"free space in {run / 'checkpoints'}", out), out[-3000:]
+    assert not list((run / "checkpoints").iterdir())           # no partial save, nothing to resume from
+    subprocess.run(["mount", "-o", "remount,size=16m", str(run)], check=True)
+    out = gpt_launcher.run(cfg)
+    assert _summary(out)["status"] == "completed" and "resumed from" not in out

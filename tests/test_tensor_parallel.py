@@ -21,8 +21,8 @@ import gpt.distributed as _dist, gpt.train as _train
 from gpt import tensor_parallel as _tp
 from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed
-def _explicit(backend, tp_size):
-    env = _init(backend, 1)
+def _explicit(backend, tp_size, timeout_s):
+    env = _init(backend, 1, timeout_s)
     return _dist.DistEnv(env.rank, env.world_size, env.local_rank, None,
                          _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))
 _train.init_distributed = _explicit

@@ -155,12 +155,16 @@ def test_the_launcher_trains_on_two_nodes_with_two_ranks_each(slurm_cluster: dic
     assert all(summary["iteration"] == 4 for _, summary in results)
 
 
-def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: Path) -> None:
+def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: Path, monkeypatch) -> None:
     """GPT-3 6.7B on 16 x trn1.32xlarge with tensor parallel 32 (one node's 32 NeuronCores per
     group, 16 data-parallel replicas): the plan accepts it and the job's checks pass for 512 ranks."""
+    from flows import sizes
     from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from flows.plan import make_plan
     from gpt import tensor_parallel
+
+    # Its root is shared storage with room for its 72 GiB checkpoints (FSx), unlike this machine's disk.
+    monkeypatch.setattr(sizes, "free_bytes", lambda path: 100 * sizes.GIB * 1024)
 
     plan = make_plan("gpt3-6.7b", DataParams(), TokenizerParams(), TrainingParams(train_iters=100, tensor_parallel=32),
                      ClusterParams(preset="trn1-32xl"), OutputParams(root=str(tmp_path)))

@@ -154,6 +154,15 @@ def sync_work(objs: list[Source], folder: Path, partial: Path, old: dict[str, Fi
     return out
 
 
+def _check_room(todo: list[Source], folder: Path) -> None:
+    """Refuse, before transferring anything, what the destination's free space cannot hold."""
+    need = sum(o.size for o in todo)
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise SyncError(f"{len(todo)} files ({human_bytes(need)}) to copy into {folder}, which has "
+                        f"{human_bytes(free)} free: free space there (or sync elsewhere) and run it again")
+
+
 def _umask() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
@@ -343,6 +352,7 @@ def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: 
             else:
                 run.entries[o.rel] = entry
         _empty(partial)                     # leftovers of an interrupted run
+        _check_room(work.todo, folder)
         run.start(work.todo, f"sync to {folder}")
         if run.entries:
             run.progress.logger.info(f"{len(run.entries)} of {len(objs)} files already in {folder} and unchanged")
