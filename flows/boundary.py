@@ -19,6 +19,8 @@ variable               what                                                     
 ``GPT_S3_ENDPOINTS``   S3-compatible endpoint URLs (comma-separated) that        none: AWS's own
                        ``data.endpoint_url`` and ``output.endpoint_url`` may     endpoints only
                        name
+``GPT_AWS_PROFILES``   AWS profiles (comma-separated) that ``data.profile``      any profile
+                       and ``output.profile`` may choose
 =====================  =======================================================  ==================
 
 Paths are compared after resolving links, so a link cannot lead out of a root.
@@ -31,10 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tasks.sync.reach import inside
+
 INPUT_ROOTS = "GPT_INPUT_ROOTS"
 OUTPUT_ROOTS = "GPT_OUTPUT_ROOTS"
 S3_ALLOWED = "GPT_S3_ALLOWED"
 S3_ENDPOINTS = "GPT_S3_ENDPOINTS"
+AWS_PROFILES = "GPT_AWS_PROFILES"
 
 
 def _folders(value: str | None) -> tuple[Path, ...]:
@@ -53,10 +58,6 @@ def normalise_endpoint(url: str) -> str:
     return f"{parts.scheme.lower()}://{(parts.netloc or '').lower()}"
 
 
-def inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 @dataclass(frozen=True)
 class Boundary:
     """The operator's limits on what a run's parameters may name."""
@@ -64,13 +65,15 @@ class Boundary:
     output_roots: tuple[Path, ...]
     s3: tuple[str, ...] | None          # allowed s3://bucket[/prefix] entries; None: any
     endpoints: tuple[str, ...]          # allowed endpoint URLs, normalised
+    profiles: tuple[str, ...] | None = None   # allowed AWS profiles; None: any
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Boundary:
         s3 = _entries(env.get(S3_ALLOWED))
         return cls(input_roots=_folders(env.get(INPUT_ROOTS)), output_roots=_folders(env.get(OUTPUT_ROOTS)),
                    s3=tuple(e.rstrip("/") for e in s3) or None,
-                   endpoints=tuple(normalise_endpoint(e) for e in _entries(env.get(S3_ENDPOINTS))))
+                   endpoints=tuple(normalise_endpoint(e) for e in _entries(env.get(S3_ENDPOINTS))),
+                   profiles=_entries(env.get(AWS_PROFILES)) or None)
 
     def output_root(self, path: Path) -> str | None:
         """What is wrong with ``path`` (resolved) as the output root, or None."""
@@ -96,6 +99,13 @@ class Boundary:
         if any(bare == e or bare.startswith(e + "/") for e in self.s3):
             return None
         return (f"{uri} is outside the S3 locations the operator allows ({', '.join(self.s3)}; {S3_ALLOWED} "
+                "where the flow runs)")
+
+    def profile(self, name: str | None) -> str | None:
+        """What is wrong with using the credentials of AWS profile ``name``, or None."""
+        if name is None or self.profiles is None or name in self.profiles:
+            return None
+        return (f"{name!r} is not an AWS profile the operator allows ({', '.join(self.profiles)}; {AWS_PROFILES} "
                 "where the flow runs)")
 
     def endpoint(self, url: str | None) -> str | None:

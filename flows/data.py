@@ -2,7 +2,6 @@
 and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from flows.params import (
     TokenizerParams,
     is_remote,
 )
-from flows.sizes import GIB, free_bytes
+from flows.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
 from gpt.config import Config
 from tasks import report as reporting
@@ -109,9 +108,9 @@ def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages) -> list[tup
     return out
 
 
-def check_repetition(dataset: Dataset, split: str, config: Config, index_dir: Path) -> list[str]:
+def check_repetition(dataset: Dataset, split: str, config: Config) -> list[str]:
     """Before the index is built: refuse splits that are given a share but hold no text, and an
-    index the disk or memory cannot hold; returns a warning when the training text is repeated more
+    index this machine's memory cannot build (the plan checked the disk); returns a warning when the training text is repeated more
     than REPEAT_WARNING_EPOCHS times (evaluating the same small split again costs nothing but time)."""
     needs = index_needs(dataset.blend, split=split, seq_length=config.seq_length, num_samples=config.num_samples())
     errors, warnings = [], []
@@ -126,12 +125,11 @@ def check_repetition(dataset: Dataset, split: str, config: Config, index_dir: Pa
                             f"for {n.samples:,} samples of {config.seq_length:,}): more data, or fewer samples, "
                             "would train better")
     total = sum(n.index_bytes for n in needs)
-    room = min(free_bytes(index_dir), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if total > room:
+    if total > physical_memory():       # each split's document index is built in memory
         errors.append(f"training: the data index would take {total / GIB:,.1f} GiB (the data repeated up to "
                       f"{max(n.epochs for n in needs):,} times for these samples and seq_length "
-                      f"{config.seq_length:,}), more than the memory or the free space in {index_dir} "
-                      f"({room / GIB:,.1f} GiB); train fewer samples, or give more data")
+                      f"{config.seq_length:,}), more than this machine's memory ({physical_memory() / GIB:,.1f} "
+                      "GiB) to build it; train fewer samples, or give more data")
     if errors:
         raise ParameterError(errors)
     return warnings

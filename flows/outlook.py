@@ -13,6 +13,7 @@ from typing import Literal
 from gpt.checkpoint import iteration_of, newest_intact, saved_layout
 from gpt.config import Config
 from tasks.cluster import ClusterConfig
+from tasks.train import trained_summary
 
 _PART = re.compile(r"\.tp\d+of(\d+)$")
 
@@ -21,8 +22,6 @@ _PART = re.compile(r"\.tp\d+of(\d+)$")
 class Outlook:
     kind: Literal["new", "resume", "trained"]
     message: str
-    iteration: int = 0
-    checkpoint: Path | None = None
 
 
 def outlook(run_dir: Path, config: Config, cluster: ClusterConfig) -> Outlook:
@@ -35,15 +34,18 @@ def outlook(run_dir: Path, config: Config, cluster: ClusterConfig) -> Outlook:
             f" from {config.init_from_hf}" if config.init_from_hf else "")
         return Outlook("new", f"new run {run_dir.name}{start}, {total:,} iterations{notes}")
     done = iteration_of(newest)
-    if done >= total:
+    if trained_summary(run_dir, total, newest) is not None:
         return Outlook("trained", f"run {run_dir.name} is already trained to iteration {done:,} ({total:,} asked): "
-                                  f"nothing to train{notes}", done, newest)
+                                  f"nothing to train{notes}")
+    if done >= total:
+        return Outlook("resume", f"run {run_dir.name} is trained to iteration {done:,} but left no summary: a short "
+                                 f"job evaluates it{notes}")
     saved = saved_layout(newest)
     was = (f"saved by {saved['nodes']} x {saved['world_size'] // saved['nodes']} ranks, TP {saved['tensor_parallel']}"
            if saved else "saved by an earlier version, layout not recorded")
     now = f"now {cluster.nodes} x {cluster.tasks_per_node}, TP {config.tensor_parallel}"
     return Outlook("resume", f"resumes run {run_dir.name} from iteration {done:,} of {total:,} ({was}; {now})"
-                             f"{_extension(run_dir, config)}{notes}", done, newest)
+                             f"{_extension(run_dir, config)}{notes}")
 
 
 def _extension(run_dir: Path, config: Config) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flows import identity as run_identity
-from flows.boundary import Boundary, inside
+from flows.boundary import Boundary
 from flows.layout import Layout
 from flows.outlook import Outlook, cannot_load, outlook
 from flows.params import (
@@ -33,13 +33,14 @@ from flows.params import (
     TrainingParams,
     is_remote,
 )
-from flows.sizes import disk_problem, memory_problem
-from gpt.checkpoint import MARKER, newest_intact
+from flows.sizes import disk_problem, existing_parent, memory_problem
+from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
 from gpt.config import PRESETS, Config, ConfigError
 from tasks.cluster import FLOAT8_GPUS, ClusterConfig, load_cluster
 from tasks.index import parse_split
 from tasks.precompile import cache_key
 from tasks.sync import local_path
+from tasks.sync.reach import inside
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
@@ -121,11 +122,12 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     problem = memory_problem(config, where)
     if problem:
         errors.append(f"training: {problem}")
-    problem = None if any(e.startswith("output.root:") for e in errors) else disk_problem(config, root)
+    resuming = Checkpointer(run_dir / "checkpoints", 1, 0).latest() is not None
+    problem = None if any(e.startswith("output.root:") for e in errors) else disk_problem(config, root, resuming)
     if problem:
         errors.append(f"output.root: {problem}")
     if not errors:
-        _check_run_folder(run_dir, identity, config, where, output, errors)
+        errors += run_folder_problems(run_dir, identity, config)
     if errors:
         raise ParameterError(errors)
     return Plan(config=config, cluster=where, layout=layout, run_dir=run_dir, identity=identity)
@@ -138,7 +140,7 @@ def _output_root(output: OutputParams, boundary: Boundary, errors: list[str]) ->
     if problem:
         errors.append(f"output.root: {problem}")
         return root
-    existing = next(p for p in (root, *root.parents) if p.exists())
+    existing = existing_parent(root)
     try:
         with tempfile.TemporaryFile(dir=existing):    # gone at once: the plan writes nothing
             pass
@@ -153,30 +155,26 @@ def _run_name(output: OutputParams, model: str, identity: dict[str, Any], errors
     name = output.run_name
     if name is None:
         return f"{model}-{run_identity.run_key(identity)}"
-    if not RUN_NAME.match(name) or name in RESERVED_NAMES or set(name) == {"."}:
+    if not RUN_NAME.match(name) or name in RESERVED_NAMES:
         errors.append(f"output.run_name: {name!r} is not a name: use letters, digits and . _ - (up to 128, not "
                       f"starting with . _ -, not {', '.join(sorted(RESERVED_NAMES))}); runs live in output.root")
     return name
 
 
-def _check_run_folder(run_dir: Path, identity: dict[str, Any], config: Config, cluster: ClusterConfig,
-                      output: OutputParams, errors: list[str]) -> None:
-    """The run folder's own run goes on only as the same run, and only from a checkpoint this
-    layout can load."""
+def run_folder_problems(run_dir: Path, identity: dict[str, Any], config: Config) -> list[str]:
+    """Why the run folder's own run cannot go on under this plan: it was started with other
+    defining fields, or its newest intact checkpoint is in a layout this one cannot load. Checked
+    by the plan, and again by the flow once it owns the folder (another run may have started it)."""
     newest, _ = newest_intact(run_dir / "checkpoints")
-    if newest is None:
-        return
     before = run_identity.recorded(run_dir)
-    if before is not None and before != identity:
+    if before is not None and before != identity and (newest is not None or (run_dir / "metrics.jsonl").exists()):
         changed = run_identity.differences(before, identity)
-        errors.append(f"output.run_name: run {run_dir.name} was started with other defining fields "
-                      f"({'; '.join(changed)}): give another output.run_name for a new run, or start a new run "
-                      f"from this one with training.init_from={run_dir.name} (weights only, or with "
-                      "training.init_from_optimizer its optimizer state too)")
-        return
-    problem = cannot_load(newest, config)
-    if problem:
-        errors.append(f"training.tensor_parallel: {problem}")
+        return [f"output.run_name: run {run_dir.name} was started with other defining fields "
+                f"({'; '.join(changed)}): give another output.run_name for a new run, or start a new run "
+                f"from this one with training.init_from={run_dir.name} (weights only, or with "
+                "training.init_from_optimizer its optimizer state too)"]
+    problem = cannot_load(newest, config) if newest is not None else None
+    return [f"training.tensor_parallel: {problem}"] if problem else []
 
 
 def _start_from(training: TrainingParams, layout: Layout, boundary: Boundary, config: Config,
@@ -196,6 +194,11 @@ def _start_from(training: TrainingParams, layout: Layout, boundary: Boundary, co
         run_dir = where
     elif (where / MARKER).is_file():
         checkpoint, run_dir = where, where.parent.parent
+        problem = damage(where)
+        if problem:
+            errors.append(f"training.init_from: checkpoint {where} is damaged ({problem}); name its run to start "
+                          "from the newest intact checkpoint, or an older checkpoint")
+            return None
     else:
         checkpoint, run_dir = None, where
     if checkpoint is None:
@@ -354,6 +357,7 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
             elif _allowed(field, boundary.local_input(path, root), errors):
                 break
     _allowed("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
+    _allowed("data.profile", boundary.profile(data.profile), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
     for name in ("vocab_file", "merge_file"):
@@ -381,6 +385,7 @@ def _check_output(output: OutputParams, boundary: Boundary, errors: list[str]) -
     elif output.uri is not None:
         _allowed("output.uri", boundary.s3_uri(output.uri), errors)
     _allowed("output.endpoint_url", boundary.endpoint(output.endpoint_url), errors)
+    _allowed("output.profile", boundary.profile(output.profile), errors)
 
 
 def _allowed(field: str, problem: str | None, errors: list[str]) -> bool:

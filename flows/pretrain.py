@@ -22,12 +22,13 @@ from flows.params import (
     DataParams,
     ModelName,
     OutputParams,
+    ParameterError,
     TokenizerParams,
     TrainingParams,
     refused_as_failed_run,
 )
 from flows import identity
-from flows.plan import Plan, make_plan
+from flows.plan import Plan, make_plan, run_folder_problems
 from flows.stages import Stages, export_intact, index_intact
 from tasks import report as reporting
 from tasks.export import export_task
@@ -65,6 +66,9 @@ def pretrain(
 
 
 def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams) -> dict:
+    problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)   # as it is now that it is ours
+    if problems:
+        raise ParameterError(problems)
     stages = Stages()
     outlook = plan.outlook()
     identity.record(plan.run_dir, plan.identity)
@@ -73,7 +77,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     reporting.plan_table(plan, outlook.message)
 
     dataset = data_stages.prepare(data, tokenizer, plan.layout, stages)
-    warnings = data_stages.check_repetition(dataset, data.split, plan.config, plan.layout.index())
+    warnings = data_stages.check_repetition(dataset, data.split, plan.config)
     for warning in warnings:
         print(f"warning: {warning}")
     if warnings:

@@ -46,7 +46,7 @@ def device_memory(cluster: ClusterConfig) -> tuple[int, str] | None:
         gib = DEVICE_MEMORY_GIB.get((cluster.accelerator or "").lower())
         return (gib * GIB, f"a {cluster.accelerator} has {gib} GiB") if gib else None
     if cluster.kind == "local":
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = physical_memory()
         return total // cluster.tasks_per_node, (f"this machine has {total / GIB:.0f} GiB for "
                                                  f"{cluster.tasks_per_node} rank(s)")
     return None
@@ -71,15 +71,26 @@ def written_bytes(config: Config) -> tuple[int, int]:
     return INDEX_BYTES * samples, CHECKPOINT_BYTES * parameters(config)
 
 
+def physical_memory() -> int:
+    """This machine's memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def existing_parent(path: Path) -> Path:
+    """``path``, or the nearest folder above it that exists (where it would be created)."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
 def free_bytes(path: Path) -> int:
     """Free space where ``path`` is (or would be created)."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    return shutil.disk_usage(existing).free
+    return shutil.disk_usage(existing_parent(path)).free
 
 
-def disk_problem(config: Config, root: Path) -> str | None:
-    """Why the output root cannot hold what the run writes, or None."""
+def disk_problem(config: Config, root: Path, resuming: bool) -> str | None:
+    """Why the output root cannot hold what the run writes, or None. A resumed run wrote its data
+    index before: one more checkpoint is what it needs."""
     index, checkpoint = written_bytes(config)
+    index = 0 if resuming else index
     free = free_bytes(root)
     if index + checkpoint <= free:
         return None

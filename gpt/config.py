@@ -135,16 +135,21 @@ class Config:
             self._set("max_position_embeddings", self.seq_length)
 
     def _coerce_numbers(self) -> None:
-        """Numbers given as text (a form field, ``--set lr=3e-4`` read as YAML 1.1) become numbers;
-        text that is no number is an error naming the field."""
+        """Numbers given as text (a form field, ``--set lr=3e-4`` read as YAML 1.1) become numbers,
+        and whole numbers given for a float field floats (1 and 1.0 are one value); text that is
+        no number, or no finite one, is an error naming the field."""
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _kind(f)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                self._set(f.name, float(value))
             if not isinstance(value, str) or kind is None:
                 continue
             try:
                 number = {"true": True, "false": False}[value.strip().lower()] if kind is bool else float(value)
             except (KeyError, ValueError):
                 raise ConfigError(f"{f.name}={value!r}: expected {'true or false' if kind is bool else 'a number'}") from None
+            if kind is not bool and not math.isfinite(number):
+                raise ConfigError(f"{f.name}={value!r}: must be a finite number")
             if kind is int:
                 if number != int(number):
                     raise ConfigError(f"{f.name}={value!r}: expected a whole number")
@@ -233,6 +238,8 @@ class Config:
     def problems(self, world_size: int = 1) -> list[str]:
         """Every problem of this configuration on ``world_size`` ranks, one message each."""
         found = self._type_problems()
+        if found:
+            return found            # the checks below compare and compute with these values
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 found.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
@@ -275,6 +282,9 @@ class Config:
         found: list[str] = []
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _kind(f)
+            if value is None and "None" not in str(f.type):
+                found.append(f"{f.name} must be set (it has no empty value)")
+                continue
             if value is None or kind is None:
                 continue
             if kind is bool:

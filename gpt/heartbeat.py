@@ -65,13 +65,13 @@ class Heartbeat:
                 "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "pid": os.getpid(),
                 "phase": self.phase, "iteration": self.iteration, "entered": self.entered, "since": self.since,
                 "written": time.time(), "step_s": self.step_s,
-                "longest": {k: round(v, 3) for k, v in self.longest.items()}}
+                "longest": {k: round(v, 3) for k, v in dict(self.longest).items()}}   # a copy: the rank adds to it
 
     def write(self) -> None:
         try:
             write_json(self.folder / f"rank-{self.rank}.json", self.record())
-        except OSError:
-            pass            # a full or flaky shared disk must not stop training; the follower sees silence
+        except Exception:  # noqa: BLE001 - a full or flaky shared disk must not stop training (nor this thread)
+            pass
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every_s):

@@ -78,13 +78,13 @@ class MetricsWriter:
                      "valid_loss": loss, "time": time.time()})
         self._tb.add_scalar("valid/lm_loss", loss, iteration)
 
-    def ranks(self, iteration: int, busy_ms: list[float], nodes: list[str]) -> None:
-        """Each rank's busy time per iteration (data loading and forward passes) over the last log
-        interval, and its node: what tells a straggler."""
+    def ranks(self, iteration: int, iterations: int, busy_ms: list[float], nodes: list[str]) -> None:
+        """Each rank's busy time per iteration (data loading and forward passes) over the last
+        ``iterations`` iterations, and its node: what tells a straggler."""
         if not self.enabled:
             return
-        self._write({"kind": "ranks", "iteration": iteration, "busy_ms": [round(b, 3) for b in busy_ms],
-                     "nodes": nodes, "time": time.time()})
+        self._write({"kind": "ranks", "iteration": iteration, "iterations": iterations,
+                     "busy_ms": [round(b, 3) for b in busy_ms], "nodes": nodes, "time": time.time()})
 
     def _write(self, obj: dict[str, Any]) -> None:
         data = memoryview((json.dumps(obj) + "\n").encode())

@@ -188,6 +188,7 @@ def evaluate(model: nn.Module, dataset, config: Config, env: DistEnv, device: to
     total = torch.zeros((), device=device)
     count = 0
     for k in range(iters):
+        heartbeat.enter("eval")             # a mark per batch: a long evaluation still advances
         for x, y in micro_batches(dataset, k * g, g, config, env, device):
             with backend.autocast(config.precision):
                 total += model(x, y).float()
@@ -315,7 +316,7 @@ class StepLog:
             busy, self.busy = self._busy_s() - self.busy, self._busy_s()
             busy_ms = gather_floats(1000 * busy / count, self.device)
             if not first:   # the job's first iteration warms up: it tells nothing about the rank
-                self.metrics.ranks(records[-1]["iteration"], busy_ms, self.nodes)
+                self.metrics.ranks(records[-1]["iteration"], count, busy_ms, self.nodes)
         self.held = []
         self.interval += records
         self.last = records[-1]
@@ -455,7 +456,6 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             if logging:
                 steps.log_line()
             if evaluating:
-                heartbeat.enter("eval")
                 valid_loss = evaluate(model, valid_data, config, env, device, backend,
                                       1 if config.precompile else config.eval_iters)
                 if valid_loss is not None:
@@ -476,7 +476,6 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
         save_compile_cache(config, env.rank)
     test_loss = None
     if status == "completed" and not config.precompile and not config.benchmark:
-        heartbeat.enter("eval")
         test_loss = evaluate(model, test_data, config, env, device, backend, config.eval_iters)
         if test_loss is not None:
             log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "

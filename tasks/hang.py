@@ -5,7 +5,7 @@ A job is hung when no rank has entered a new phase for longer than its limit: ``
 when the run sets it, else ``STEP_FACTOR`` step times with a floor of ``FLOOR_S``. Phases that are
 long by nature (starting, loading or saving a checkpoint, the job's first step, which compiles) get
 ``SLOW_FACTOR`` times that, and never less than ``SAVE_FACTOR`` times the longest such phase seen.
-The rank that is behind the others (fewer phases entered, or no heartbeat at all) is named with
+Evaluation counts as long by nature too (its first pass may compile). The rank that is behind the others (fewer phases entered, or no heartbeat at all) is named with
 its node when it is one rank, or ranks of one node; the others are then waiting for it.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ FLOOR_S = 600.0
 STEP_FACTOR = 20.0
 SLOW_FACTOR = 4.0
 SAVE_FACTOR = 3.0
-SLOW_PHASES = frozenset({"start", "load", "save"})
+SLOW_PHASES = frozenset({"start", "load", "save", "eval"})
 FAILED_GRACE_S = 15.0       # a rank failed this long ago while the others still run: the job is stopped
 
 
@@ -65,13 +65,16 @@ class HangWatch:
         self.failed: tuple[float, dict[str, Any]] | None = None   # (seen at, heartbeat) of a rank that failed
 
     def beats(self) -> list[dict[str, Any]]:
-        """This job's heartbeats (a requeued SLURM job writes ``<id>.<restart>``)."""
-        return [b for b in heartbeat.read(self.run_dir) if str(b.get("job", "")).split(".")[0] == self.job_id]
+        """This job's heartbeats, of its newest start only (a requeued SLURM job writes
+        ``<id>.<restart>``; a rank of an earlier start may have left a file)."""
+        ours = [b for b in heartbeat.read(self.run_dir) if str(b.get("job", "")).split(".")[0] == self.job_id]
+        newest = max((_start(b) for b in ours), default=0)
+        return [b for b in ours if _start(b) == newest]
 
     def check(self, state: str) -> Hang | None:
         now = self.clock()
         if state != "RUNNING":
-            self.progress_at = None                    # queued or requeued: the clock starts when it runs
+            self.progress_at, self.failed = None, None  # queued or requeued: watched afresh when it runs
             return None
         beats = self.beats()
         if self.progress_at is None:
@@ -137,20 +140,18 @@ STRAGGLER_RECORDS = 3       # ... and at least this many log intervals: a stragg
 class Stragglers:
     """Ranks persistently slower than the others, from the ``ranks`` records of metrics.jsonl (each
     rank's busy time per iteration over a log interval: data loading and forward passes, the work
-    it does before it waits for the others)."""
+    it does before it waits for the others). With two ranks the median is their mean: one is named
+    when it is three times as busy as the other."""
 
     def __init__(self) -> None:
-        self.last_iteration: int | None = None
         self.slow: dict[int, tuple[int, int]] = {}    # rank -> (iterations, records) slow in a row
 
     def add(self, record: dict[str, Any]) -> list[str]:
         """Take one ``ranks`` record; returns a line per straggler."""
-        busy, median = record["busy_ms"], _median(record["busy_ms"])
-        covered = record["iteration"] - (self.last_iteration or record["iteration"] - 1)
-        self.last_iteration = record["iteration"]
+        busy, median, covered = record["busy_ms"], _median(record["busy_ms"]), record["iterations"]
         lines = []
         for rank, ms in enumerate(busy):
-            if ms < STRAGGLER_FACTOR * median or covered <= 0:
+            if ms < STRAGGLER_FACTOR * median:
                 self.slow.pop(rank, None)
                 continue
             iterations, records = self.slow.get(rank, (0, 0))
@@ -161,6 +162,12 @@ class Stragglers:
                              f"slower than {STRAGGLER_FACTOR}x for {self.slow[rank][0]} iterations (to iteration "
                              f"{record['iteration']})")
         return lines
+
+
+def _start(beat: dict[str, Any]) -> int:
+    """Which start of its job a heartbeat is from (SLURM's restart count; 0 elsewhere)."""
+    job = str(beat.get("job", ""))
+    return int(job.split(".")[1]) if "." in job and job.split(".")[1].isdigit() else 0
 
 
 def _median(values: list[float]) -> float:

@@ -35,7 +35,8 @@ from tasks.run_owner import RunOwner
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
 
-SUMMARY = "summary.json"      # the last completed job's summary: what a run trained to its length reports
+SUMMARY = "summary.json"
+MAX_HANGS = 3                 # hangs of one train stage before it gives up, at any iterations      # the last completed job's summary: what a run trained to its length reports
 
 
 class MetricsFollower:
@@ -113,18 +114,17 @@ def refuse_other_data(run_dir: Path, config: Config) -> None:
                           "(or change the seed) to train on the new data in a new folder, or restore the old data")
 
 
-def trained(run_dir: Path, config: Config, cluster: ClusterConfig) -> TrainResult | None:
-    """The run's result when it is trained to this length already (its newest intact checkpoint
-    reached it, and the job that got there left its summary): nothing to submit."""
-    newest, _ = newest_intact(run_dir / "checkpoints")
+def trained_summary(run_dir: Path, total_iters: int, newest: Path | None) -> dict[str, Any] | None:
+    """The summary of a run trained to ``total_iters`` already: its newest intact checkpoint
+    (``newest``) reached it, and the job that got there left its summary. The one place that
+    decides a run needs no job."""
     try:
         summary = json.loads((run_dir / SUMMARY).read_text())
     except (OSError, ValueError):
         return None
-    if newest is None or iteration_of(newest) < config.total_iters or summary.get("iteration") != iteration_of(newest):
+    if newest is None or iteration_of(newest) < total_iters or summary.get("iteration") != iteration_of(newest):
         return None
-    return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
-                       metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind)
+    return summary
 
 
 def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileManifest | None" = None) -> TrainResult:
@@ -138,11 +138,12 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
     cluster = on_compiled_nodes(cluster, precompiled)
     with RunOwner(run_dir):
         refuse_other_data(run_dir, config)
-        done = trained(run_dir, config, cluster)
-        if done is not None:
+        summary = trained_summary(run_dir, config.total_iters, newest_intact(run_dir / "checkpoints")[0])
+        if summary is not None:
             run_logger().info("run %s is trained to iteration %s already: nothing to submit", run_dir.name,
-                              done.summary["iteration"])
-            return done
+                              summary["iteration"])
+            return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
+                               metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind)
         write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
         result = _train_owned(config, cluster, run_dir, precompiled)
         write_json(run_dir / SUMMARY, result.summary)
@@ -153,20 +154,19 @@ def following(run_dir: Path, total_iters: int) -> Callable[[str], None]:
     """While another flow run owns the run folder (the same run started twice): its training
     progress shown as this run's, from the folder's metrics records."""
     logger = run_logger()
-    progress = Progress(f"{run_dir.name}, trained by another flow run", "iterations", items=total_iters,
-                        artifact_key="training-progress", log_every_s=60)
     records = MetricsFollower(run_dir / "metrics.jsonl")
-    told: list[str] = []
+    shown: list[Progress] = []
 
     def show(holder: str) -> None:
-        if not told:
+        if not shown:
             logger.info("run folder %s is in use by %s: following that run until it ends, then going on from "
                         "what it left", run_dir, holder)
-            told.append(holder)
+            shown.append(Progress(f"{run_dir.name}, trained by another flow run", "iterations", items=total_iters,
+                                  artifact_key="training-progress", log_every_s=60))
         for r in records.new():
             if r["kind"] == "train":
-                progress.set(r["iteration"])
-        progress.show()
+                shown[0].set(r["iteration"])
+        shown[0].show()
 
     return show
 
@@ -216,6 +216,10 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
             if any(h.iteration == e.hang.iteration for h in hangs):
                 raise HungTwice(f"{e.hang.line()}. It hung at iteration {e.hang.iteration} before as well: not "
                                 "resubmitted again; see the stacks, fix what holds it, and run again") from None
+            if len(hangs) + 1 >= MAX_HANGS:
+                raise HungTwice(f"{e.hang.line()}. The run hung {MAX_HANGS} times (at iterations "
+                                f"{', '.join(str(h.iteration) for h in [*hangs, e.hang])}): not resubmitted again; "
+                                "see the stacks in each job's folder") from None
             hangs.append(e.hang)
             cluster = without_node(cluster, e.hang.node)
             logger.warning("resubmitting the job to resume from the newest checkpoint%s",
@@ -231,7 +235,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
 
 
 class HungTwice(JobError):
-    """The run hung twice at one iteration: resubmitting again would loop."""
+    """The run hung twice at one iteration, or MAX_HANGS times: resubmitting again would loop."""
 
 
 def without_node(cluster: ClusterConfig, node: str | None) -> ClusterConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.boundary import INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS, Boundary
+from flows.boundary import AWS_PROFILES, INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS, Boundary
 from flows.params import (
     ClusterParams,
     DataParams,
@@ -102,10 +102,14 @@ def test_s3_locations_and_endpoints_are_the_operators(tmp_path, monkeypatch):
     monkeypatch.delenv(S3_ENDPOINTS)
     assert "only AWS's own endpoints" in Boundary.from_env().endpoint("http://127.0.0.1:9000")
     assert Boundary.from_env().endpoint(None) is None
+    monkeypatch.setenv(AWS_PROFILES, "corpora-reader")
+    text = "\n".join(_errors(tmp_path, data=DataParams(profile="admin"), profile="corpora-reader"))
+    assert "data.profile: 'admin' is not an AWS profile the operator allows (corpora-reader" in text
+    assert "output.profile" not in text
 
 
 def test_by_default_everything_under_the_current_folder_and_no_other_endpoint(tmp_path, monkeypatch):
-    for name in (INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS):
+    for name in (INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS, AWS_PROFILES):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     boundary = Boundary.from_env()

@@ -21,7 +21,7 @@ from tests.run_folder import job_records
 from tests.test_cluster_slurm import tiny
 from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
 
-HANG_S = 8.0          # hang_timeout_s of these runs
+HANG_S = 6.0          # hang_timeout_s of these runs
 
 
 def _run(tmp_path: Path, monkeypatch, fault: str, cluster, **config):

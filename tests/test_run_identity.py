@@ -44,13 +44,15 @@ def test_fields_that_define_the_run_name_another_folder(tmp_path, training):
 
 
 def _train_a_little(run_dir: Path, **config) -> None:
-    """A real run folder of the tiny preset: its config.json and a checkpoint, trained in this process."""
-    import gpt.train
+    """A real run folder of the tiny preset, trained by the train stage on the local executor: its
+    config.json, a checkpoint and the summary of a run trained to its length."""
     from gpt.config import Config
+    from tasks.cluster import load_cluster
+    from tasks.train import train
 
     fields = {**SMALL, "num_layers": 4, "hidden_size": 128, "seq_length": 128, "train_iters": 2, "save_interval": 2,
               "run_dir": str(run_dir), **config}
-    assert gpt.train.main(Config(**fields))["status"] == "completed"
+    assert train(Config(**fields), load_cluster("local")).summary["status"] == "completed"
 
 
 def test_a_changed_defining_field_under_an_existing_run_name_is_refused_naming_it(tmp_path):

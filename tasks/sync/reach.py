@@ -19,7 +19,8 @@ def kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def _inside(path: Path, folder: Path) -> bool:
+def inside(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or lies in it (both resolved)."""
     return path == folder or folder in path.parents
 
 
@@ -38,7 +39,7 @@ class Reach:
     def folder(self, path: str) -> None:
         """Refuse walking the folder ``path`` when the destination lies inside it."""
         real = Path(path).resolve()
-        if self.dest is not None and _inside(self.dest, real):
+        if self.dest is not None and inside(self.dest, real):
             raise SyncError(f"the destination {self.dest} lies inside the source folder {path}: the sync would "
                             "read its own copies back; choose a destination outside the sources")
 
@@ -52,10 +53,10 @@ class Reach:
             raise SyncError(f"{shown} does not exist: check the path") from None
         except OSError as e:
             raise SyncError(f"cannot read {shown}: {e.strerror}: check its permissions") from None
-        if self.roots is not None and not any(_inside(real, root) for root in self.roots):
+        if self.roots is not None and not any(inside(real, root) for root in self.roots):
             raise SyncError(f"{shown} is outside the folders this sync may read "
                             f"({', '.join(map(str, self.roots))}): copy it there or ask the operator")
-        if self.dest is not None and _inside(real, self.dest):
+        if self.dest is not None and inside(real, self.dest):
             raise SyncError(f"{shown} lies inside the destination {self.dest}: the sync would read its own "
                             "copies back; choose sources outside the destination")
         if not stat.S_ISREG(st.st_mode):
