@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+TEMPORARY_API = "GPT_TEMPORARY_PREFECT_API"     # the API address ensure_api started, for this process's own use
 STOP_TIMEOUT_S = 5.0
 
 
@@ -51,8 +52,18 @@ def ensure_api() -> str | None:
           "set PREFECT_API_URL to use your own)", file=sys.stderr, flush=True)
     _wait_healthy(server, url, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     os.environ["PREFECT_API_URL"] = url
+    os.environ[TEMPORARY_API] = url
     refresh_global_settings_context()
     return url
+
+
+def lasting_api() -> str | None:
+    """The Prefect API this process reports to, unless it is a temporary server (ensure_api's, or
+    Prefect's own): links to it would be dead once the run ends."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    return url if url and url != os.environ.get(TEMPORARY_API) else None
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, timeout_s: float) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
-from prefect.settings import PREFECT_API_URL
 
 from flows import data as data_stages
 from flows.params import (
@@ -28,6 +27,7 @@ from flows.params import (
     refused_as_failed_run,
 )
 from flows import identity
+from flows.local_server import lasting_api
 from flows.plan import Plan, make_plan, run_folder_problems
 from flows.stages import Stages, export_intact, index_intact
 from tasks import report as reporting
@@ -99,7 +99,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
 
     exported = stages.run("export", export_task, result.run_dir, dataset.vocab_file, dataset.merge_file,
                           intact=export_intact)
-    url = flow_run.get_flow_run_ui_url() if PREFECT_API_URL.value() else None  # None: a temporary server
+    url = flow_run.get_flow_run_ui_url() if lasting_api() else None  # None: a temporary server
     figures = reporting.report_task(
         model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
         seq_length=plan.config.seq_length, stages=stages.records, job_ids=result.job_ids,
