@@ -13,7 +13,9 @@ the same shape (SDPA attention, compiled when ours is, fused AdamW on CUDA, bf16
 Their timed steps alternate with ours, so a busy machine slows all alike; the JSON holds the ratios
 ours/eager and ours/HF. ``--find-micro-batch`` first looks for the largest micro-batch that fits,
 doubling from ``--micro-batch`` while it fits and halving while it does not (out of memory on CUDA,
-over ``--memory-cap-gib`` anywhere), then measures at that size.
+over ``--memory-cap-gib`` anywhere), then measures at that size. ``--profile DIR`` then records a few
+more steps of our row with torch.profiler: DIR/trace.json.gz (chrome://tracing, Perfetto) and, in the
+JSON, the device's busy share of the wall time and its time per step by kind of kernel.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +35,7 @@ from torch import nn
 
 from gpt.backend import Backend, get_backend
 from gpt.config import Config
-from gpt.distributed import DistEnv, build_model
+from gpt.distributed import DistEnv, build_model, compile_scope
 from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
 from gpt.train import LossScaler, build_optimizer, train_step
@@ -100,7 +103,7 @@ class _Ours(_Row):
         return loss
 
     def result(self) -> dict[str, Any]:
-        return {**super().result(), "compile_scope": self.config.compile_scope}
+        return {**super().result(), "compile_scope": compile_scope(self.config, self.device, sharded=False)}
 
 
 class _HuggingFace(_Row):
@@ -134,10 +137,10 @@ class _HuggingFace(_Row):
 
 def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int = 3, grad_accum: int = 1,
         seq_length: int | None = None, vocab_size: int = 50257, device: str = "auto", precision: str | None = None,
-        compile: bool = False, compile_scope: str = "blocks", compare_eager: bool = False, peer: bool = False,
+        compile: bool = False, compile_scope: str = "auto", compare_eager: bool = False, peer: bool = False,
         activation_checkpointing: bool = False, activation_checkpointing_scope: str = "block",
         fp8_recipe: str = "tensorwise", find_micro_batch: bool = False, memory_cap_gib: float | None = None,
-        peak_flops: float | None = None) -> dict[str, Any]:
+        peak_flops: float | None = None, profile_dir: str | None = None, profile_steps: int = 3) -> dict[str, Any]:
     """Benchmark ``model``: our row's figures at the top level; with ``compare_eager`` an "eager" row,
     with ``peer`` an "hf" row, and our tokens/s over theirs. Compiling with ``compare_eager``, our row
     is the compiled model."""
@@ -172,6 +175,11 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         else:
             result["hf"] = {"skipped": "transformers is not importable (pip install transformers)"}
     _measure(list(rows.values()), warmup, steps)
+    if profile_dir:
+        result["profile"] = profile(rows["ours"], profile_steps, profile_dir)
+        # the profiler slows the host: the device's busy time over the unprofiled step is the share that counts
+        result["profile"]["device_busy_of_timed_step"] = (result["profile"]["device_busy_ms_per_step"]
+                                                          / (1000 * statistics.median(rows["ours"].times)))
     measured = {name: row.result() for name, row in rows.items()}
     result.update(measured.pop("ours"))
     for name, row in measured.items():
@@ -187,6 +195,55 @@ def _measure(rows: list[_Row], warmup: int, steps: int) -> None:
     for _ in range(steps):
         for row in rows:
             row.times.append(row.step())
+
+
+# Kernel names by what they do, first match wins (cuBLAS/CUTLASS GEMMs, SDPA's flash/efficient kernels,
+# the fused optimizer, Inductor's generated Triton kernels).
+KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitk")),
+                ("optimizer", ("multi_tensor", "adam", "foreach")),
+                ("collective", ("nccl",)),
+                ("triton", ("triton",)),
+                ("copy", ("memcpy", "memset", "copy", "cat")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def profile(row: _Row, steps: int, out_dir: str) -> dict[str, Any]:
+    """``steps`` training steps of ``row`` under torch.profiler: the trace in ``out_dir``; the wall
+    time per step, the device's busy share of it, and device time per step by kernel kind and for the
+    longest kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if row.backend.name == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            row.step()
+        wall_us = 1e6 * (time.perf_counter() - start)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(out_dir) / "trace.json.gz"))
+    kernels = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU
+               and e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1000 / steps
+    longest = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    return {"steps": steps, "wall_ms_per_step": wall_us / 1000 / steps,
+            "device_busy_ms_per_step": busy_us / 1000 / steps,
+            "device_busy_fraction": busy_us / wall_us if wall_us else 0.0,
+            "device_ms_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "longest_kernels": [{"name": e.key[:120], "ms_per_step": e.self_device_time_total / 1000 / steps,
+                                 "calls_per_step": e.count / steps} for e in longest],
+            "trace": str(Path(out_dir) / "trace.json.gz")}
 
 
 def search_micro_batch(config: Config, backend: Backend, memory_cap: int | None) -> dict[str, Any]:
@@ -274,8 +331,8 @@ def cli(argv: list[str] | None = None) -> int:
                    help="default: bf16 on accelerators, fp32 on CPU; fp8: torchao float8 linears (Hopper or later)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--compile-scope", default="blocks", choices=["blocks", "model"],
-                   help="one graph per block, or the whole forward with the loss")
+    p.add_argument("--compile-scope", default="auto", choices=["auto", "blocks", "model"],
+                   help="one graph per block, or the whole forward with the loss (auto: model on CUDA, blocks elsewhere)")
     p.add_argument("--compare-eager", action="store_true", help="also measure our eager model (ours is compiled)")
     p.add_argument("--peer", action="store_true", help="also measure HuggingFace's GPT2LMHeadModel of the same shape")
     p.add_argument("--activation-checkpointing", nargs="?", const="block", choices=["block", "attention", "mlp"],
@@ -283,6 +340,8 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("--find-micro-batch", action="store_true", help="measure at the largest micro-batch that fits")
     p.add_argument("--memory-cap-gib", type=float, help="with --find-micro-batch: the peak memory allowed (needed on CPU)")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of the device, for MFU where the table has none")
+    p.add_argument("--profile", metavar="DIR", help="then profile a few steps of our row: trace and kernel times")
+    p.add_argument("--profile-steps", type=int, default=3)
     a = p.parse_args(argv)
     try:
         result = run(model=a.model, micro_batch=a.micro_batch, steps=a.steps, warmup=a.warmup, grad_accum=a.grad_accum,
@@ -290,7 +349,8 @@ def cli(argv: list[str] | None = None) -> int:
                      compile=a.compile, compile_scope=a.compile_scope, compare_eager=a.compare_eager, peer=a.peer,
                      activation_checkpointing=a.activation_checkpointing is not None,
                      activation_checkpointing_scope=a.activation_checkpointing or "block", fp8_recipe=a.fp8_recipe,
-                     find_micro_batch=a.find_micro_batch, memory_cap_gib=a.memory_cap_gib, peak_flops=a.peak_flops)
+                     find_micro_batch=a.find_micro_batch, memory_cap_gib=a.memory_cap_gib, peak_flops=a.peak_flops,
+                     profile_dir=a.profile, profile_steps=a.profile_steps)
     except ValueError as e:  # ConfigError too: the message names the option
         p.error(str(e))
     print(json.dumps(result, indent=2))

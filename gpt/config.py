@@ -56,7 +56,7 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda", "neuron"),
     "precision": ("fp32", "bf16", "fp16", "fp8"),
     "fp8_recipe": ("tensorwise", "rowwise"),
-    "compile_scope": ("blocks", "model"),
+    "compile_scope": ("auto", "blocks", "model"),
     "activation_checkpointing_scope": ("block", "attention", "mlp"),
 }
 
@@ -99,7 +99,7 @@ class Config:
     precision: str = "bf16"                    # fp8: bf16 autocast with torchao float8 linears (Hopper or later)
     fp8_recipe: str = "tensorwise"             # torchao float8 scaling: "tensorwise" or "rowwise"
     compile: bool = False
-    compile_scope: str = "blocks"              # "blocks": each block a graph; "model": the whole forward and loss
+    compile_scope: str = "auto"                # "blocks": each block a graph; "model": the whole forward and loss
     activation_checkpointing: bool = False
     activation_checkpointing_scope: str = "block"  # recompute in backward: the whole "block", "attention" or "mlp"
     compile_cache_dir: str | None = None       # torch.compile caches: loaded at start, filled by precompile

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gpt import bench
 from tests.fixtures_gpt import ROOT
@@ -69,3 +70,28 @@ def test_find_micro_batch_refusals():
     with pytest.raises(ValueError, match="micro-batch 1 does not fit"):
         bench.run(model="tiny", micro_batch=2, steps=1, vocab_size=8192, device="cpu", find_micro_batch=True,
                   memory_cap_gib=1e-6)
+
+
+def test_auto_compile_scope_is_the_whole_model_on_cuda_and_blocks_where_sharded_or_on_cpu():
+    from gpt.config import Config
+    from gpt.distributed import compile_scope
+
+    auto = Config(model="tiny")
+    assert auto.compile_scope == "auto"
+    assert compile_scope(auto, torch.device("cuda"), sharded=False) == "model"
+    assert compile_scope(auto, torch.device("cuda"), sharded=True) == "blocks"
+    assert compile_scope(auto, torch.device("cpu"), sharded=False) == "blocks"
+    assert compile_scope(Config(model="tiny", compile_scope="model"), torch.device("cpu"), sharded=False) == "model"
+
+
+@pytest.mark.timeout(240)
+def test_profile_writes_a_trace_and_sorts_kernels_by_kind(tmp_path):
+    r = bench.run(model="tiny", micro_batch=2, steps=1, warmup=1, seq_length=32, vocab_size=256, device="cpu",
+                  profile_dir=str(tmp_path), profile_steps=2)
+    p = r["profile"]
+    assert p["steps"] == 2 and p["wall_ms_per_step"] > 0
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0
+    assert bench.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    assert bench.kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert bench.kernel_kind("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>") == "optimizer"
+    assert bench.kernel_kind("triton_red_fused_native_layer_norm_backward_9") == "triton"

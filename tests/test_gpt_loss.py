@@ -127,7 +127,7 @@ def test_model_variants_compute_the_eager_model(variant):
 
 def test_config_refuses_unknown_scopes():
     from gpt.config import ConfigError
-    with pytest.raises(ConfigError, match="compile_scope='layers': choose one of blocks, model"):
+    with pytest.raises(ConfigError, match="compile_scope='layers': choose one of auto, blocks, model"):
         Config(**_SMALL, compile_scope="layers").validate()
     with pytest.raises(ConfigError, match="activation_checkpointing_scope='ffn': choose one of block, attention, mlp"):
         Config(**_SMALL, activation_checkpointing_scope="ffn").validate()
