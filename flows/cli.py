@@ -9,9 +9,11 @@ import time
 from typing import Any, Callable
 
 import yaml
+from prefect.exceptions import CancelledRun
 from pydantic import ValidationError
 
 from flows.params import (
+    BudgetParams,
     ClusterParams,
     DataParams,
     OutputParams,
@@ -77,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--run-name")
     p.add_argument("--output-uri", help="s3://bucket/prefix to upload the run folder to")
     p.add_argument("--output-endpoint-url")
+    p.add_argument("--budget-node-hours", type=float, help="above this estimate, wait for approval in the Prefect UI")
+    p.add_argument("--budget-cost", type=float, help="the same for the estimated cost (the cluster preset's currency)")
     a = p.parse_args(argv)
 
     def pick(**kw: Any) -> dict:
@@ -106,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
         preset=a.cluster, overrides=_key_values(a.cluster_set, "--cluster-set", "cluster.overrides", errors)))
     params["output"] = group("output", OutputParams, **pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
                                                             endpoint_url=a.output_endpoint_url))
+    if a.budget_node_hours is not None or a.budget_cost is not None:
+        params["budget"] = group("budget", BudgetParams, **pick(node_hours=a.budget_node_hours, cost=a.budget_cost))
     if errors:
         raise ParameterError(errors)
     return params
@@ -128,6 +134,9 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     except ParameterError as e:
         print(e, file=sys.stderr)
         return 2
+    except CancelledRun as e:
+        print(f"pretrain cancelled: {e}", file=sys.stderr)
+        return 1
     wall = time.perf_counter() - started
     print("\n" + "=" * 72)
     print(f"pretrain finished in {wall:.0f} s: loss {out['first_loss']:.3f} -> {out['train_loss']:.3f}"

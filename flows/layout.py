@@ -7,6 +7,7 @@ Run folder (written by the train stage and the training job)::
     config.json     the gpt Config the ranks ran    cluster.json   the cluster it ran on
     jobs.json       job ids, state history          jobs/          sbatch scripts, per-rank logs
     metrics.jsonl   tensorboard/   checkpoints/     hf/ (the export)   loss.png
+    run.json        what defines the run            provenance.json   each start: commit, parameters, versions
 """
 from __future__ import annotations
 

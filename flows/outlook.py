@@ -22,6 +22,7 @@ _PART = re.compile(r"\.tp\d+of(\d+)$")
 class Outlook:
     kind: Literal["new", "resume", "trained"]
     message: str
+    done: int = 0          # the iteration training starts from
 
 
 def outlook(run_dir: Path, config: Config, cluster: ClusterConfig) -> Outlook:
@@ -36,16 +37,16 @@ def outlook(run_dir: Path, config: Config, cluster: ClusterConfig) -> Outlook:
     done = iteration_of(newest)
     if trained_summary(run_dir, total, newest) is not None:
         return Outlook("trained", f"run {run_dir.name} is already trained to iteration {done:,} ({total:,} asked): "
-                                  f"nothing to train{notes}")
+                                  f"nothing to train{notes}", done)
     if done >= total:
         return Outlook("resume", f"run {run_dir.name} is trained to iteration {done:,} but left no summary: a short "
-                                 f"job evaluates it{notes}")
+                                 f"job evaluates it{notes}", done)
     saved = saved_layout(newest)
     was = (f"saved by {saved['nodes']} x {saved['world_size'] // saved['nodes']} ranks, TP {saved['tensor_parallel']}"
            if saved else "saved by an earlier version, layout not recorded")
     now = f"now {cluster.nodes} x {cluster.tasks_per_node}, TP {config.tensor_parallel}"
     return Outlook("resume", f"resumes run {run_dir.name} from iteration {done:,} of {total:,} ({was}; {now})"
-                             f"{_extension(run_dir, config)}{notes}")
+                             f"{_extension(run_dir, config)}{notes}", done)
 
 
 def _extension(run_dir: Path, config: Config) -> str:

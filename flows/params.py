@@ -136,6 +136,20 @@ class ClusterParams(_Params):
                                       description='Fields to change, e.g. {"partition": "gpu", "nodes": 2}')
 
 
+class BudgetParams(_Params):
+    """Above either limit the run waits for approval in the Prefect UI before anything is submitted."""
+    node_hours: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
+                                     description="Node-hours the plan may estimate without asking")
+    cost: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False,
+                               description="Cost (the cluster preset's currency) the plan may estimate without asking")
+    wait_hours: float = Field(24, gt=0, le=24 * 30, allow_inf_nan=False,
+                              description="How long a run over budget waits for an answer before it fails")
+
+    @property
+    def set(self) -> bool:
+        return self.node_hours is not None or self.cost is not None
+
+
 class OutputParams(_Params):
     root: str = Field("runs", description="Folder on storage every node sees: run folders go here, "
                                           "data, indices and compile caches in its data/ folder")

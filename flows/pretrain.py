@@ -14,9 +14,11 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.states import Cancelled
 
 from flows import data as data_stages
 from flows.params import (
+    BudgetParams,
     ClusterParams,
     DataParams,
     ModelName,
@@ -26,7 +28,7 @@ from flows.params import (
     TrainingParams,
     refused_as_failed_run,
 )
-from flows import identity
+from flows import approval, estimate, identity, provenance
 from flows.local_server import lasting_api
 from flows.plan import Plan, make_plan, run_folder_problems
 from flows.stages import Stages, export_intact, index_intact
@@ -48,6 +50,7 @@ def pretrain(
     training: TrainingParams = TrainingParams(),
     cluster: ClusterParams = ClusterParams(),
     output: OutputParams = OutputParams(),
+    budget: BudgetParams = BudgetParams(),
 ) -> dict:
     """Pretrain a GPT: data from S3 or local files to a trained model and its report.
 
@@ -58,20 +61,28 @@ def pretrain(
         training: Schedule, batch sizes, parallel layout and any other gpt Config field.
         cluster: Where training runs: a preset from deployments/clusters plus overrides.
         output: Root folder on shared storage, run name, and an s3:// URI to upload the run to.
+        budget: Node-hours or cost above which the run waits for approval before anything is submitted.
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
+    stages = Stages()
     with RunOwner(plan.run_dir, wait=following(plan.run_dir, plan.config.total_iters)):
-        return _pretrain(plan, model, data, tokenizer, output)
+        try:
+            return _pretrain(plan, model, data, tokenizer, output, budget, stages)
+        except Exception as e:
+            if stages.failed is None:
+                raise
+            return stages.failure(e)
 
 
-def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams) -> dict:
+def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams,
+              budget: BudgetParams, stages: Stages) -> dict:
     problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)   # as it is now that it is ours
     if problems:
         raise ParameterError(problems)
-    stages = Stages()
     outlook = plan.outlook()
     identity.record(plan.run_dir, plan.identity)
+    provenance.record(plan.run_dir, str(flow_run.get_id() or "") or None, dict(flow_run.parameters or {}))
     print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
     reporting.plan_table(plan, outlook.message)
@@ -87,6 +98,15 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
                        intact=index_intact)
     data_stages.check_vocabulary(index, dataset)
     plan = plan.with_data(dataset.vocab_size, index.path)
+
+    cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
+    print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
+    reporting.plan_table(plan, outlook.message, warnings, cost.rows())
+    why = None if outlook.kind == "trained" else approval.over_budget(cost, budget)
+    if why:
+        answer = approval.ask(cost, why, budget, server=lasting_api())
+        if not answer.approve:
+            return Cancelled(message=f"not approved: {answer.reason or 'no reason given'} ({why})")
 
     compiled = None
     if outlook.kind == "trained":

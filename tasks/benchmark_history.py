@@ -83,11 +83,18 @@ def machine_facts(repo: str | Path | None = None) -> dict[str, Any]:
         "neuron_devices": len(list(Path("/dev").glob("neuron*"))),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "platform": platform.platform(),
-        "git_commit": _run(["git", "-C", str(repo), "rev-parse", "HEAD"]),
-        "git_dirty": bool(_run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])),
+        **git_state(repo),
     }
     facts["key"] = "|".join(str(facts[k]) for k in ("cpu", "cpu_count", "gpu", "gpu_count", "neuron_devices"))
     return facts
+
+
+def git_state(repo: Path) -> dict[str, Any]:
+    """The commit checked out at ``repo`` and whether tracked files differ from it (None: not a
+    git checkout, or no git)."""
+    commit = _run(["git", "-C", str(repo), "rev-parse", "HEAD"])
+    dirty = _run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"]) if commit else None
+    return {"git_commit": commit, "git_dirty": None if commit is None else bool(dirty)}
 
 
 class History:

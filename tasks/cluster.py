@@ -100,6 +100,9 @@ class ClusterConfig(BaseModel):
     container_mounts: list[str] = Field(default_factory=list)
     signal_delay_s: int = Field(120, ge=10, description="USR2 this long before the time limit")
     max_requeues: int = Field(3, ge=0, description="requeues after time limit / preemption")
+    # What one node costs an hour, for the plan's cost estimate and a run's budget (flows/estimate.py).
+    price_per_node_hour: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
+    currency: str = Field("USD", pattern=r"^[A-Z]{3}$")
 
     @field_validator("name", "partition", "account", "qos", "accelerator")
     @classmethod
@@ -328,7 +331,8 @@ ENV_VARIABLES: dict[str, re.Pattern[str]] = {
     **{name: _IFACES for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")},
 }
 # Fields only a preset file may set: shell lines, images and mounts run or expose what they name.
-OPERATOR_FIELDS = ("name", "setup", "container_image", "container_mounts")
+# What runs or is exposed on the nodes, and what a run's budget is measured in.
+OPERATOR_FIELDS = ("name", "setup", "container_image", "container_mounts", "price_per_node_hour", "currency")
 
 
 def _option_value(kind: str, name: str, value: Any, pattern: re.Pattern[str] | None) -> None:
@@ -344,8 +348,7 @@ def check_overrides(overrides: dict[str, Any]) -> None:
     """Refuse what a flow parameter may not set, naming the field or option; see the module doc."""
     for field in OPERATOR_FIELDS:
         if field in overrides:
-            raise ClusterError(f"{field} is set only by the operator, in preset files (it runs or exposes what "
-                               f"it names); choose a preset that has it")
+            raise ClusterError(f"{field} is set only by the operator, in preset files; choose a preset that has it")
     for name, value in (overrides.get("sbatch_extra") or {}).items():
         if name not in SBATCH_OPTIONS:
             raise ClusterError(f"sbatch_extra option {name!r} cannot be set from parameters (options that set the "

@@ -21,6 +21,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def human_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
 class Progress:
     """Items (and bytes) done, out of a total when one is known.
 

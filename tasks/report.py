@@ -55,9 +55,11 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
     )
 
 
-def plan_rows(plan: Any, outlook: str, warnings: list[str] = ()) -> list[dict[str, str]]:
+def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
+              estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
     """What the run will do, decided before any stage runs (flows.plan.Plan), what its folder says
-    will happen (flows.outlook), and what the data stages found worth a warning."""
+    will happen (flows.outlook), what the data stages found worth a warning, and what the run will
+    take (flows.estimate)."""
     c, k = plan.config, plan.cluster
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
     rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
@@ -67,11 +69,13 @@ def plan_rows(plan: Any, outlook: str, warnings: list[str] = ()) -> list[dict[st
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
             ("compile", str(c.compile)), ("what happens", outlook)]
     rows += [("warning", w) for w in warnings]
+    rows += list(estimate)
     return [{"item": item, "value": value} for item, value in rows]
 
 
-def plan_table(plan: Any, outlook: str, warnings: list[str] = (), key: str = "pretrain-plan") -> None:
-    create_table_artifact(plan_rows(plan, outlook, warnings), key=key,
+def plan_table(plan: Any, outlook: str, warnings: list[str] = (), estimate: list[tuple[str, str]] = (),
+               key: str = "pretrain-plan") -> None:
+    create_table_artifact(plan_rows(plan, outlook, warnings, estimate), key=key,
                           description="The run's plan, decided once before any stage ran")
 
 

@@ -4,6 +4,7 @@ checkpoint when there is one. The run folder's files are listed in flows/layout.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -28,7 +29,7 @@ from tasks.jobs import (
     retryable,
     submit,
 )
-from tasks.progress import Progress
+from tasks.progress import Progress, human_duration
 from tasks.run_context import run_logger
 from tasks.run_owner import RunOwner
 
@@ -171,6 +172,16 @@ def following(run_dir: Path, total_iters: int) -> Callable[[str], None]:
     return show
 
 
+def eta_and_cost(iterations_left: int, step_ms: float, elapsed_s: float, cluster: ClusterConfig) -> str:
+    """The time left at the latest step time, and what this stage's nodes have cost so far where the
+    cluster preset has a price."""
+    text = f"ETA {human_duration(iterations_left * step_ms / 1000)}"
+    if cluster.price_per_node_hour is not None:
+        spent = elapsed_s / 3600 * cluster.nodes * cluster.price_per_node_hour
+        text += f", {spent:,.2f} {cluster.currency} so far"
+    return text
+
+
 def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                  precompiled: "PrecompileManifest | None") -> TrainResult:
     logger = run_logger()
@@ -179,6 +190,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                         artifact_key="training-progress", log_every_s=None)
     records = MetricsFollower(run_dir / "metrics.jsonl")
     stragglers = Stragglers()
+    notes = {"eta": "", "stragglers": ""}
 
     def on_poll() -> None:
         """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
@@ -187,10 +199,13 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                 logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
                 continue
             if r["kind"] == "ranks":
-                progress.note = "; ".join(stragglers.add(r))
-                if progress.note:
-                    logger.warning("%s", progress.note)
+                notes["stragglers"] = "; ".join(stragglers.add(r))
+                if notes["stragglers"]:
+                    logger.warning("%s", notes["stragglers"])
                 continue
+            notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - progress.start,
+                                        cluster)
+            progress.note = "; ".join(n for n in notes.values() if n)
             progress.set(r["iteration"])
             progress.show()
             if r["iteration"] % config.log_interval == 0 or r["iteration"] == total:

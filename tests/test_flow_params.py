@@ -37,13 +37,13 @@ def _errors(**kw) -> list[str]:
 def test_ui_form_schema_has_model_choices_and_nested_groups():
     schema = parameter_schema(pretrain.fn).model_dump()
     props = schema["properties"]
-    assert list(props) == ["model", "data", "tokenizer", "training", "cluster", "output"]
+    assert list(props) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget"]
     assert props["model"]["default"] == "tiny"
     model_enum = props["model"].get("enum") or schema["definitions"][props["model"]["$ref"].split("/")[-1]]["enum"]
     assert model_enum == list(PRESETS)
     definitions = schema["definitions"]
     assert {"DataParams", "TokenizerParams", "TrainingParams", "ClusterParams", "OutputParams",
-            "WeightedPrefix"} <= set(definitions)
+            "WeightedPrefix", "BudgetParams"} <= set(definitions)
     training = definitions["TrainingParams"]["properties"]
     assert training["data_parallel_mode"]["enum"] == ["ddp", "fsdp"]
     assert "description" in props["data"] and "description" in definitions["DataParams"]["properties"]["sources"]

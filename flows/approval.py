@@ -1,0 +1,52 @@
+"""A run whose estimate is over its budget waits for a person: the Prefect run pauses with the
+estimate on its form, and goes on only when approved."""
+from __future__ import annotations
+
+from pydantic import Field
+from prefect.input import RunInput
+
+from flows.estimate import Estimate
+from flows.params import BudgetParams, ParameterError
+
+
+class Approval(RunInput):
+    approve: bool = Field(False, description="Submit the run as planned")
+    reason: str = Field("", max_length=2000, description="Why not (when not approving)")
+
+
+def over_budget(estimate: Estimate, budget: BudgetParams) -> str | None:
+    """Why ``estimate`` needs approval under ``budget``, or None."""
+    if not budget.set or estimate.tokens == 0:
+        return None
+    if budget.node_hours is not None:
+        if estimate.node_hours is None:
+            return f"no estimate of node-hours ({estimate.source}) against budget.node_hours={budget.node_hours:g}"
+        if estimate.node_hours > budget.node_hours:
+            return f"{estimate.node_hours:,.1f} node-hours estimated, budget.node_hours={budget.node_hours:g}"
+    if budget.cost is not None:
+        if estimate.cost is None:
+            why = estimate.source if estimate.node_hours is None else "the cluster preset has no price_per_node_hour"
+            return f"no cost estimate ({why}) against budget.cost={budget.cost:g}"
+        if estimate.cost > budget.cost:
+            return f"{estimate.cost:,.2f} {estimate.currency} estimated, budget.cost={budget.cost:g}"
+    return None
+
+
+def approval_form(estimate: Estimate, why: str) -> str:
+    lines = [f"**Over budget:** {why}.", "", "| | |", "|---|---|"]
+    lines += [f"| {item} | {value} |" for item, value in estimate.rows()]
+    lines += ["", "Approve to submit the run as planned; otherwise give a reason, and the run ends Cancelled."]
+    return "\n".join(lines)
+
+
+def ask(estimate: Estimate, why: str, budget: BudgetParams, server: bool) -> Approval:
+    """Pause this flow run until someone answers on its form (``server``: a Prefect server lasts
+    beyond this process to answer on; without one the run stops here)."""
+    if not server:
+        raise ParameterError([f"budget: {why}; approve it from the Prefect UI (run against a Prefect server: "
+                              "PREFECT_API_URL) or raise the budget"])
+    from prefect.flow_runs import pause_flow_run
+
+    print(f"over budget: {why}; waiting up to {budget.wait_hours:g} h for approval in the Prefect UI")
+    return pause_flow_run(wait_for_input=Approval.with_initial_data(description=approval_form(estimate, why)),
+                          timeout=int(budget.wait_hours * 3600), poll_interval=2)

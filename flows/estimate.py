@@ -1,0 +1,152 @@
+"""What a run will take before it is submitted: its FLOPs, the tokens/s to expect, the time to
+train, node-hours and cost.
+
+The throughput comes from the benchmark flow's history (flows/benchmark.py): the newest `gpt.bench`
+figure measured on this cluster's accelerator (on CPU: on this machine), as FLOP/s achieved per
+device, which carries over to another model shape through FLOPs per token. Where the history has
+none, a GPU or Trainium estimate assumes ASSUMED_MFU of the device's peak and says so; a CPU one has
+no figure. Devices are assumed to scale perfectly, so the time is a lower bound at scale.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpt.backend import PEAK_FLOPS
+from gpt.config import Config
+from gpt.metrics import flops_per_token
+from gpt.model import param_count
+from tasks.benchmark_history import History, machine_facts
+from tasks.cluster import ClusterConfig
+from tasks.progress import human_duration
+
+ASSUMED_MFU = 0.35
+HISTORY_ENV = "GPT_BENCHMARK_HISTORY"   # the operator's history location (folder or s3:// prefix)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    tokens: int                      # tokens this start trains
+    flops: float                     # training FLOPs of those tokens
+    tokens_per_s_per_device: float | None
+    source: str                      # where the throughput comes from
+    devices: int
+    nodes: int
+    price_per_node_hour: float | None
+    currency: str
+
+    @property
+    def hours(self) -> float | None:
+        if not self.tokens_per_s_per_device:
+            return None
+        return self.tokens / (self.tokens_per_s_per_device * self.devices) / 3600
+
+    @property
+    def node_hours(self) -> float | None:
+        return None if self.hours is None else self.hours * self.nodes
+
+    @property
+    def cost(self) -> float | None:
+        if self.node_hours is None or self.price_per_node_hour is None:
+            return None
+        return self.node_hours * self.price_per_node_hour
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The arithmetic, line by line, for the plan artifact and the approval form."""
+        rows = [("tokens to train", f"{self.tokens:,}"), ("training FLOPs", f"{self.flops:.3g}"),
+                ("throughput", f"{self.tokens_per_s_per_device:,.0f} tokens/s per device ({self.source})"
+                 if self.tokens_per_s_per_device else f"unknown ({self.source})")]
+        if self.hours is not None:
+            rows.append(("time to train", f"{human_duration(3600 * self.hours)} on {_count(self.devices, 'device')} "
+                                          f"({_count(self.nodes, 'node')}), scaling assumed perfect"))
+            rows.append(("node-hours", _figure(self.node_hours)))
+        if self.cost is not None:
+            rows.append(("cost", f"{self.cost:,.2f} {self.currency} at {self.price_per_node_hour:,.2f} "
+                                 f"{self.currency} per node-hour"))
+        return rows
+
+
+def estimate(config: Config, cluster: ClusterConfig, start_iteration: int, history: list[dict[str, Any]]) -> Estimate:
+    """The estimate for training ``config`` on ``cluster`` from ``start_iteration`` to its end."""
+    iterations = max(0, config.total_iters - start_iteration)
+    tokens = iterations * config.global_batch_size * config.seq_length
+    per_token = flops_per_token(config, param_count(config))
+    achieved, source = device_flops(config, cluster, history)
+    return Estimate(tokens=tokens, flops=tokens * per_token,
+                    tokens_per_s_per_device=achieved / per_token if achieved else None, source=source,
+                    devices=cluster.world_size, nodes=cluster.nodes,
+                    price_per_node_hour=cluster.price_per_node_hour, currency=cluster.currency)
+
+
+def device_flops(config: Config, cluster: ClusterConfig, history: list[dict[str, Any]]) -> tuple[float | None, str]:
+    """FLOP/s one device of ``cluster`` achieves training, and what says so."""
+    measured = _newest_measurement(config, cluster, history)
+    if measured is not None:
+        return measured
+    peak = _peak(cluster.accelerator, config.precision)
+    if cluster.job_device in ("cuda", "neuron") and peak:
+        return ASSUMED_MFU * peak, (f"no benchmark of a {cluster.accelerator} in the history: {ASSUMED_MFU:.0%} MFU "
+                                    f"of its {peak / 1e12:,.0f} TFLOP/s assumed")
+    what = f"a {cluster.accelerator}" if cluster.accelerator else f"{cluster.job_device} ranks on this machine"
+    return None, f"no benchmark of {what} in the history; run the benchmark flow there first"
+
+
+def _newest_measurement(config: Config, cluster: ClusterConfig,
+                        history: list[dict[str, Any]]) -> tuple[float, str] | None:
+    """The newest `gpt.bench` figure from matching hardware, the same model preferred."""
+    found = []
+    for record in history:
+        if not _same_hardware(record.get("machine", {}), cluster):
+            continue
+        for label, result in (record.get("results") or {}).items():
+            if isinstance(result, dict) and result.get("tokens_per_s") and result.get("model") and result.get("params"):
+                found.append((result["model"] == config.model, record.get("time", ""), label, result))
+    if not found:
+        return None
+    _, when, label, r = max(found, key=lambda f: (f[0], f[1]))
+    shape = Config(model=r["model"], seq_length=r.get("seq_length"))
+    achieved = r["tokens_per_s"] * flops_per_token(shape, r["params"])
+    return achieved, f"benchmark {label} of {when[:10]}: {r['model']} at {r['tokens_per_s']:,.0f} tokens/s"
+
+
+def _same_hardware(machine: dict[str, Any], cluster: ClusterConfig) -> bool:
+    if cluster.job_device == "cuda":
+        return bool(cluster.accelerator and machine.get("gpu")
+                    and cluster.accelerator.lower() in machine["gpu"].lower())
+    if cluster.job_device == "neuron":
+        return bool(machine.get("neuron_devices"))
+    return cluster.kind == "local" and machine.get("key") == _this_machine()
+
+
+def _this_machine() -> str:
+    return machine_facts()["key"]
+
+
+def _peak(accelerator: str | None, precision: str) -> float | None:
+    precision = "bf16" if precision == "fp8" else precision
+    names = {name.lower(): name for name in PEAK_FLOPS}
+    name = names.get((accelerator or "").lower())
+    return PEAK_FLOPS[name].get(precision) if name else None
+
+
+def read_history(root: Path) -> list[dict[str, Any]]:
+    """The benchmark history the operator names (GPT_BENCHMARK_HISTORY), else the benchmark flow's
+    default beside the runs, <root>/benchmarks; one that cannot be read is a warning and no history."""
+    history = History(os.environ.get(HISTORY_ENV) or str(root / "benchmarks"))
+    try:
+        return history.read()
+    except Exception as e:  # unreadable file, unreachable store: the estimate says it has no figure
+        print(f"warning: benchmark history {history.uri} not read ({e}); the estimate has no measured figure")
+        return []
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.1f}" if value >= 100 else f"{value:.3g}"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n:,} {thing}" + ("" if n == 1 else "s")
+
+

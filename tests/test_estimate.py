@@ -1,0 +1,119 @@
+"""flows/estimate.py, flows/approval.py and flows/provenance.py on their own: the arithmetic of the
+plan's estimate, which figure it rests on, when a budget asks for approval, what a run folder
+records of how it was made."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from flows import approval, estimate, provenance
+from flows.params import BudgetParams
+from gpt.config import Config
+from gpt.metrics import flops_per_token
+from gpt.model import param_count
+from tasks.benchmark_history import machine_facts
+from tasks.cluster import load_cluster
+from tests.fixtures_gpt import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _bench_record(machine: dict, model: str, tokens_per_s: float, time: str = "2026-11-01T00:00:00+00:00") -> dict:
+    shape = Config(model=model)
+    return {"time": time, "machine": machine,
+            "results": {f"train-{model}": {"model": model, "params": param_count(shape), "seq_length": shape.seq_length,
+                                           "tokens_per_s": tokens_per_s}}}
+
+
+H100 = {"gpu": "NVIDIA H100 80GB HBM3", "key": "x|16|NVIDIA H100 80GB HBM3|1|0"}
+
+
+def test_without_a_benchmark_a_gpu_cluster_assumes_the_stated_mfu_and_prices_its_node_hours():
+    cluster = load_cluster("p4d-8gpu")                    # 16 x 8 A100, 32.77 USD a node-hour
+    config = Config(model="gpt3-1.3b", train_iters=1000, global_batch_size=512, micro_batch_size=4, seq_length=2048)
+    e = estimate.estimate(config, cluster, 0, [])
+    per_token = flops_per_token(config, param_count(config))
+    assert e.tokens == 1000 * 512 * 2048 and e.flops == pytest.approx(e.tokens * per_token)
+    assert e.tokens_per_s_per_device == pytest.approx(0.35 * 312e12 / per_token)
+    assert e.hours == pytest.approx(e.tokens / (e.tokens_per_s_per_device * 128) / 3600)
+    assert e.node_hours == pytest.approx(16 * e.hours) and e.cost == pytest.approx(32.77 * e.node_hours)
+    rows = dict(e.rows())
+    assert "35% MFU" in rows["throughput"] and "USD" in rows["cost"]
+    resumed = estimate.estimate(config, cluster, 750, [])      # a resume trains what is left
+    assert resumed.tokens == e.tokens // 4 and resumed.cost == pytest.approx(e.cost / 4)
+
+
+def test_a_measured_figure_of_the_same_accelerator_carries_over_to_another_model_by_flops_per_token():
+    cluster = load_cluster("p4d-8gpu", accelerator="h100")
+    config = Config(model="gpt3-1.3b", train_iters=10)
+    other_gpu = {"gpu": "NVIDIA A10G", "key": "other"}
+    history = [_bench_record(H100, "gpt3-125m", 437_700), _bench_record(other_gpu, "gpt3-1.3b", 1_000)]
+    e = estimate.estimate(config, cluster, 0, history)
+    small = Config(model="gpt3-125m")
+    expected = 437_700 * flops_per_token(small, param_count(small)) / flops_per_token(config, param_count(config))
+    assert e.tokens_per_s_per_device == pytest.approx(expected) and "gpt3-125m at 437,700 tokens/s" in e.source
+    # The same model measured later on the same hardware is preferred over a newer one of another model.
+    history.append(_bench_record(H100, "gpt3-1.3b", 57_800, time="2026-10-01T00:00:00+00:00"))
+    history.append(_bench_record(H100, "gpt3-2.7b", 30_000, time="2026-11-20T00:00:00+00:00"))
+    assert estimate.estimate(config, cluster, 0, history).tokens_per_s_per_device == pytest.approx(57_800)
+
+
+def test_cpu_ranks_use_this_machines_own_benchmark_and_have_no_figure_without_one():
+    cluster = load_cluster("local")
+    config = Config(model="tiny", train_iters=300)
+    e = estimate.estimate(config, cluster, 0, [_bench_record({"key": "another machine"}, "tiny", 9_000)])
+    assert e.tokens_per_s_per_device is None and e.hours is None and "benchmark flow" in e.source
+    e = estimate.estimate(config, cluster, 0, [_bench_record(machine_facts(), "tiny", 9_000)])
+    assert e.tokens_per_s_per_device == pytest.approx(9_000) and e.hours is not None
+
+
+def test_a_budget_asks_for_approval_only_above_it_or_when_nothing_can_be_estimated():
+    config = Config(model="gpt3-1.3b", train_iters=1000, global_batch_size=512, micro_batch_size=4, seq_length=2048)
+    e = estimate.estimate(config, load_cluster("p4d-8gpu"), 0, [])
+    assert approval.over_budget(e, BudgetParams()) is None
+    assert approval.over_budget(e, BudgetParams(node_hours=e.node_hours * 1.01, cost=e.cost * 1.01)) is None
+    assert "node-hours estimated" in approval.over_budget(e, BudgetParams(node_hours=e.node_hours * 0.99))
+    assert "USD estimated" in approval.over_budget(e, BudgetParams(cost=e.cost * 0.99))
+    unpriced = estimate.estimate(config, load_cluster("p4d-8gpu").model_copy(update={"price_per_node_hour": None}), 0, [])
+    assert "no price_per_node_hour" in approval.over_budget(unpriced, BudgetParams(cost=1e9))
+    unknown = estimate.estimate(Config(model="tiny", train_iters=300), load_cluster("local"), 0, [])
+    assert "no estimate of node-hours" in approval.over_budget(unknown, BudgetParams(node_hours=1e9))
+    trained = estimate.estimate(config, load_cluster("p4d-8gpu"), 1000, [])
+    assert approval.over_budget(trained, BudgetParams(node_hours=1e-9)) is None   # nothing left to train
+    form = approval.approval_form(e, "too much")
+    assert "**Over budget:** too much." in form and "| node-hours |" in form
+
+
+def test_the_price_is_the_operators_not_the_forms():
+    from tasks.cluster import ClusterError
+
+    with pytest.raises(ClusterError, match="price_per_node_hour is set only by the operator"):
+        load_cluster("p4d-8gpu", price_per_node_hour=0.01)
+
+
+def test_an_unreadable_history_is_a_warning_and_no_figure(tmp_path, monkeypatch, capsys):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "history.jsonl").write_text("{not json\n")
+    monkeypatch.delenv(estimate.HISTORY_ENV, raising=False)
+    assert estimate.read_history(tmp_path) == []
+    assert "history.jsonl:1" in capsys.readouterr().out
+
+
+def test_the_run_folder_records_each_start_with_the_commit_and_the_package_versions(tmp_path):
+    provenance.record(tmp_path, "run-1", {"model": "tiny"})
+    provenance.record(tmp_path, "run-2", {"model": "tiny"})
+    starts = json.loads((tmp_path / "provenance.json").read_text())["starts"]
+    assert [s["flow_run_id"] for s in starts] == ["run-1", "run-2"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert starts[0]["git_commit"] == head and isinstance(starts[0]["git_dirty"], bool)
+    assert {"torch", "prefect", "gpt-core"} <= set(starts[0]["packages"]) and starts[0]["parameters"] == {"model": "tiny"}
+
+
+def test_training_progress_shows_the_time_left_and_the_cost_so_far():
+    from tasks.train import eta_and_cost
+
+    priced = load_cluster("p4d-8gpu")                       # 16 nodes at 32.77 USD
+    assert eta_and_cost(600, 300.0, 1800.0, priced) == "ETA 3 min, 262.16 USD so far"
+    assert eta_and_cost(10_000, 50.0, 10.0, load_cluster("local")) == "ETA 8 min"
