@@ -52,7 +52,7 @@ def save_block(kind: str, url: str) -> str:
     if kind == "slack":
         block = SlackWebhook(url=url)
     else:
-        block = CustomWebhookNotificationBlock(name=BLOCK_NAME, url=url,
+        block = CustomWebhookNotificationBlock(name=BLOCK_NAME, url="{{url}}", secrets={"url": url},
                                                json_data={"subject": "{{subject}}", "text": "{{body}}"})
     return str(block.save(BLOCK_NAME, overwrite=True))
 

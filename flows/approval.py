@@ -5,13 +5,37 @@ from __future__ import annotations
 from pydantic import Field
 from prefect.input import RunInput
 
+import os
+
 from flows.estimate import Estimate
 from flows.params import BudgetParams, ParameterError
+
+# The operator's caps, set where the flow runs: a run's own budget may only be lower.
+CAPS = {"node_hours": "GPT_BUDGET_NODE_HOURS", "cost": "GPT_BUDGET_COST"}
 
 
 class Approval(RunInput):
     approve: bool = Field(False, description="Submit the run as planned")
     reason: str = Field("", max_length=2000, description="Why not (when not approving)")
+
+
+def with_operator_caps(budget: BudgetParams, environ: dict[str, str] | os._Environ = os.environ) -> BudgetParams:
+    """``budget`` with each limit lowered to the operator's cap where one is set."""
+    limits = {}
+    for field, variable in CAPS.items():
+        text = environ.get(variable)
+        if not text:
+            continue
+        try:
+            cap = float(text)
+        except ValueError:
+            cap = float("nan")
+        if not cap > 0 or cap == float("inf"):
+            raise ParameterError([f"budget: {variable}={text!r} where the flow runs is not a positive number; "
+                                  "the operator must fix it"])
+        own = getattr(budget, field)
+        limits[field] = cap if own is None else min(own, cap)
+    return budget.model_copy(update=limits)
 
 
 def over_budget(estimate: Estimate, budget: BudgetParams) -> str | None:
@@ -49,4 +73,4 @@ def ask(estimate: Estimate, why: str, budget: BudgetParams, server: bool) -> App
 
     print(f"over budget: {why}; waiting up to {budget.wait_hours:g} h for approval in the Prefect UI")
     return pause_flow_run(wait_for_input=Approval.with_initial_data(description=approval_form(estimate, why)),
-                          timeout=int(budget.wait_hours * 3600), poll_interval=2)
+                          timeout=max(60, int(budget.wait_hours * 3600)), poll_interval=10)

@@ -9,7 +9,9 @@ no figure. Devices are assumed to scale perfectly, so the time is a lower bound 
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,50 +87,64 @@ def device_flops(config: Config, cluster: ClusterConfig, history: list[dict[str,
     measured = _newest_measurement(config, cluster, history)
     if measured is not None:
         return measured
-    peak = _peak(cluster.accelerator, config.precision)
+    device = cluster.accelerator or (_this_machine()["gpu"] if cluster.kind == "local" else None)
+    peak = _peak(device, config.precision)
     if cluster.job_device in ("cuda", "neuron") and peak:
-        return ASSUMED_MFU * peak, (f"no benchmark of a {cluster.accelerator} in the history: {ASSUMED_MFU:.0%} MFU "
-                                    f"of its {peak / 1e12:,.0f} TFLOP/s assumed")
-    what = f"a {cluster.accelerator}" if cluster.accelerator else f"{cluster.job_device} ranks on this machine"
+        return ASSUMED_MFU * peak, (f"no {config.precision} benchmark of a {device} in the history: {ASSUMED_MFU:.0%} "
+                                    f"MFU of its {peak / 1e12:,.0f} TFLOP/s assumed")
+    what = f"a {device}" if device else f"{cluster.job_device} ranks on this machine"
     return None, f"no benchmark of {what} in the history; run the benchmark flow there first"
 
 
 def _newest_measurement(config: Config, cluster: ClusterConfig,
-                        history: list[dict[str, Any]]) -> tuple[float, str] | None:
-    """The newest `gpt.bench` figure from matching hardware, the same model preferred."""
+                        history: list[Any]) -> tuple[float, str] | None:
+    """The newest `gpt.bench` figure at this precision from matching hardware, the same model
+    preferred; records that do not read as one are passed over."""
     found = []
     for record in history:
-        if not _same_hardware(record.get("machine", {}), cluster):
+        machine = record.get("machine") if isinstance(record, dict) else None
+        if not isinstance(machine, dict) or not _same_hardware(machine, cluster):
             continue
-        for label, result in (record.get("results") or {}).items():
-            if isinstance(result, dict) and result.get("tokens_per_s") and result.get("model") and result.get("params"):
-                found.append((result["model"] == config.model, record.get("time", ""), label, result))
+        results = record.get("results")
+        for label, r in (results.items() if isinstance(results, dict) else ()):
+            try:
+                if r["precision"] != config.precision or (r.get("device") == "cpu") != (cluster.job_device == "cpu"):
+                    continue
+                shape = Config(model=r["model"], seq_length=r.get("seq_length"))
+                achieved = float(r["tokens_per_s"]) * flops_per_token(shape, int(r["params"]))
+            except (KeyError, TypeError, ValueError, AttributeError):   # another version's record, or not one
+                continue
+            if achieved > 0:
+                found.append((r["model"] == config.model, str(record.get("time") or ""), label, r, achieved))
     if not found:
         return None
-    _, when, label, r = max(found, key=lambda f: (f[0], f[1]))
-    shape = Config(model=r["model"], seq_length=r.get("seq_length"))
-    achieved = r["tokens_per_s"] * flops_per_token(shape, r["params"])
-    return achieved, f"benchmark {label} of {when[:10]}: {r['model']} at {r['tokens_per_s']:,.0f} tokens/s"
+    _, when, label, r, achieved = max(found, key=lambda f: (f[0], f[1]))
+    return achieved, f"benchmark {label}" + (f" of {when[:10]}" if when else "") + \
+        f": {r['model']} at {r['tokens_per_s']:,.0f} tokens/s"
 
 
 def _same_hardware(machine: dict[str, Any], cluster: ClusterConfig) -> bool:
+    if cluster.kind == "local":                       # the job runs here, whatever its device
+        return machine.get("key") == _this_machine()["key"]
     if cluster.job_device == "cuda":
-        return bool(cluster.accelerator and machine.get("gpu")
-                    and cluster.accelerator.lower() in machine["gpu"].lower())
+        return bool(cluster.accelerator and isinstance(machine.get("gpu"), str)
+                    and re.search(rf"\b{re.escape(cluster.accelerator)}\b", machine["gpu"], re.IGNORECASE))
     if cluster.job_device == "neuron":
         return bool(machine.get("neuron_devices"))
-    return cluster.kind == "local" and machine.get("key") == _this_machine()
+    return False
 
 
-def _this_machine() -> str:
-    return machine_facts()["key"]
+@functools.lru_cache(maxsize=1)
+def _this_machine() -> dict[str, Any]:
+    return machine_facts()
 
 
-def _peak(accelerator: str | None, precision: str) -> float | None:
+def _peak(device: str | None, precision: str) -> float | None:
+    """The peak FLOP/s of an accelerator (a preset's name, or a GPU's full name) at ``precision``."""
     precision = "bf16" if precision == "fp8" else precision
-    names = {name.lower(): name for name in PEAK_FLOPS}
-    name = names.get((accelerator or "").lower())
-    return PEAK_FLOPS[name].get(precision) if name else None
+    names = sorted((n for n in PEAK_FLOPS if re.search(rf"\b{re.escape(n)}\b", device or "", re.IGNORECASE)),
+                   key=len, reverse=True)
+    return PEAK_FLOPS[names[0]].get(precision) if names else None
 
 
 def read_history(root: Path) -> list[dict[str, Any]]:

@@ -102,7 +102,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
     reporting.plan_table(plan, outlook.message, warnings, cost.rows())
-    why = None if outlook.kind == "trained" else approval.over_budget(cost, budget)
+    why = None if outlook.kind == "trained" else approval.over_budget(cost, approval.with_operator_caps(budget))
     if why:
         answer = approval.ask(cost, why, budget, server=lasting_api())
         if not answer.approve:

@@ -103,7 +103,8 @@ class _Ours(_Row):
         return loss
 
     def result(self) -> dict[str, Any]:
-        return {**super().result(), "compile_scope": compile_scope(self.config, self.device, sharded=False)}
+        scope = compile_scope(self.config, self.device, 1) if self.config.compile else None
+        return {**super().result(), "compile_scope": scope}
 
 
 class _HuggingFace(_Row):
@@ -200,11 +201,11 @@ def _measure(rows: list[_Row], warmup: int, steps: int) -> None:
 # Kernel names by what they do, first match wins (cuBLAS/CUTLASS GEMMs, SDPA's flash/efficient kernels,
 # the fused optimizer, Inductor's generated Triton kernels).
 KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
-                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitk")),
+                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitk", "triton_tem")),
                 ("optimizer", ("multi_tensor", "adam", "foreach")),
                 ("collective", ("nccl",)),
                 ("triton", ("triton",)),
-                ("copy", ("memcpy", "memset", "copy", "cat")))
+                ("copy", ("memcpy", "memset", "copy")))
 
 
 def kernel_kind(name: str) -> str:

@@ -99,7 +99,7 @@ class Config:
     precision: str = "bf16"                    # fp8: bf16 autocast with torchao float8 linears (Hopper or later)
     fp8_recipe: str = "tensorwise"             # torchao float8 scaling: "tensorwise" or "rowwise"
     compile: bool = False
-    compile_scope: str = "auto"                # "blocks": each block a graph; "model": the whole forward and loss
+    compile_scope: str = "auto"                # "blocks": each block a graph; "model": the whole forward and loss; "auto": model for one CUDA process
     activation_checkpointing: bool = False
     activation_checkpointing_scope: str = "block"  # recompute in backward: the whole "block", "attention" or "mlp"
     compile_cache_dir: str | None = None       # torch.compile caches: loaded at start, filled by precompile

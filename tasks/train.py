@@ -191,6 +191,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     records = MetricsFollower(run_dir / "metrics.jsonl")
     stragglers = Stragglers()
     notes = {"eta": "", "stragglers": ""}
+    first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)
 
     def on_poll() -> None:
         """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
@@ -203,7 +204,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                 if notes["stragglers"]:
                     logger.warning("%s", notes["stragglers"])
                 continue
-            notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - progress.start,
+            if not first_record:
+                first_record.append(time.monotonic())
+            notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - first_record[0],
                                         cluster)
             progress.note = "; ".join(n for n in notes.values() if n)
             progress.set(r["iteration"])

@@ -46,6 +46,8 @@ def test_a_failed_run_sends_one_notification_naming_the_run_and_the_failed_stage
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stdout + made.stderr
     assert url not in made.stdout + made.stderr            # the URL is a secret: never printed
+    blocks = prefect_server.api("/block_documents/filter", {})
+    assert any(b["name"] == "gpt-pretrain-alerts" for b in blocks) and url not in json.dumps(blocks)   # nor shown
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_bytes(b"this is not gzip data, whatever its name says\n" * 100)
     run = subprocess.run([sys.executable, "-m", "flows.pretrain", "--source", str(bad), "--root", str(tmp_path / "root"),

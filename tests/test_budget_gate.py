@@ -27,7 +27,7 @@ def _seed_history(root: Path, tokens_per_s: float) -> None:
     tiny = Config(model="tiny")
     record = {"time": "2026-11-01T00:00:00+00:00", "machine": machine_facts(),
               "results": {"train-tiny": {"model": "tiny", "params": param_count(tiny), "seq_length": tiny.seq_length,
-                                         "tokens_per_s": tokens_per_s}}}
+                                         "tokens_per_s": tokens_per_s, "precision": "fp32", "device": "cpu"}}}
     (root / "benchmarks").mkdir(parents=True)
     (root / "benchmarks" / "history.jsonl").write_text(json.dumps(record) + "\n")
 

@@ -20,11 +20,12 @@ from tests.fixtures_gpt import ROOT
 pytestmark = pytest.mark.timeout(120)
 
 
-def _bench_record(machine: dict, model: str, tokens_per_s: float, time: str = "2026-11-01T00:00:00+00:00") -> dict:
+def _bench_record(machine: dict, model: str, tokens_per_s: float, time: str = "2026-11-01T00:00:00+00:00",
+                  precision: str = "bf16", device: str = "NVIDIA H100 80GB HBM3") -> dict:
     shape = Config(model=model)
     return {"time": time, "machine": machine,
             "results": {f"train-{model}": {"model": model, "params": param_count(shape), "seq_length": shape.seq_length,
-                                           "tokens_per_s": tokens_per_s}}}
+                                           "tokens_per_s": tokens_per_s, "precision": precision, "device": device}}}
 
 
 H100 = {"gpu": "NVIDIA H100 80GB HBM3", "key": "x|16|NVIDIA H100 80GB HBM3|1|0"}
@@ -62,11 +63,53 @@ def test_a_measured_figure_of_the_same_accelerator_carries_over_to_another_model
 
 def test_cpu_ranks_use_this_machines_own_benchmark_and_have_no_figure_without_one():
     cluster = load_cluster("local")
-    config = Config(model="tiny", train_iters=300)
-    e = estimate.estimate(config, cluster, 0, [_bench_record({"key": "another machine"}, "tiny", 9_000)])
+    config = Config(model="tiny", train_iters=300, precision="fp32")
+    cpu = {"precision": "fp32", "device": "cpu"}
+    e = estimate.estimate(config, cluster, 0, [_bench_record({"key": "another machine"}, "tiny", 9_000, **cpu)])
     assert e.tokens_per_s_per_device is None and e.hours is None and "benchmark flow" in e.source
-    e = estimate.estimate(config, cluster, 0, [_bench_record(machine_facts(), "tiny", 9_000)])
+    e = estimate.estimate(config, cluster, 0, [_bench_record(machine_facts(), "tiny", 9_000, **cpu)])
     assert e.tokens_per_s_per_device == pytest.approx(9_000) and e.hours is not None
+
+
+def test_records_of_another_precision_or_another_gpu_or_no_shape_at_all_are_passed_over():
+    cluster = load_cluster("p4d-8gpu", accelerator="a10")
+    config = Config(model="gpt3-125m", train_samples=1_000_000)
+    a100 = {"gpu": "NVIDIA A100-SXM4-80GB", "key": "a100 box"}
+    bad = [None, [1, 2], {"machine": None}, {"machine": a100, "results": None},
+           {"machine": {"gpu": "NVIDIA A10"}, "results": {"x": {"model": "gpt3-9000b", "params": 1, "tokens_per_s": 5,
+                                                               "precision": "bf16"}}},
+           {"machine": {"gpu": "NVIDIA A10"}, "results": {"y": "not a result"}},
+           _bench_record({"gpu": "NVIDIA A10"}, "gpt3-125m", 50_000, precision="fp32"),
+           _bench_record(a100, "gpt3-125m", 100_000)]           # an A100 is no A10
+    e = estimate.estimate(config, cluster, 0, bad)
+    assert "no benchmark of a a10" in e.source and e.tokens_per_s_per_device is None   # no A10 peak known
+    assert e.tokens == config.total_iters * config.global_batch_size * config.seq_length   # a run counted in samples
+    assert abs(e.tokens - 1_000_000 * config.seq_length) < config.global_batch_size * config.seq_length
+    good = estimate.estimate(config, cluster, 0, [*bad, _bench_record({"gpu": "NVIDIA A10"}, "gpt3-125m", 20_000)])
+    assert good.tokens_per_s_per_device == pytest.approx(20_000)
+
+
+def test_a_local_gpu_run_uses_this_machines_benchmark_and_its_gpus_peak(monkeypatch):
+    here = {"key": "this box", "gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(estimate, "_this_machine", lambda: here)
+    cluster = load_cluster("local", device="cuda")
+    config = Config(model="gpt3-125m", train_iters=100, precision="bf16", device="cuda")
+    assert estimate.estimate(config, cluster, 0, [_bench_record(here, "gpt3-125m", 367_500)]).tokens_per_s_per_device \
+        == pytest.approx(367_500)
+    assumed = estimate.estimate(config, cluster, 0, [])
+    assert "35% MFU of its 989 TFLOP/s" in assumed.source
+
+
+def test_the_operators_caps_bound_every_runs_budget():
+    caps = {"GPT_BUDGET_NODE_HOURS": "100", "GPT_BUDGET_COST": "5000"}
+    assert approval.with_operator_caps(BudgetParams(), caps) == BudgetParams(node_hours=100, cost=5000)
+    assert approval.with_operator_caps(BudgetParams(node_hours=10, cost=9e9), caps).model_dump() == \
+        {"node_hours": 10, "cost": 5000, "wait_hours": 24}
+    assert approval.with_operator_caps(BudgetParams(node_hours=10), {}) == BudgetParams(node_hours=10)
+    from flows.params import ParameterError
+
+    with pytest.raises(ParameterError, match="GPT_BUDGET_COST='lots' where the flow runs is not a positive number"):
+        approval.with_operator_caps(BudgetParams(), {"GPT_BUDGET_COST": "lots"})
 
 
 def test_a_budget_asks_for_approval_only_above_it_or_when_nothing_can_be_estimated():
@@ -78,7 +121,7 @@ def test_a_budget_asks_for_approval_only_above_it_or_when_nothing_can_be_estimat
     assert "USD estimated" in approval.over_budget(e, BudgetParams(cost=e.cost * 0.99))
     unpriced = estimate.estimate(config, load_cluster("p4d-8gpu").model_copy(update={"price_per_node_hour": None}), 0, [])
     assert "no price_per_node_hour" in approval.over_budget(unpriced, BudgetParams(cost=1e9))
-    unknown = estimate.estimate(Config(model="tiny", train_iters=300), load_cluster("local"), 0, [])
+    unknown = estimate.estimate(Config(model="tiny", train_iters=300, precision="fp32"), load_cluster("local"), 0, [])
     assert "no estimate of node-hours" in approval.over_budget(unknown, BudgetParams(node_hours=1e9))
     trained = estimate.estimate(config, load_cluster("p4d-8gpu"), 1000, [])
     assert approval.over_budget(trained, BudgetParams(node_hours=1e-9)) is None   # nothing left to train

@@ -72,16 +72,24 @@ def test_find_micro_batch_refusals():
                   memory_cap_gib=1e-6)
 
 
-def test_auto_compile_scope_is_the_whole_model_on_cuda_and_blocks_where_sharded_or_on_cpu():
+@pytest.mark.timeout(120)
+def test_auto_compile_scope_is_the_whole_model_for_one_cuda_process_and_blocks_otherwise():
     from gpt.config import Config
-    from gpt.distributed import compile_scope
+    from gpt.distributed import DistEnv, build_model, compile_scope
 
     auto = Config(model="tiny")
     assert auto.compile_scope == "auto"
-    assert compile_scope(auto, torch.device("cuda"), sharded=False) == "model"
-    assert compile_scope(auto, torch.device("cuda"), sharded=True) == "blocks"
-    assert compile_scope(auto, torch.device("cpu"), sharded=False) == "blocks"
-    assert compile_scope(Config(model="tiny", compile_scope="model"), torch.device("cpu"), sharded=False) == "model"
+    assert compile_scope(auto, torch.device("cuda"), 1) == "model"
+    assert compile_scope(auto, torch.device("cuda"), 8) == "blocks"
+    assert compile_scope(auto, torch.device("cpu"), 1) == "blocks"
+    assert compile_scope(Config(model="tiny", compile_scope="model"), torch.device("cpu"), 4) == "model"
+    # build_model applies the decision: on CPU, each block is compiled and the model is not.
+    model = build_model(Config(model="tiny", compile=True, device="cpu", precision="fp32"), DistEnv(0, 1, 0, None),
+                        torch.device("cpu"))
+    assert model.h[0]._compiled_call_impl is not None and model._compiled_call_impl is None
+    whole = build_model(Config(model="tiny", compile=True, compile_scope="model", device="cpu", precision="fp32"),
+                        DistEnv(0, 1, 0, None), torch.device("cpu"))
+    assert whole._compiled_call_impl is not None and whole.h[0]._compiled_call_impl is None
 
 
 @pytest.mark.timeout(240)
@@ -95,3 +103,4 @@ def test_profile_writes_a_trace_and_sorts_kernels_by_kind(tmp_path):
     assert bench.kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert bench.kernel_kind("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>") == "optimizer"
     assert bench.kernel_kind("triton_red_fused_native_layer_norm_backward_9") == "triton"
+    assert bench.kernel_kind("triton_tem_fused_mm_3") == "matmul" and bench.kernel_kind("scatter_add_kernel") == "other"
