@@ -6,9 +6,9 @@ notification block (Slack, or any webhook).
     GPT_ALERT_WEBHOOK_URL=https://hooks.slack.com/... python -m deployments.alerts --slack
     GPT_ALERT_WEBHOOK_URL=https://alerts.example/hook python -m deployments.alerts --webhook
 
-The webhook URL is a secret: it is read from the environment and kept in a block, never given as an
-argument. Run once against PREFECT_API_URL (after `prefect work-pool create`, beside
-`python -m deployments.zombies`); running again replaces the automation.
+The webhook URL is a secret: it is read from the environment and kept in a block's secrets, never
+given as an argument. `python -m deployments.setup` (the work pool and both automations) takes the
+same options; running either again replaces the automation.
 """
 from __future__ import annotations
 

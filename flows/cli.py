@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--run-name")
     p.add_argument("--output-uri", help="s3://bucket/prefix to upload the run folder to")
     p.add_argument("--output-endpoint-url")
+    p.add_argument("--tracker", action="append", default=[], choices=["wandb", "mlflow"],
+                   help="log the run to this experiment tracker (repeatable; credentials from the environment)")
     p.add_argument("--budget-node-hours", type=float, help="above this estimate, wait for approval in the Prefect UI")
     p.add_argument("--budget-cost", type=float, help="the same for the estimated cost (the cluster preset's currency)")
     a = p.parse_args(argv)
@@ -109,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     params["cluster"] = group("cluster", ClusterParams, **pick(
         preset=a.cluster, overrides=_key_values(a.cluster_set, "--cluster-set", "cluster.overrides", errors)))
     params["output"] = group("output", OutputParams, **pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
-                                                            endpoint_url=a.output_endpoint_url))
+                                                            endpoint_url=a.output_endpoint_url, trackers=a.tracker))
     if a.budget_node_hours is not None or a.budget_cost is not None:
         params["budget"] = group("budget", BudgetParams, **pick(node_hours=a.budget_node_hours, cost=a.budget_cost))
     if errors:

@@ -8,6 +8,7 @@ Run folder (written by the train stage and the training job)::
     jobs.json       job ids, state history          jobs/          sbatch scripts, per-rank logs
     metrics.jsonl   tensorboard/   checkpoints/     hf/ (the export)   loss.png
     run.json        what defines the run            provenance.json   each start: commit, parameters, versions
+    trackers.json   W&B/MLflow run ids, the last iteration each got
 """
 from __future__ import annotations
 

@@ -159,6 +159,11 @@ class OutputParams(_Params):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint for `uri`")
     profile: str | None = Field(None, description="AWS profile for `uri` (empty: data.profile, so sync and "
                                                   "upload use the same credentials)")
+    trackers: list[Literal["wandb", "mlflow"]] = Field(default_factory=list, max_length=2, description=
+                                                       "Experiment trackers to log the run to (credentials from "
+                                                       "the environment where the flow runs)")
+    tracker_project: str = Field("gpt-pretrain", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                 description="W&B project or MLflow experiment")
 
 
 def is_remote(uri: str) -> bool:

@@ -39,6 +39,7 @@ from tasks.precompile import precompile_task
 from tasks.sync import upload_task
 from tasks.run_owner import RunOwner
 from tasks.train import following, train_task
+from tasks.trackers import Trackers
 
 
 @flow(name="pretrain", persist_result=True, log_prints=True)
@@ -115,7 +116,8 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
         compiled = stages.run("precompile", precompile_task, plan.config, plan.cluster)
     else:
         stages.skip("precompile", "training.compile is off: nothing to compile")
-    result = stages.run("train", train_task, plan.config, plan.cluster, precompiled=compiled)
+    result = stages.run("train", train_task, plan.config, plan.cluster, precompiled=compiled,
+                        trackers=tuple(output.trackers), tracker_project=output.tracker_project)
 
     exported = stages.run("export", export_task, result.run_dir, dataset.vocab_file, dataset.merge_file,
                           intact=export_intact)
@@ -125,6 +127,9 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
         seq_length=plan.config.seq_length, stages=stages.records, job_ids=result.job_ids,
         uploaded_to=output.uri, flow_run_url=url, exported=exported,
     )
+    if output.trackers and outlook.kind != "trained":
+        Trackers(output.trackers, output.tracker_project, Path(result.run_dir), plan.config.to_dict()).finish(
+            figures, reporting.samples_markdown(model, exported.samples, exported.path), Path(exported.path))
     if output.uri:  # last, so the upload holds the loss plot and the export too
         stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
                    profile=output.profile or data.profile)

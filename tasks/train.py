@@ -30,6 +30,7 @@ from tasks.jobs import (
     submit,
 )
 from tasks.progress import Progress, human_duration
+from tasks.trackers import Trackers
 from tasks.run_context import run_logger
 from tasks.run_owner import RunOwner
 
@@ -128,7 +129,8 @@ def trained_summary(run_dir: Path, total_iters: int, newest: Path | None) -> dic
     return summary
 
 
-def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileManifest | None" = None) -> TrainResult:
+def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileManifest | None" = None,
+          trackers: tuple[str, ...] = (), tracker_project: str = "gpt-pretrain") -> TrainResult:
     """Run (or resume, or extend) training in ``config.run_dir`` on the cluster; a second call
     resumes from the last checkpoint there, and a run trained to this length already submits
     nothing. The run folder has one owner while this runs (tasks.run_owner.RunOwner)."""
@@ -146,7 +148,13 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
             return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
                                metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind)
         write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
-        result = _train_owned(config, cluster, run_dir, precompiled)
+        tracked = Trackers(trackers, tracker_project, run_dir, config.to_dict())
+        try:
+            result = _train_owned(config, cluster, run_dir, precompiled, tracked)
+        except BaseException:
+            tracked.close(finished=False)
+            raise
+        tracked.close(finished=True)
         write_json(run_dir / SUMMARY, result.summary)
         return result
 
@@ -183,7 +191,7 @@ def eta_and_cost(iterations_left: int, step_ms: float, elapsed_s: float, cluster
 
 
 def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
-                 precompiled: "PrecompileManifest | None") -> TrainResult:
+                 precompiled: "PrecompileManifest | None", tracked: Trackers) -> TrainResult:
     logger = run_logger()
     total = config.total_iters
     progress = Progress(f"{config.model} on {cluster.name}", "iterations", items=total,
@@ -196,6 +204,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     def on_poll() -> None:
         """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
         for r in records.new():
+            tracked.record(r)
             if r["kind"] == "valid":
                 logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
                 continue

@@ -42,9 +42,10 @@ def webhook():
 def test_a_failed_run_sends_one_notification_naming_the_run_and_the_failed_stage(prefect_server, webhook, tmp_path):
     url, received = webhook
     env = {**prefect_server.env, "PYTHONPATH": str(ROOT)}
-    made = subprocess.run([sys.executable, "-m", "deployments.alerts", "--webhook"], env={**env, "GPT_ALERT_WEBHOOK_URL": url},
+    made = subprocess.run([sys.executable, "-m", "deployments.setup", "--webhook"], env={**env, "GPT_ALERT_WEBHOOK_URL": url},
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stdout + made.stderr
+    assert prefect_server.api("/work_pools/gpt")["type"] == "process"      # the same command made the work pool
     assert url not in made.stdout + made.stderr            # the URL is a secret: never printed
     blocks = prefect_server.api("/block_documents/filter", {})
     assert any(b["name"] == "gpt-pretrain-alerts" for b in blocks) and url not in json.dumps(blocks)   # nor shown

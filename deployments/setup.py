@@ -1,0 +1,65 @@
+"""Everything the Prefect server needs once for this project, in one command: the process work pool
+the deployments use, the automation that marks silent flow runs Crashed (deployments/zombies.py)
+and, when a channel is given, the alert automation (deployments/alerts.py).
+
+    python -m deployments.setup                                   # work pool and crash automation
+    GPT_ALERT_WEBHOOK_URL=https://hooks.slack.com/... python -m deployments.setup --slack
+    python -m deployments.setup --block slack-webhook/ml-team --on Failed Crashed Completed
+
+Run against PREFECT_API_URL; running it again changes nothing but the alert's channel.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from deployments import alerts, zombies
+
+POOL = "gpt"
+
+
+def ensure_work_pool(name: str = POOL) -> bool:
+    """Create the process work pool ``name`` unless it exists; True when it was created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(
+                name=name, type="process", description="gpt-pretrain flow runs (deployments/prefect.yaml)",
+                base_job_template=ProcessWorker.get_default_base_job_template()))
+        except ObjectAlreadyExists:
+            return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__.splitlines()[0])
+    p.add_argument("--pool", default=POOL, help="the work pool's name (deployments/prefect.yaml uses gpt)")
+    channel = p.add_mutually_exclusive_group()
+    channel.add_argument("--block", help="alerts to an existing notification block, as type/name")
+    channel.add_argument("--slack", action="store_true", help=f"alerts to a Slack webhook at ${alerts.URL_VARIABLE}")
+    channel.add_argument("--webhook", action="store_true", help=f"alerts as a JSON POST to ${alerts.URL_VARIABLE}")
+    p.add_argument("--on", nargs="+", choices=alerts.ENDINGS, default=["Failed", "Crashed"],
+                   help="the final states that alert (default: Failed Crashed)")
+    a = p.parse_args(argv)
+    if (a.slack or a.webhook) and not os.environ.get(alerts.URL_VARIABLE):
+        p.error(f"set {alerts.URL_VARIABLE} to the webhook's URL (it is a secret: never an argument)")
+    created = ensure_work_pool(a.pool)
+    print(f"work pool {a.pool!r} {'created' if created else 'already there'}")
+    zombies.ensure_automation()
+    print(f"automation {zombies.NAME!r} in place; run workers with "
+          f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={zombies.HEARTBEAT_S}")
+    if a.block or a.slack or a.webhook:
+        block_id = alerts.load_block(a.block) if a.block else alerts.save_block(
+            "slack" if a.slack else "webhook", os.environ[alerts.URL_VARIABLE])
+        alerts.ensure_automation(block_id, tuple(a.on))
+        print(f"automation {alerts.NAME!r} alerts on {', '.join(a.on)} through block {a.block or alerts.BLOCK_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

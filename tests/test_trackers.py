@@ -1,0 +1,126 @@
+"""Experiment trackers with the real libraries: a real local MLflow tracking server gets one run for
+a training run of two legs (the second extends the first), every iteration's metrics once and the
+HuggingFace export as artifacts; W&B in offline mode keeps one run id across the legs; a tracker
+that cannot be reached is a warning naming it, and the run completes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tasks.sample_corpus import sample_corpus
+from tests.fixtures_gpt import ROOT
+from tests.fixtures_prefect import free_port
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "mlflow.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                             "--artifacts-destination", str(tmp_path / "mlflow-artifacts"), "--workers", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError("the MLflow server did not start: " + (tmp_path / "mlflow.log").read_text()[-2000:])
+            time.sleep(1)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def _wandb_train_steps(wandb_dir: Path) -> list[int]:
+    """The steps of the train metrics in W&B's offline run files: LevelDB-style log blocks of 32 KiB
+    after a 7-byte header, each holding a protobuf Record (wandb.proto)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    steps = []
+    for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
+        data, pos, part = path.read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0 and length == 0:
+                break
+            part += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):                  # a whole record, or the last piece of one
+                record = pb.Record()
+                record.ParseFromString(part)
+                part = b""
+                if record.WhichOneof("record_type") == "history":
+                    items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+                    if "train/lm_loss" in items:
+                        steps.append(json.loads(items["_step"]))
+    return steps
+
+
+def _leg(tmp_path: Path, corpus: str, iters: int, env: dict[str, str], *trackers: str) -> str:
+    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-iters", str(iters), "--no-compile",
+            "--root", str(tmp_path / "root"), "--run-name", "tracked", "--set", "eval_interval=4", "--set",
+            "eval_iters=1", "--set", "log_interval=2", "--set", "lr_warmup_iters=1",
+            *[f"--tracker={t}" for t in trackers]]
+    run = subprocess.run(args, env={**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+                                    "PYTHONPATH": str(ROOT), **env},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_two_legs_log_to_one_mlflow_run_and_one_wandb_run_each_iteration_once(mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    corpus = sample_corpus(str(tmp_path / "corpus"))
+    env = {"MLFLOW_TRACKING_URI": mlflow_server, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    _leg(tmp_path, corpus, 4, env, "mlflow", "wandb")
+    _leg(tmp_path, corpus, 8, env, "mlflow", "wandb")           # extends the run: a second leg
+    run_dir = tmp_path / "root" / "tracked"
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["mlflow"]["last_step"] == 8 and state["wandb"]["last_step"] == 8
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "gpt-pretrain"]
+    (run,) = client.search_runs([experiment.experiment_id])                 # one run for both legs
+    assert run.info.run_id == state["mlflow"]["run_id"] and run.info.status == "FINISHED"
+    losses = client.get_metric_history(run.info.run_id, "train/lm_loss")
+    assert sorted(m.step for m in losses) == list(range(1, 9))              # every iteration, once
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "valid/lm_loss")] == [4, 8]
+    assert run.data.params["model"] == "tiny" and "final/test_perplexity" in run.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"hf", "samples.md"} <= artifacts
+    assert "model.safetensors" in {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hf")}
+
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) >= 2 and {p.name.rsplit("-", 1)[1] for p in offline} == {state["wandb"]["run_id"]}
+    assert _wandb_train_steps(run_dir / "wandb") == list(range(1, 9))    # one W&B run, every iteration once
+
+
+@pytest.mark.timeout(600)
+def test_a_tracker_that_cannot_be_reached_is_a_warning_naming_it(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    corpus = sample_corpus(str(tmp_path / "corpus"))
+    out = _leg(tmp_path, corpus, 4, {"MLFLOW_TRACKING_URI": dead}, "mlflow")
+    assert f"tracker mlflow ({dead}) failed" in out and "training goes on without it" in out
+    assert (tmp_path / "root" / "tracked" / "summary.json").is_file()
