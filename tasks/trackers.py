@@ -5,14 +5,19 @@ the follower, not rank 0, that logs them: tracker credentials (``WANDB_API_KEY``
 ``MLFLOW_TRACKING_*``) stay in the environment of the process that runs the flow, and jobs keep
 being submitted without any credential. ``<run>/trackers.json`` keeps each tracker's run id and the
 last iteration it got, so every requeue, resume and later leg continues the same tracker run and
-logs each iteration once. A tracker that cannot be reached is a warning naming it; training goes on.
+logs each iteration once. A tracker that cannot be reached is a warning naming it; what it missed
+is kept and sent again later (with a growing pause), and after MAX_FAILURES failures in a row it is
+left out for the rest of the stage. Training never waits on it for long.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable
+from urllib.parse import urlsplit, urlunsplit
 
 from gpt.files import write_json
 from tasks.run_context import run_logger
@@ -20,27 +25,32 @@ from tasks.run_context import run_logger
 RECORD = "trackers.json"
 NAMES = ("wandb", "mlflow")
 TRAIN_KEYS = ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "elapsed_ms", "consumed_samples")
+MAX_FAILURES = 5
+RETRY_S = 30.0            # the pause after a failure, times the failures in a row
+BATCH = 1000              # metrics per MLflow request (its limit)
 
 
 class _MLflow:
-    """MLflow through its client (MLFLOW_TRACKING_URI and credentials from the environment)."""
+    """MLflow through its client; MLFLOW_TRACKING_URI and credentials from the environment."""
 
     name = "mlflow"
 
-    def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any]) -> None:
+    def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any],
+                 created: Any) -> None:
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            raise ValueError("MLFLOW_TRACKING_URI is not set where the flow runs")
         # A tracking server that is down should cost seconds, not minutes of retries.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        import mlflow
         from mlflow import MlflowClient
 
         self.client = MlflowClient()
-        self.where = mlflow.get_tracking_uri()
         if run_id is None:
             experiment = self.client.get_experiment_by_name(project)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
-            run = self.client.create_run(experiment_id, run_name=run_dir.name, tags={"run_dir": str(run_dir)})
-            run_id = run.info.run_id
+            run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
+                                            tags={"run_dir": str(run_dir)}).info.run_id
+            created(run_id)                   # kept before anything else can fail
             self._params(run_id, config)
         else:
             self.client.update_run(run_id, status="RUNNING")
@@ -53,11 +63,15 @@ class _MLflow:
         for i in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[i:i + 100])
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, items: list[tuple[dict[str, float], int, float]]) -> None:
         from mlflow.entities import Metric
 
-        now = _now_ms()
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        metrics = [Metric(k, v, int(1000 * when), step) for values, step, when in items for k, v in values.items()]
+        for i in range(0, len(metrics), BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH])
+
+    def final(self, numbers: dict[str, float], step: int) -> None:
+        self.log([(numbers, step, time.time())])
 
     def text(self, name: str, text: str) -> None:
         self.client.log_text(self.run_id, text, name)
@@ -71,20 +85,27 @@ class _MLflow:
 
 class _WandB:
     """Weights & Biases (WANDB_API_KEY, WANDB_MODE=offline and the rest from the environment); its
-    local files go in the run folder."""
+    local files go in the run folder. It records no console or system stats of the head node."""
 
     name = "wandb"
 
-    def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any]) -> None:
+    def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any],
+                 created: Any) -> None:
         import wandb
 
-        self.where = os.environ.get("WANDB_BASE_URL", "wandb")
+        self.run_dir = run_dir
         self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow" if run_id else None,
-                              dir=str(run_dir), config=config if run_id is None else None, reinit="create_new")
+                              dir=str(run_dir), config=config if run_id is None else None, reinit="create_new",
+                              settings=wandb.Settings(console="off", x_disable_stats=True))
         self.run_id = self.run.id
+        created(self.run_id)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
+    def log(self, items: list[tuple[dict[str, float], int, float]]) -> None:
+        for values, step, _ in items:
+            self.run.log(values, step=step)
+
+    def final(self, numbers: dict[str, float], step: int) -> None:
+        self.run.summary.update(numbers)      # a resumed online run has moved past `step`
 
     def text(self, name: str, text: str) -> None:
         self.run.summary[name] = text
@@ -92,7 +113,7 @@ class _WandB:
     def folder(self, name: str, path: Path) -> None:
         import wandb
 
-        artifact = wandb.Artifact(name, type="model")
+        artifact = wandb.Artifact(f"{self.run_dir.name}-{name}", type="model")
         artifact.add_dir(str(path))
         self.run.log_artifact(artifact)
 
@@ -104,71 +125,142 @@ _KINDS = {"mlflow": _MLflow, "wandb": _WandB}
 
 
 class Trackers:
-    """The run's trackers, opened on the run's tracker runs; each call hides a tracker's failure
-    behind one warning, after which that tracker is left out."""
+    """The run's trackers, opened on the run's tracker runs. A tracker's failure is a warning; what
+    it missed waits for the next try."""
 
     def __init__(self, names: Iterable[str], project: str, run_dir: Path, config: dict[str, Any]) -> None:
+        self.names = list(names)
         self.run_dir, self.path = run_dir, run_dir / RECORD
-        self.state: dict[str, dict[str, Any]] = _read(self.path)
-        self.open: list[Any] = []
-        for name in names:
-            saved = self.state.get(name, {})
-            tracker = self._try(name, lambda n=name, s=saved: _KINDS[n](project, run_dir, s.get("run_id"), config))
+        self.state: dict[str, dict[str, Any]] = _read(self.path) if self.names else {}
+        self.open: dict[str, Any] = {}
+        self.pending: dict[str, list[tuple[dict[str, float], int, float, str]]] = {}
+        self.failures: dict[str, int] = {}
+        self.retry_at: dict[str, float] = {}
+        for name in self.names:
+            saved = self.state.setdefault(name, {})
+            saved.setdefault("last_step", 0)
+            saved.setdefault("last_valid", 0)
+            saved["where"] = _where(name)
+
+            def created(run_id: str, s: dict[str, Any] = saved) -> None:
+                s["run_id"] = run_id
+                self._save()
+
+            tracker = self._try(name, lambda n=name, s=saved, c=created: _KINDS[n](
+                project, run_dir, s.get("run_id"), config, c))
             if tracker is not None:
-                self.state[name] = {"run_id": tracker.run_id, "last_step": saved.get("last_step", 0),
-                                    "last_valid": saved.get("last_valid", 0), "where": tracker.where}
-                self.open.append(tracker)
+                self.open[name] = tracker
+                self.pending[name] = []
+        if self.names:
+            self._save()
+
+    def records(self, records: list[dict[str, Any]]) -> None:
+        """Log new metrics records (train and valid) to every tracker that has not had them, in one
+        batch per tracker."""
+        if not self.open:
+            return
+        items = [item for r in records if (item := _item(r)) is not None]
+        for name in list(self.open):
+            state = self.state[name]
+            queued = {(step, kind) for _, step, _, kind in self.pending[name]}
+            self.pending[name] += [i for i in items if i[1] > state[i[3]] and (i[1], i[3]) not in queued]
+            self._send(name)
         self._save()
 
-    def record(self, r: dict[str, Any]) -> None:
-        """Log one metrics record (train or valid) to every tracker that has not had it."""
-        if r.get("kind") not in ("train", "valid") or not self.open:
+    def _send(self, name: str, now: bool = False) -> None:
+        pending = self.pending[name]
+        if not pending or (not now and time.monotonic() < self.retry_at.get(name, 0.0)):
             return
-        if r["kind"] == "train":
-            metrics = {f"train/{k}": float(r[k]) for k in TRAIN_KEYS if isinstance(r.get(k), (int, float))}
-        else:
-            metrics = {"valid/lm_loss": float(r["valid_loss"]), "valid/perplexity": _perplexity(r["valid_loss"])}
-        step = int(r["iteration"])
-        cursor = "last_step" if r["kind"] == "train" else "last_valid"
-        for tracker in list(self.open):
-            state = self.state[tracker.name]
-            if step <= state.get(cursor, 0):
-                continue                     # logged before this requeue or resume
-            if self._try(tracker.name, lambda t=tracker: t.log(metrics, step), tracker) is not None:
-                state[cursor] = step
-        self._save()
+        tracker = self.open[name]
+        if self._try(name, lambda: tracker.log([(values, step, when) for values, step, when, _ in pending])):
+            for _, step, _, kind in pending:
+                self.state[name][kind] = max(self.state[name][kind], step)
+            self.pending[name] = []
+            self.failures[name] = 0
 
     def finish(self, summary: dict[str, float], samples: str | None, export: Path | None) -> None:
-        """The run's final figures, its samples and its HuggingFace export, then close its tracker runs."""
-        for tracker in list(self.open):
-            numbers = {f"final/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
-            self._try(tracker.name, lambda t=tracker: t.log(numbers, self.state[t.name]["last_step"]), tracker)
-            if samples:
-                self._try(tracker.name, lambda t=tracker: t.text("samples.md", samples), tracker)
-            if export is not None and export.is_dir():
-                self._try(tracker.name, lambda t=tracker: t.folder("hf", export), tracker)
+        """Whatever of the run's metrics a tracker has not had (from metrics.jsonl), the run's final
+        figures, its samples and its HuggingFace export; then close its tracker runs."""
+        from tasks.report import read_metrics
+
+        self.records(read_metrics(self.run_dir / "metrics.jsonl"))
+        numbers = {f"final/{k}": float(v) for k, v in summary.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for name in list(self.open):
+            tracker = self.open[name]
+            self._send(name, now=True)
+            steps = (lambda t=tracker, n=name: t.final(numbers, self.state[n]["last_step"]),
+                     (lambda t=tracker: t.text("samples.md", samples)) if samples else None,
+                     (lambda t=tracker: t.folder("hf", export)) if export is not None and export.is_dir() else None)
+            for step in steps:
+                if step is not None and name in self.open:
+                    self._try(name, step)
         self.close(finished=True)
 
     def close(self, finished: bool) -> None:
-        for tracker in self.open:
-            self._try(tracker.name, lambda t=tracker: t.close(finished))
-        self.open = []
+        """Send what waits (once more), then close the tracker runs; what still fails to go is sent
+        by the next leg or by ``finish``, which read the metrics records again."""
+        for name in list(self.open):
+            self._send(name, now=True)
+            if name in self.open:
+                self._close(name, finished)
+        if self.names:
+            self._save()
 
-    def _try(self, name: str, action: Any, tracker: Any = None) -> Any:
+    def _close(self, name: str, finished: bool) -> None:
+        tracker = self.open.pop(name)
+        try:
+            tracker.close(finished)
+        except Exception as e:  # noqa: BLE001 - closing is best effort
+            run_logger().warning("tracker %s (%s): closing its run failed: %s", name, self.state[name]["where"],
+                                 _text(str(e), 300))
+
+    def _try(self, name: str, action: Any) -> Any:
+        """``action()``'s result (True for None), or None after a warning when it raised."""
         try:
             result = action()
             return True if result is None else result
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
-            where = self.state.get(name, {}).get("where") or getattr(tracker, "where", None) or os.environ.get(
-                "MLFLOW_TRACKING_URI" if name == "mlflow" else "WANDB_BASE_URL", "its default location")
-            run_logger().warning("tracker %s (%s) failed: %s: %s; training goes on without it", name, where,
-                                 type(e).__name__, _text(str(e), 300))
-            if tracker in self.open:
-                self.open.remove(tracker)
+            failures = self.failures[name] = self.failures.get(name, 0) + 1
+            self.retry_at[name] = time.monotonic() + RETRY_S * failures
+            gone = name in self.open and failures >= MAX_FAILURES
+            run_logger().warning("tracker %s (%s) failed: %s: %s; %s", name, self.state[name]["where"],
+                                 type(e).__name__, _text(str(e), 300),
+                                 f"left out after {failures} failures in a row, training goes on without it" if gone
+                                 else "training goes on without it" if name not in self.open
+                                 else f"training goes on; what it missed is sent again in {RETRY_S * failures:.0f} s")
+            if gone:
+                self._close(name, finished=False)
             return None
 
     def _save(self) -> None:
         write_json(self.path, self.state)
+
+
+def _item(r: dict[str, Any]) -> tuple[dict[str, float], int, float, str] | None:
+    """(metrics, step, time, cursor) of one metrics record, or None for records trackers do not get."""
+    if r.get("kind") == "train":
+        values = {f"train/{k}": float(r[k]) for k in TRAIN_KEYS
+                  if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)}
+        return values, int(r["iteration"]), float(r.get("time") or time.time()), "last_step"
+    if r.get("kind") == "valid":
+        loss = float(r["valid_loss"])
+        return ({"valid/lm_loss": loss, "valid/perplexity": math.exp(min(loss, 50.0))}, int(r["iteration"]),
+                float(r.get("time") or time.time()), "last_valid")
+    return None
+
+
+def _where(name: str) -> str:
+    """Where a tracker logs, without any credentials the address holds."""
+    if name == "mlflow":
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        parts = urlsplit(uri)
+        if parts.username or parts.password:
+            parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+        return urlunsplit(parts) or "MLFLOW_TRACKING_URI unset"
+    mode = os.environ.get("WANDB_MODE", "online")
+    return "offline, in the run folder" if mode in ("offline", "dryrun") else os.environ.get(
+        "WANDB_BASE_URL", "https://api.wandb.ai")
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:
@@ -179,18 +271,6 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def _perplexity(loss: float) -> float:
-    import math
-
-    return math.exp(min(float(loss), 50.0))
-
-
 def _text(value: Any, limit: int) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text[:limit]
-
-
-def _now_ms() -> int:
-    import time
-
-    return int(time.time() * 1000)

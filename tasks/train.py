@@ -203,8 +203,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
 
     def on_poll() -> None:
         """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
-        for r in records.new():
-            tracked.record(r)
+        new = records.new()
+        tracked.records(new)
+        for r in new:
             if r["kind"] == "valid":
                 logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
                 continue

@@ -24,27 +24,43 @@ pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 
 
+class _MLflowServer:
+    """`mlflow server` on a loopback port with its own SQLite store; it can be stopped and started again."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port = folder, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        log = open(self.folder / "mlflow.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}",
+             "--artifacts-destination", str(self.folder / "mlflow-artifacts"), "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise AssertionError("the MLflow server did not start: "
+                                         + (self.folder / "mlflow.log").read_text()[-2000:])
+                time.sleep(1)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "mlflow.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                             "--artifacts-destination", str(tmp_path / "mlflow-artifacts"), "--workers", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise AssertionError("the MLflow server did not start: " + (tmp_path / "mlflow.log").read_text()[-2000:])
-            time.sleep(1)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    server = _MLflowServer(tmp_path)
+    yield server
+    if server.proc.poll() is None:
+        server.stop()
 
 
 def _wandb_train_steps(wandb_dir: Path) -> list[int]:
@@ -93,14 +109,14 @@ def test_two_legs_log_to_one_mlflow_run_and_one_wandb_run_each_iteration_once(ml
     from mlflow import MlflowClient
 
     corpus = sample_corpus(str(tmp_path / "corpus"))
-    env = {"MLFLOW_TRACKING_URI": mlflow_server, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.url, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     _leg(tmp_path, corpus, 4, env, "mlflow", "wandb")
     _leg(tmp_path, corpus, 8, env, "mlflow", "wandb")           # extends the run: a second leg
     run_dir = tmp_path / "root" / "tracked"
     state = json.loads((run_dir / "trackers.json").read_text())
     assert state["mlflow"]["last_step"] == 8 and state["wandb"]["last_step"] == 8
 
-    client = MlflowClient(tracking_uri=mlflow_server)
+    client = MlflowClient(tracking_uri=mlflow_server.url)
     (experiment,) = [e for e in client.search_experiments() if e.name == "gpt-pretrain"]
     (run,) = client.search_runs([experiment.experiment_id])                 # one run for both legs
     assert run.info.run_id == state["mlflow"]["run_id"] and run.info.status == "FINISHED"
@@ -124,3 +140,32 @@ def test_a_tracker_that_cannot_be_reached_is_a_warning_naming_it(tmp_path):
     out = _leg(tmp_path, corpus, 4, {"MLFLOW_TRACKING_URI": dead}, "mlflow")
     assert f"tracker mlflow ({dead}) failed" in out and "training goes on without it" in out
     assert (tmp_path / "root" / "tracked" / "summary.json").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_server, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from tasks import trackers
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    monkeypatch.setattr(trackers, "RETRY_S", 0.0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def train(i: int) -> dict:
+        return {"kind": "train", "iteration": i, "lm_loss": 10.0 - i, "lr": 1e-3, "time": 1.7e9 + i}
+
+    tracked = trackers.Trackers(["mlflow"], "outage", run_dir, {"model": "tiny"})
+    tracked.records([train(1), train(2)])
+    mlflow_server.stop()
+    tracked.records([train(3)])                              # fails: kept for the next try
+    tracked.records([train(4)])
+    assert [step for _, step, _, _ in tracked.pending["mlflow"]] == [3, 4] and "mlflow" in tracked.open
+    mlflow_server.start()
+    tracked.records([train(5)])
+    tracked.close(finished=True)
+    state = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert state["last_step"] == 5 and state["where"] == mlflow_server.url
+    history = MlflowClient(tracking_uri=mlflow_server.url).get_metric_history(state["run_id"], "train/lm_loss")
+    assert sorted((m.step, m.value) for m in history) == [(i, 10.0 - i) for i in range(1, 6)]
