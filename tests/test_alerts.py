@@ -38,7 +38,7 @@ def webhook():
     server.shutdown()
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_failed_run_sends_one_notification_naming_the_run_and_the_failed_stage(prefect_server, webhook, tmp_path):
     url, received = webhook
     env = {**prefect_server.env, "PYTHONPATH": str(ROOT)}
@@ -58,7 +58,7 @@ def test_a_failed_run_sends_one_notification_naming_the_run_and_the_failed_stage
     (flow_run,) = [r for r in prefect_server.api("/flow_runs/filter", {"flow_runs": {}})
                    if (r["parameters"].get("output") or {}).get("run_name") == "doomed"]
     assert flow_run["state"]["type"] == "FAILED" and flow_run["state"]["message"].startswith("stage tokenize failed:")
-    wait_until(lambda: received, 120, "the notification", every=1)
+    wait_until(lambda: received, 240, "the notification", every=1)   # the server's automations may lag under load
     (note,) = received
     assert flow_run["name"] in note["subject"] and "Failed" in note["subject"]
     assert "stage tokenize failed" in note["text"] and "bad.jsonl.gz" in note["text"]
