@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt.backend import PEAK_FLOPS
+from gpt.backend import peak_flops
 from gpt.config import Config
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
@@ -88,7 +88,7 @@ def device_flops(config: Config, cluster: ClusterConfig, history: list[dict[str,
     if measured is not None:
         return measured
     device = cluster.accelerator or (_this_machine()["gpu"] if cluster.kind == "local" else None)
-    peak = _peak(device, config.precision)
+    peak = peak_flops(device, config.precision)
     if cluster.job_device in ("cuda", "neuron") and peak:
         return ASSUMED_MFU * peak, (f"no {config.precision} benchmark of a {device} in the history: {ASSUMED_MFU:.0%} "
                                     f"MFU of its {peak / 1e12:,.0f} TFLOP/s assumed")
@@ -137,14 +137,6 @@ def _same_hardware(machine: dict[str, Any], cluster: ClusterConfig) -> bool:
 @functools.lru_cache(maxsize=1)
 def _this_machine() -> dict[str, Any]:
     return machine_facts()
-
-
-def _peak(device: str | None, precision: str) -> float | None:
-    """The peak FLOP/s of an accelerator (a preset's name, or a GPU's full name) at ``precision``."""
-    precision = "bf16" if precision == "fp8" else precision
-    names = sorted((n for n in PEAK_FLOPS if re.search(rf"\b{re.escape(n)}\b", device or "", re.IGNORECASE)),
-                   key=len, reverse=True)
-    return PEAK_FLOPS[names[0]].get(precision) if names else None
 
 
 def read_history(root: Path) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,16 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "trn1": {"bf16": 95e12, "fp16": 95e12, "fp32": 23.75e12},   # per NeuronCore-v2
     "trn2": {"bf16": 83.4e12, "fp16": 83.4e12, "fp32": 20.9e12},  # per NeuronCore-v3
 }
+
+
+def peak_flops(device: str | None, precision: str) -> float | None:
+    """PEAK_FLOPS of the device a name names (a device's full name such as "NVIDIA H100 80GB HBM3",
+    or an accelerator such as "h100": whole words, any case, the longest entry first) at
+    ``precision``; fp8 counts against the bf16 peak. None when no entry matches."""
+    precision = "bf16" if precision == "fp8" else precision
+    names = sorted((n for n in PEAK_FLOPS if re.search(rf"\b{re.escape(n)}\b", device or "", re.IGNORECASE)),
+                   key=len, reverse=True)
+    return PEAK_FLOPS[names[0]].get(precision) if names else None
 
 
 @dataclass(frozen=True)
@@ -159,14 +170,11 @@ class Backend:
     def peak_flops(self, precision: str) -> float | None:
         """Peak FLOP/s of one device from PEAK_FLOPS, or None when unknown (CPU). An fp8 run is
         measured against the bf16 peak, so that its MFU compares with a bf16 run's."""
-        precision = "bf16" if precision == "fp8" else precision
         if self.kind.peak is not None:
-            return PEAK_FLOPS[self.kind.peak][precision]
+            return peak_flops(self.kind.peak, precision)
         if self.kind.device_type == "cpu":
             return None
-        name = torch.get_device_module(self.kind.device_type).get_device_name()
-        keys = sorted((k for k in PEAK_FLOPS if k in name), key=len, reverse=True)
-        return PEAK_FLOPS[keys[0]][precision] if keys else None
+        return peak_flops(torch.get_device_module(self.kind.device_type).get_device_name(), precision)
 
     def memory_in_use_bytes(self) -> int:
         """Device memory held by tensors now (accelerators), or the process's resident size."""
