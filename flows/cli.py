@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--global-batch-size", type=int)
     p.add_argument("--seq-length", type=int)
     p.add_argument("--tp", type=int, dest="tensor_parallel")
+    p.add_argument("--pp", type=int, dest="pipeline_parallel", help="pipeline stages")
     p.add_argument("--dp", type=int, dest="data_parallel")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "neuron"])
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16", "fp8"])
@@ -105,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     params["training"] = group("training", TrainingParams, **pick(
         train_iters=a.train_iters, train_samples=a.train_samples, micro_batch_size=a.micro_batch_size,
         global_batch_size=a.global_batch_size, seq_length=a.seq_length, tensor_parallel=a.tensor_parallel,
+        pipeline_parallel=a.pipeline_parallel,
         data_parallel=a.data_parallel, device=a.device, precision=a.precision, compile=a.compile,
         benchmark=a.benchmark, seed=a.seed, init_from=a.init_from, init_from_optimizer=a.init_from_optimizer,
         overrides=_key_values(a.set, "--set", "training.overrides", errors)))

@@ -103,8 +103,10 @@ class TrainingParams(_Params):
     global_batch_size: int | None = Field(None, ge=1, le=2**24, description="Sequences per optimizer step, all devices")
     seq_length: int | None = Field(None, ge=8, le=2**20, description="Sequence length")
     tensor_parallel: int = Field(1, ge=1, le=1024, description="Tensor-parallel size (tp)")
+    pipeline_parallel: int = Field(1, ge=1, le=1024, description="Pipeline stages (pp); the schedule and virtual "
+                                   "stages go in overrides: pipeline_schedule, virtual_pipeline_stages")
     data_parallel: int | None = Field(None, ge=1, le=2**20, description="Data-parallel size (dp); empty: the "
-                                                                       "cluster's tasks divided by tp. Must match.")
+                                                                       "cluster's tasks divided by tp x pp. Must match.")
     data_parallel_mode: Literal["ddp", "fsdp"] = "ddp"
     device: Literal["auto", "cpu", "cuda", "neuron"] = Field(
         "auto", description="auto: what the cluster preset runs on (its device)")

@@ -269,9 +269,10 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     if where is not None:
         world_size = where.world_size
         fields["device"], fields["precision"] = job_device_and_precision(training, where, errors)
-        if training.data_parallel is not None and training.data_parallel * training.tensor_parallel != world_size:
+        ranks = (training.data_parallel or 1) * training.tensor_parallel * training.pipeline_parallel
+        if training.data_parallel is not None and ranks != world_size:
             errors.append(f"training.data_parallel: {training.data_parallel} x tensor_parallel "
-                          f"{training.tensor_parallel} = {training.data_parallel * training.tensor_parallel} "
+                          f"{training.tensor_parallel} x pipeline_parallel {training.pipeline_parallel} = {ranks} "
                           f"processes, but the cluster runs {world_size} (nodes x tasks_per_node); change one of them")
         if fields["device"] == "neuron":  # graphs come from neuron_parallel_compile; torch-neuronx has no torch.compile
             fields["compile"] = False
@@ -295,7 +296,8 @@ def config_fields(training: TrainingParams) -> dict[str, Any]:
     come from the cluster: see `job_device_and_precision`)."""
     t = training
     fields: dict[str, Any] = {
-        "tensor_parallel": t.tensor_parallel, "data_parallel_mode": t.data_parallel_mode,
+        "tensor_parallel": t.tensor_parallel, "pipeline_parallel": t.pipeline_parallel,
+        "data_parallel_mode": t.data_parallel_mode,
         "compile": t.compile, "activation_checkpointing": t.activation_checkpointing,
         "benchmark": t.benchmark, "seed": t.seed,
     }

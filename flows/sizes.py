@@ -1,6 +1,6 @@
-"""What a run will cost, estimated before anything runs: the memory each rank needs at least, and
-the bytes it writes under the output root at least. Both are lower bounds, so that what they
-refuse cannot fit, whatever the data turn out to be.
+"""What a run will cost, estimated before anything runs: whether each rank's estimated peak memory
+(gpt.memory) fits its device, and the bytes it writes under the output root at least (a lower
+bound, so that what it refuses cannot fit).
 """
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import shutil
 from pathlib import Path
 
 from gpt.config import Config
+from gpt.memory import GIB, STATE_BYTES, fitting_layout, rank_memory
 from tasks.cluster import ClusterConfig
 
-GIB = 1 << 30
 # Memory of one device (GiB), the largest variant of each generation: what a rank may use at most.
 DEVICE_MEMORY_GIB = {"a100": 80, "a10g": 24, "l4": 24, "l40s": 48, "t4": 16, "v100": 32, "h100": 94, "h800": 80,
                      "h20": 96, "h200": 141, "gh200": 144, "b100": 192, "b200": 192, "gb200": 192, "b300": 288,
                      "gb300": 288, "trn1": 16, "trn2": 24}
 SMALLEST_VOCABULARY = 257      # a byte-level BPE: the vocabulary is not known before the data stages
-STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
 CHECKPOINT_BYTES = 12          # per parameter: the weight and the two moments
 INDEX_BYTES = 12               # per sample at least: its sample-index entry and its shuffle-index entry
 
@@ -26,17 +25,6 @@ def parameters(config: Config, vocab_size: int = SMALLEST_VOCABULARY) -> int:
     """GPT-2's parameter count: blocks, embeddings (tied output layer) and the final norm."""
     h, layers = config.hidden_size, config.num_layers
     return layers * (12 * h * h + 13 * h) + (vocab_size + config.max_position_embeddings) * h + 2 * h
-
-
-def rank_memory(config: Config, world_size: int) -> tuple[int, int]:
-    """(model state, activations) bytes one rank holds at least: the fp32 state of its share of the
-    parameters, and each block's input kept for the backward pass (all that activation
-    checkpointing keeps)."""
-    share = config.tensor_parallel * (world_size // config.tensor_parallel if config.data_parallel_mode == "fsdp" else 1)
-    state = STATE_BYTES * parameters(config) // share
-    element = 4 if config.precision == "fp32" else 2
-    activations = config.micro_batch_size * config.seq_length * config.hidden_size * config.num_layers * element
-    return state, activations
 
 
 def device_memory(cluster: ClusterConfig) -> tuple[int, str] | None:
@@ -57,12 +45,15 @@ def memory_problem(config: Config, cluster: ClusterConfig) -> str | None:
     limit = device_memory(cluster)
     if limit is None:
         return None
-    state, activations = rank_memory(config, cluster.world_size)
-    if state + activations <= limit[0]:
+    need = rank_memory(config, cluster.world_size)
+    if need.total <= limit[0]:
         return None
-    return (f"each rank needs at least {(state + activations) / GIB:,.1f} GiB (model state {state / GIB:,.1f}, "
-            f"activations {activations / GIB:,.1f}) but {limit[1]}; lower micro_batch_size or seq_length, raise "
-            "tensor_parallel, use data_parallel_mode fsdp, or choose a larger model's cluster")
+    layout = fitting_layout(config, cluster.world_size, limit[0])
+    fix = (f"this layout would fit: {layout}" if layout else
+           "lower micro_batch_size or seq_length, raise tensor_parallel, or choose a cluster with more devices")
+    return (f"each rank needs an estimated {need.arithmetic()}, but {limit[1]}; {fix} "
+            f"(the fields micro_batch_size, tensor_parallel, pipeline_parallel, data_parallel_mode, "
+            f"activation_checkpointing)")
 
 
 def written_bytes(config: Config) -> tuple[int, int]:

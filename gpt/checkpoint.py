@@ -108,8 +108,34 @@ def part_names(model: nn.Module) -> dict[str, str]:
             for name, shard in sharded_names(model).items()}
 
 
+def optimizer_names(model: nn.Module) -> dict[str, str]:
+    """Optimizer-state key -> saved key: the split parameters' parts, and on a pipeline's last stage
+    the output layer's copy of the embedding, whose state is the embedding's (``wte.weight``, as a
+    whole model names the tied parameter)."""
+    names = part_names(model)
+    inner = getattr(model, "module", model)
+    if getattr(inner, "wte", True) is None and getattr(inner, "lm_head", None) is not None:
+        names["lm_head.weight"] = names.get("lm_head.weight", "lm_head.weight").replace("lm_head.", "wte.", 1)
+    return names
+
+
 def _renamed(entries: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     return {names.get(key, key): value for key, value in entries.items()}
+
+
+# The optimizer state is kept flat ("state.<parameter>.exp_avg", "param_groups.<parameter>.lr"): each
+# entry under its parameter's name, whichever rank or pipeline stage holds it, so it loads into any
+# layout (nested, the parameter groups would list each rank's own parameters).
+OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _renamed_optimizer(entries: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    out = {}
+    for key, value in entries.items():
+        kind, _, rest = key.partition(".")
+        old = next((name for name in names if rest.startswith(name + ".")), None)
+        out[f"{kind}.{names[old]}{rest[len(old):]}" if old else key] = value
+    return out
 
 
 class Checkpointer:
@@ -215,8 +241,9 @@ class Checkpointer:
         original = {saved: key for key, saved in part_names(model).items()}
         set_model_state_dict(model, _renamed(state["model"], original))
         if optimizer is not None:
-            state["optimizer"]["state"] = _renamed(state["optimizer"]["state"], original)
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=True))
+            saved_as = {saved: key for key, saved in optimizer_names(model).items()}
+            set_optimizer_state_dict(model, optimizer, _renamed_optimizer(state["optimizer"], saved_as),
+                                     options=OPTIMIZER_OPTIONS)
         return state
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -225,8 +252,8 @@ class Checkpointer:
         parts = part_names(model)
         state: dict[str, Any] = {"model": _renamed(get_model_state_dict(model), parts), **extra}
         if optimizer is not None:  # after the model's, as FSDP needs
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-            state["optimizer"]["state"] = _renamed(state["optimizer"]["state"], parts)
+            state["optimizer"] = _renamed_optimizer(get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS),
+                                                    optimizer_names(model))
         return state
 
     def _prune(self, iteration: int) -> None:

@@ -58,7 +58,9 @@ _CHOICES = {
     "fp8_recipe": ("tensorwise", "rowwise"),
     "compile_scope": ("auto", "blocks", "model"),
     "activation_checkpointing_scope": ("block", "attention", "mlp"),
+    "pipeline_schedule": ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"),
 }
+_INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")
 
 
 class ConfigError(ValueError):
@@ -94,6 +96,9 @@ class Config:
     clip_grad: float = 1.0
     seed: int = 1234
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1                 # pipeline stages (ranks along the pipeline)
+    virtual_pipeline_stages: int = 1           # stages per pipeline rank (interleaved schedules)
+    pipeline_schedule: str = "1f1b"            # "1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"
     data_parallel_mode: str = "ddp"            # "ddp" or "fsdp" (FSDP2 fully_shard)
     device: str = "auto"
     precision: str = "bf16"                    # fp8: bf16 autocast with torchao float8 linears (Hopper or later)
@@ -244,7 +249,8 @@ class Config:
             if getattr(self, name) not in choices:
                 found.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-                     "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "log_interval",
+                     "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel",
+                     "virtual_pipeline_stages", "log_interval",
                      "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
             if any(f.startswith(f"{name}=") for f in found):
                 continue
@@ -260,12 +266,14 @@ class Config:
         if self.num_attention_heads % self.tensor_parallel:
             found.append(f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
                          f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count")
-        if world_size % self.tensor_parallel:
-            found.append(f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel}; "
-                         f"use a number of ranks that is a multiple of it")
-        if world_size % self.tensor_parallel:
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if world_size % model_parallel:
+            found.append(f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel} x "
+                         f"pipeline_parallel={self.pipeline_parallel}; use a number of ranks that is a multiple "
+                         f"of {model_parallel} (world = pipeline x data x tensor parallel)")
             return found + self._schedule_problems()
-        dp = world_size // self.tensor_parallel
+        dp = world_size // model_parallel
+        found += self._pipeline_problems(dp)
         if self.global_batch_size % (self.micro_batch_size * dp):
             found.append(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
                          f"{self.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
@@ -275,6 +283,37 @@ class Config:
                          f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
         found += self._schedule_problems()
         found += self._other_problems(dp)
+        return found
+
+    def _pipeline_problems(self, dp: int) -> list[str]:
+        pp, virtual = self.pipeline_parallel, self.virtual_pipeline_stages
+        found: list[str] = []
+        if pp == 1 and virtual == 1:
+            return found
+        stages = pp * virtual
+        if self.num_layers % stages:
+            found.append(f"num_layers={self.num_layers} does not split evenly into pipeline_parallel={pp} x "
+                         f"virtual_pipeline_stages={virtual} = {stages} stages; pick stages that divide the layers")
+        interleaved = self.pipeline_schedule in _INTERLEAVED
+        if interleaved and virtual < 2:
+            found.append(f"pipeline_schedule={self.pipeline_schedule!r} runs several stages per rank: set "
+                         "virtual_pipeline_stages to 2 or more, or use pipeline_schedule='1f1b'")
+        if not interleaved and virtual > 1:
+            found.append(f"virtual_pipeline_stages={virtual} needs an interleaved schedule: set "
+                         "pipeline_schedule='interleaved-1f1b' (or 'interleaved-zb')")
+        per_step = self.global_batch_size // (self.micro_batch_size * dp) if self.micro_batch_size * dp else 0
+        if pp > 1 and per_step < pp:
+            found.append(f"global_batch_size={self.global_batch_size} gives {per_step} micro-batch(es) per step "
+                         f"(/ micro_batch_size={self.micro_batch_size} / data-parallel size {dp}), which cannot fill "
+                         f"pipeline_parallel={pp} stages: raise global_batch_size or lower micro_batch_size to "
+                         f"give at least {pp}")
+        elif pp > 1 and interleaved and per_step % pp:
+            found.append(f"global_batch_size={self.global_batch_size} gives {per_step} micro-batches per step, "
+                         f"not a multiple of pipeline_parallel={pp} as the interleaved schedules need: make "
+                         f"global_batch_size a multiple of {self.micro_batch_size * dp * pp}")
+        if pp > 1 and self.device == "neuron":
+            found.append("pipeline_parallel > 1 is not available on device='neuron': the torch_xla path trains "
+                         "with tensor and data parallel only; set pipeline_parallel=1 and raise tensor_parallel")
         return found
 
     def _type_problems(self) -> list[str]:

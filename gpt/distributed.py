@@ -2,6 +2,10 @@
 
 Order, as in torchtitan: float8 linears (torchao) -> tensor parallel (DTensor plans) -> activation
 checkpointing -> compile -> data parallel (FSDP2 ``fully_shard`` or DDP). The model file stays free of parallel code.
+Pipeline stages (gpt/pipeline.py) take the same steps, each stage a data-parallel unit of its own.
+
+The mesh is (pp, dp, tp), tensor-parallel ranks consecutive (within a node), then data parallel,
+then pipeline stages outermost (across nodes): rank = (pp index x dp + dp index) x tp + tp index.
 """
 from __future__ import annotations
 
@@ -36,13 +40,31 @@ class DistEnv:
     local_rank: int
     mesh: DeviceMesh | None  # None when running as one process, and on XLA devices
     tp: tensor_parallel.Group | None = None  # this rank's tensor-parallel group on XLA devices
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp is not None:
+            self.tp_size = self.tp.size
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size)
 
-def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0) -> DistEnv:
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.dp_size)
+
+
+def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, pp_size: int = 1) -> DistEnv:
     """Join the process group described by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
     A collective that cannot complete within ``timeout_s`` fails the rank (and so the job) rather
     than waiting forever.
@@ -53,7 +75,7 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0) 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size == 1:
-        return DistEnv(rank, 1, local_rank, None)
+        return DistEnv(rank, 1, local_rank, None, tp_size=tp_size, pp_size=pp_size)
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; the launcher must export it")
@@ -67,10 +89,13 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0) 
     check_world(rank, world_size)
     if backend.lazy:  # a DTensor there would mean GSPMD: tensor parallel with explicit collectives
         tp = tensor_parallel.new_group(rank, world_size, tp_size, lazy=True) if tp_size > 1 else None
-        return DistEnv(rank, world_size, local_rank, None, tp)
-    mesh = init_device_mesh(backend.kind.device_type, (world_size // tp_size, tp_size),
-                            mesh_dim_names=("dp", "tp"))
-    return DistEnv(rank, world_size, local_rank, mesh)
+        return DistEnv(rank, world_size, local_rank, None, tp, tp_size=tp_size)
+    dp_size = world_size // (tp_size * pp_size)
+    if pp_size > 1:
+        mesh = init_device_mesh(backend.kind.device_type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh(backend.kind.device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return DistEnv(rank, world_size, local_rank, mesh, tp_size=tp_size, pp_size=pp_size)
 
 
 def check_world(rank: int, world_size: int) -> None:
@@ -99,6 +124,14 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
     """The GPT with every configured parallelism applied, weights initialised on ``device``."""
     with torch.device("meta"):
         model = GPT(config)
+    apply_layers(model, config, env, device)
+    (model,) = materialise(model, [model], config, env, device)
+    return model
+
+
+def apply_layers(model: GPT, config: Config, env: DistEnv, device: torch.device) -> None:
+    """What changes the layers of a (meta) model: float8, tensor parallel, activation checkpointing,
+    per-block compilation."""
     if config.precision == "fp8":
         require_float8_device(device)
         convert_to_float8(model, config.fp8_recipe)
@@ -108,11 +141,19 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
         tensor_parallel.apply(model, env.tp)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing_scope)
-    dp = env.world_size // config.tensor_parallel
-    if config.compile:
-        backend = compile_backend(device)
-        for module in model.h if compile_scope(config, device, env.world_size) == "blocks" else [model]:
-            module.compile(backend=backend)
+    if config.compile and compile_scope(config, device, env.world_size) == "blocks":
+        for block in model.h.values():
+            block.compile(backend=compile_backend(device))
+
+
+def materialise(model: GPT, parts: list[GPT], config: Config, env: DistEnv, device: torch.device) -> list[nn.Module]:
+    """Compile each part whole (compile scope ``model``), shard the parts over the data-parallel ranks
+    (FSDP2) or wrap them in DDP, allocate the model on ``device`` and initialise its weights. ``parts``
+    is ``[model]``, or a pipeline rank's stages (views of its layers). Returns the parts as trained."""
+    dp = env.dp_size
+    if config.compile and compile_scope(config, device, env.world_size) == "model":
+        for part in parts:
+            part.compile(backend=compile_backend(device))
     if env.mesh is None and dp > 1 and config.data_parallel_mode == "fsdp":
         raise ConfigError(f"data_parallel_mode='fsdp': {device.type} devices train data parallel as "
                           "data_parallel_mode='ddp' (gradients all-reduced, optimizer state on every replica)")
@@ -121,17 +162,24 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
                           "devices (DDP over DTensor); use data_parallel_mode='fsdp'")
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "fsdp":
         dp_mesh = env.mesh["dp"]
-        for block in model.h:
+        for block in model.h.values():
             fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+        for part in parts:
+            fully_shard(part, mesh=dp_mesh)
     model.to_empty(device=device)
-    model.lm_head.weight = model.wte.weight  # to_empty and the TP plans re-create parameters
+    if env.mesh is not None and dp > 1 and config.data_parallel_mode == "fsdp":
+        for part in parts:
+            if part is not model:  # a pipeline stage: its own FSDP state takes the new parameters
+                part.to_empty(device=device)
+    if model.wte is not None and model.lm_head is not None:
+        model.lm_head.weight = model.wte.weight  # to_empty and the TP plans re-create parameters
     tensor_parallel.mark(model)
     model.init_weights(config.seed)
-    if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp":
-        model = DistributedDataParallel(model, process_group=env.mesh["dp"].get_group(),
-                                        device_ids=None if device.index is None else [device.index])
-    return model
+    if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp" and parts == [model]:
+        # (pipeline stages average their gradients after the schedule: gpt.pipeline)
+        return [DistributedDataParallel(part, process_group=env.mesh["dp"].get_group(),
+                                        device_ids=None if device.index is None else [device.index]) for part in parts]
+    return parts
 
 
 def compile_backend(device: torch.device) -> str:
@@ -167,9 +215,9 @@ def require_float8_device(device: torch.device) -> None:
 def apply_activation_checkpointing(model: GPT, scope: str) -> None:
     """Recompute in the backward pass, instead of keeping, the activations of each whole block, or
     only of its attention or its MLP."""
-    for i, block in enumerate(model.h):
+    for key, block in model.h.items():
         if scope == "block":
-            model.h[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.h[key] = checkpoint_wrapper(block, preserve_rng_state=False)
         elif scope == "attention":
             block.attn = checkpoint_wrapper(block.attn, preserve_rng_state=False)
         else:
@@ -178,18 +226,23 @@ def apply_activation_checkpointing(model: GPT, scope: str) -> None:
 
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
     """Megatron's split: the fused q/k/v (head by head) and fc column-wise, projections row-wise, the
-    embedding by vocabulary rows (the tied output layer gathers them for the loss)."""
-    parallelize_module(model, tp_mesh, {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    })
-    for block in model.h:
+    embedding by vocabulary rows (the tied output layer gathers them for the loss; a pipeline's last
+    stage splits its copy of the embedding the same way)."""
+    if model.wte is not None:
+        parallelize_module(model, tp_mesh, {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        })
+    elif model.lm_head is not None:
+        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel()})  # weight rows: Shard(0)
+    for block in model.h.values():
         parallelize_module(block, tp_mesh, {
             "attn.qkv": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(),
             "mlp.c_proj": RowwiseParallel(),
         })
-    model.lm_head.weight = model.wte.weight  # both Shard(0) over the vocabulary: one tied parameter
+    if model.wte is not None and model.lm_head is not None:
+        model.lm_head.weight = model.wte.weight  # both Shard(0) over the vocabulary: one tied parameter
 
 
 @contextlib.contextmanager
@@ -205,8 +258,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of all gradients, over every shard of every rank."""
+def grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global L2 norm of all gradients, over every shard of every rank (and every pipeline stage's
+    parameters, summed over ``pp_group``)."""
     with_grad = [p for p in parameters if p.grad is not None]
     sharded = [p.grad for p in with_grad if isinstance(p.grad, DTensor)]
     split = [p for p in with_grad if hasattr(p, "tp_shard")]  # by gpt.tensor_parallel
@@ -219,7 +273,16 @@ def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
         norms.append(split[0].tp_shard.group.all_reduce(squares).sqrt())
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain))
-    return torch.linalg.vector_norm(torch.stack(norms))
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=_device(parameters))
+    if pp_group is not None:
+        squares = norm.float() ** 2
+        dist.all_reduce(squares, group=pp_group)
+        norm = squares.sqrt()
+    return norm
+
+
+def _device(parameters: list[nn.Parameter]) -> torch.device:
+    return parameters[0].device if parameters else torch.device("cpu")
 
 
 def scale_grads(parameters: list[nn.Parameter], factor: float | torch.Tensor) -> None:

@@ -4,8 +4,10 @@ Learned position embeddings, pre-LayerNorm blocks, causal self-attention through
 scaled_dot_product_attention (q, k and v from one fused projection), a 4x GELU MLP, a final
 LayerNorm and an output layer tied to the token embedding, whose cross-entropy is taken a chunk of
 tokens at a time (linear_cross_entropy): in training, the logits of a whole batch never exist.
-Parallelism, activation checkpointing and compilation are applied from outside (gpt/distributed.py);
-this file knows nothing about them except how to initialise a shard and gather the output layer.
+Parallelism, activation checkpointing and compilation are applied from outside (gpt/distributed.py,
+gpt/pipeline.py); this file knows nothing about them except how to initialise a shard, gather the
+output layer, and run as a pipeline stage: a GPT whose blocks keep their global names ("h.7") and
+whose embedding, or final norm and output layer, may be absent (None) on a stage that lacks them.
 """
 from __future__ import annotations
 
@@ -182,10 +184,14 @@ class GPT(nn.Module):
         self.vocab_size = config.padded_vocab_size()
         self.wte = nn.Embedding(self.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size)
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
+        # Keyed by layer number: a pipeline stage holds some of them under their global names.
+        self.h = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        # A pipeline's last stage hands its normalised hidden states to the schedule's loss function
+        # (``loss``), which takes the targets; every other stage hands on what its last block made.
+        self.emits_hidden = False
         if not self.wte.weight.is_meta:
             self.init_weights(config.seed)
 
@@ -193,21 +199,39 @@ class GPT(nn.Module):
                 cache: list[KVCache] | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) or, given targets, the mean cross-entropy loss. Both cover the real
         vocabulary only: the padding rows exist for the matmul shapes, never as predictions.
-        ``cache`` (one KVCache per layer) continues a sequence for generation."""
-        start = cache[0].length if cache is not None else 0
-        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for i, block in enumerate(self.h):
+        ``cache`` (one KVCache per layer) continues a sequence for generation. A pipeline stage
+        without the embedding takes hidden states for ``idx``; one without the output layer
+        returns hidden states."""
+        if self.wte is not None:
+            start = cache[0].length if cache is not None else 0
+            pos = torch.arange(start, start + idx.shape[1], device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+        else:
+            x = idx
+        for i, block in enumerate(self.h.values()):
             x = block(x) if cache is None else block(x, cache[i])
+        if self.ln_f is None:
+            return x
         x = self.ln_f(x)
+        if self.emits_hidden:
+            return x
+        if targets is None:
+            return F.linear(x, self.output_weight())[..., :self.config.vocab_size]
+        return self.loss(x, targets)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the output layer over the final normalised hidden states."""
+        return linear_cross_entropy(hidden.flatten(0, 1), self.output_weight(), targets.flatten(),
+                                    self.config.vocab_size)
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's whole weight (the embedding's, tied)."""
         weight = self.lm_head.weight
         if isinstance(weight, DTensor):  # vocabulary rows split over tensor-parallel ranks: gather them
-            weight = weight.full_tensor()
-        elif hasattr(weight, "tp_shard"):  # the same, split by gpt.tensor_parallel (XLA devices)
-            weight = weight.tp_shard.gather(weight)
-        if targets is None:
-            return F.linear(x, weight)[..., :self.config.vocab_size]
-        return linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.config.vocab_size)
+            return weight.full_tensor()
+        if hasattr(weight, "tp_shard"):  # the same, split by gpt.tensor_parallel (XLA devices)
+            return weight.tp_shard.gather(weight)
+        return weight
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -218,7 +242,8 @@ class GPT(nn.Module):
         """
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for name, p in self.named_parameters():
-            name = plain_name(name)
+            # On a pipeline's last stage the output layer is a copy of the (first stage's) embedding.
+            name = "wte.weight" if plain_name(name) == "lm_head.weight" else plain_name(name)
             shape = p.tp_shard.whole_shape(p) if hasattr(p, "tp_shard") else p.shape  # DTensor: whole already
             if ".ln_" in name or name.startswith("ln_f"):
                 full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)

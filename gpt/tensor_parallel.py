@@ -214,7 +214,7 @@ def apply(model: GPT, group: Group) -> None:
     they exist on the device."""
     hidden = model.config.hidden_size
     model.wte = VocabParallelEmbedding(model.vocab_size, hidden, group)
-    for block in model.h:
+    for block in model.h.values():
         block.attn.qkv = ColumnParallelLinear(hidden, 3 * hidden, group)
         block.attn.c_proj = RowParallelLinear(hidden, hidden, group)
         block.mlp.c_fc = ColumnParallelLinear(hidden, 4 * hidden, group)

@@ -38,6 +38,7 @@ from gpt.distributed import (
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
+from gpt.pipeline import Pipeline, build_pipeline
 from gpt.tensor_parallel import Group, sharded_names
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
@@ -106,29 +107,36 @@ def build_optimizer(model: nn.Module, config: Config, backend: Backend) -> torch
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, backend: Backend, precision: str, clip_grad: float,
-               scaler: LossScaler, tp: Group | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler, tp: Group | None = None,
+               pipeline: Pipeline | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate gradients over the micro-batches, reduce them over the ranks, clip, step.
 
     Returns device scalars, read by nobody here: the loss averaged over all ranks, the global
     gradient norm, and whether the optimizer stepped. Every decision is taken on the device from
     the reduced gradients, so all ranks take the same one: the clip coefficient, and skipping the
-    step (on every rank) when the norm is not finite. On XLA the whole step is one graph.
+    step (on every rank) when the norm is not finite. On XLA the whole step is one graph. With
+    pipeline stages, their schedule runs the micro-batches' forward and backward passes.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    total = torch.zeros((), device=micro_batches[0][0].device)
-    for i, (x, y) in enumerate(micro_batches):
+    if pipeline is not None:
         heartbeat.enter("forward")
-        with gradient_sync(model, i == len(micro_batches) - 1), backend.autocast(precision):
-            loss = model(x, y) / len(micro_batches)
-        heartbeat.enter("backward")
-        (loss * scaler.scale if scaler.enabled else loss).backward()
-        total += loss.detach()
+        with backend.autocast(precision):
+            total = pipeline.train(micro_batches, scaler.scale if scaler.enabled else None) / len(micro_batches)
+    else:
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        for i, (x, y) in enumerate(micro_batches):
+            heartbeat.enter("forward")
+            with gradient_sync(model, i == len(micro_batches) - 1), backend.autocast(precision):
+                loss = model(x, y) / len(micro_batches)
+            heartbeat.enter("backward")
+            (loss * scaler.scale if scaler.enabled else loss).backward()
+            total += loss.detach()
     heartbeat.enter("sync")
     backend.reduce_gradients(optimizer, tp)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
-    norm = grad_norm(params)
+    norm = grad_norm(pipeline.norm_parameters(params) if pipeline else params,
+                     pipeline.pp_group if pipeline else None)
     finite = torch.isfinite(norm)
     if clip_grad > 0:
         clip_grads(params, clip_grad, norm.to(backend.kind.scalar_dtype))
@@ -136,7 +144,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     scaler.update(finite)
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mean_loss = all_reduce_sum(total) / world  # tensor-parallel ranks hold the same loss: divide by the world
+    # Tensor-parallel ranks hold the same loss and only the last pipeline stage holds one: divide by
+    # the ranks of the last stage.
+    mean_loss = all_reduce_sum(total) / (world // (pipeline.size if pipeline else 1))
     backend.sync()
     return mean_loss, norm, finite
 
@@ -149,8 +159,7 @@ def micro_batches(dataset, start: int, count: int, config: Config, env: DistEnv,
     Micro-step m covers samples [start + m*mb*dp, start + (m+1)*mb*dp); data-parallel rank r takes
     its contiguous slice of it. The order is the same for any number of ranks.
     """
-    tp = config.tensor_parallel
-    dp, dp_rank, mb = env.world_size // tp, env.rank // tp, config.micro_batch_size
+    dp, dp_rank, mb = env.dp_size, env.dp_rank, config.micro_batch_size
     out = []
     for m in range(count // (mb * dp)):
         first = start + m * mb * dp + dp_rank * mb
@@ -180,7 +189,7 @@ def load_datasets(config: Config) -> tuple[Any, Any, Any]:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, config: Config, env: DistEnv, device: torch.device,
-             backend: Backend, iters: int) -> float | None:
+             backend: Backend, iters: int, pipeline: Pipeline | None = None) -> float | None:
     """Mean loss over the first ``iters`` global batches of the split (the same ones every time)."""
     if len(dataset) == 0:
         return None
@@ -189,13 +198,18 @@ def evaluate(model: nn.Module, dataset, config: Config, env: DistEnv, device: to
     count = 0
     for k in range(iters):
         heartbeat.enter("eval")             # a mark per batch: a long evaluation still advances
-        for x, y in micro_batches(dataset, k * g, g, config, env, device):
-            with backend.autocast(config.precision):
-                total += model(x, y).float()
-            count += 1
+        batches = micro_batches(dataset, k * g, g, config, env, device)
+        with backend.autocast(config.precision):
+            if pipeline is not None:
+                total += pipeline.evaluate(batches)
+            else:
+                for x, y in batches:
+                    total += model(x, y).float()
+        count += len(batches)
     backend.sync()
-    # Each tensor-parallel rank holds the same loss: divide by the world, not the data-parallel size.
-    return float(all_reduce_sum(total / count)) / env.world_size
+    # Each tensor-parallel rank holds the same loss, and only the last pipeline stage holds one:
+    # divide by the ranks of the last stage.
+    return float(all_reduce_sum(total / count)) / (env.world_size // env.pp_size)
 
 
 # -- stopping on a signal --------------------------------------------------------------------
@@ -361,7 +375,8 @@ class StepLog:
 def job_layout(config: Config, env: DistEnv, model: nn.Module) -> dict[str, Any]:
     """How this job is laid out, as each checkpoint's marker keeps it (gpt.checkpoint.saved_layout)."""
     return {"world_size": env.world_size, "nodes": int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
-            "tensor_parallel": config.tensor_parallel, "data_parallel_mode": config.data_parallel_mode,
+            "tensor_parallel": config.tensor_parallel, "pipeline_parallel": config.pipeline_parallel,
+            "data_parallel_mode": config.data_parallel_mode,
             "device": config.device, "parts": bool(sharded_names(model))}
 
 
@@ -377,7 +392,8 @@ def main(config: Config) -> dict[str, Any]:
     """Train (or resume) on this rank; returns the run summary on every rank."""
     start = time.time()
     backend = get_backend(config.device)
-    env = init_distributed(backend, config.tensor_parallel, config.collective_timeout_s)
+    env = init_distributed(backend, config.tensor_parallel, config.collective_timeout_s,
+                           pp_size=config.pipeline_parallel)
     finished = False
     try:
         config.validate(env.world_size)
@@ -397,7 +413,8 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     torch.manual_seed(config.seed)
     cache_hit = use_compile_cache(config, backend, env.rank)
     train_data, valid_data, test_data = load_datasets(config)
-    model = build_model(config, env, device)
+    pipeline = build_pipeline(config, env, device) if config.pipeline_parallel > 1 else None
+    model = pipeline.model if pipeline else build_model(config, env, device)
     optimizer = build_optimizer(model, config, backend)
     scaler = LossScaler(config.precision == "fp16", device)
     state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
@@ -442,7 +459,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
                                              precision=config.precision, clip_grad=config.clip_grad, scaler=scaler,
-                                             tp=env.tp)
+                                             tp=env.tp, pipeline=pipeline)
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
             steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter
@@ -457,7 +474,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
                 steps.log_line()
             if evaluating:
                 valid_loss = evaluate(model, valid_data, config, env, device, backend,
-                                      1 if config.precompile else config.eval_iters)
+                                      1 if config.precompile else config.eval_iters, pipeline)
                 if valid_loss is not None:
                     log(valid_line(it, valid_loss), flush=True)
                     metrics.valid(it, state["consumed_samples"], valid_loss)
@@ -476,7 +493,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
         save_compile_cache(config, env.rank)
     test_loss = None
     if status == "completed" and not config.precompile and not config.benchmark:
-        test_loss = evaluate(model, test_data, config, env, device, backend, config.eval_iters)
+        test_loss = evaluate(model, test_data, config, env, device, backend, config.eval_iters, pipeline)
         if test_loss is not None:
             log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "
                 f"lm loss PPL: {math.exp(min(20.0, test_loss)):.6E} |", flush=True)

@@ -19,6 +19,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from gpt.files import write_atomic
+from gpt.memory import rank_memory
+from gpt.pipeline import bubble_fraction
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -55,6 +57,19 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
     )
 
 
+def parallel_layout(c: Any, world_size: int) -> str:
+    """The mesh, and with pipeline stages their schedule and its idle share."""
+    dp = world_size // (c.tensor_parallel * c.pipeline_parallel)
+    mesh = f"pp {c.pipeline_parallel} x dp {dp} ({c.data_parallel_mode}) x tp {c.tensor_parallel}"
+    if c.pipeline_parallel == 1:
+        return mesh
+    micro = c.global_batch_size // (c.micro_batch_size * dp)
+    bubble = bubble_fraction(c.pipeline_schedule, c.pipeline_parallel, c.virtual_pipeline_stages, micro)
+    return (f"{mesh}; schedule {c.pipeline_schedule}, {c.pipeline_parallel * c.virtual_pipeline_stages} stages of "
+            f"{c.num_layers // (c.pipeline_parallel * c.virtual_pipeline_stages)} layers, {micro} micro-batches per "
+            f"step, bubble {bubble:.1%}")
+
+
 def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
               estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
     """What the run will do, decided before any stage runs (flows.plan.Plan), what its folder says
@@ -64,7 +79,7 @@ def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
     rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
             ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
-            ("parallel", f"tp {c.tensor_parallel} x dp {plan.world_size // c.tensor_parallel} ({c.data_parallel_mode})"),
+            ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
             ("compile", str(c.compile)), ("what happens", outlook)]

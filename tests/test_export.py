@@ -108,7 +108,7 @@ def test_hf_to_ours_to_hf_is_bitwise_and_training_starts_from_it(gpt_launcher, d
                                    lr_warmup_iters=0, save_interval=1))
     assert f"started from the HuggingFace weights in {src}" in out
     trained = load_checkpoint(*find_checkpoint(run))
-    assert torch.allclose(trained.h[1].mlp.c_fc.weight, ours.h[1].mlp.c_fc.weight, atol=1e-6)
+    assert torch.allclose(trained.h["1"].mlp.c_fc.weight, ours.h["1"].mlp.c_fc.weight, atol=1e-6)
 
 
 def test_generation_is_reproducible_and_refuses_what_does_not_fit(data, tmp_path):

@@ -66,11 +66,13 @@ class Training:
 
 
 def _release_requeue_hold(job_id: str) -> str | None:
-    """SLURM holds a requeued job for two minutes (BeginTime); start it now, as an operator would.
+    """SLURM holds a requeued job for two minutes (BeginTime); start it sooner, as an operator would.
+    Not within the second of the requeue: slurmd refuses a credential issued in the second its job's
+    previous one was revoked ("Job credential revoked"), and the job ends FAILED.
     Returns the job's state."""
     state = slurm_state(job_id)
     if state is not None and state[0] == "PENDING" and state[1] == "BeginTime":
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, check=False)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], capture_output=True, check=False)
     return state[0] if state is not None else None
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from prefect.utilities.callables import parameter_schema
@@ -173,3 +174,30 @@ def test_cli_flags_map_to_parameters(tmp_path):
     assert params["cluster"].overrides == {"partition": "gpu", "nodes": 2}
     assert params["output"].uri == "s3://out/run" and params["output"].root == str(tmp_path)
     assert parse_args([])["data"] == DataParams()
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_would(tmp_path, monkeypatch):
+    """GPT-3 175B on 16 p4d nodes (128 A100s), tensor parallel 8 with FSDP and micro-batch 4: the plan
+    refuses it with the arithmetic and names a change that fits, which then plans; Megatron's layout
+    (TP 8 x PP 16) plans with its mesh, schedule and bubble in the plan's rows."""
+    import flows.plan
+    from tasks.report import plan_rows
+
+    monkeypatch.setattr(flows.plan, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
+    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})
+    out = OutputParams(root=str(tmp_path))
+    tried = dict(tensor_parallel=8, data_parallel_mode="fsdp", micro_batch_size=4)
+    (line,) = [e for e in _errors(model="gpt3-175b", cluster=p4d, output=out, training=TrainingParams(**tried))
+               if e.startswith("training:")]
+    assert "each rank needs an estimated" in line and "model state" in line and "a100 has 80 GiB" in line, line
+    change = dict(item.split("=") for item in re.search(r"this layout would fit: (.*?) \(the fields", line).group(1).split(", "))
+    _check(model="gpt3-175b", cluster=p4d, output=out, training=TrainingParams(**{**tried, **change}))
+    megatron = _check(model="gpt3-175b", cluster=p4d, output=out,
+                      training=TrainingParams(tensor_parallel=8, pipeline_parallel=16))
+    rows = {r["item"]: r["value"] for r in plan_rows(megatron, "a new run")}
+    assert rows["parallel"] == ("pp 16 x dp 1 (ddp) x tp 8; schedule 1f1b, 16 stages of 6 layers, 1536 micro-batches "
+                                "per step, bubble 1.0%"), rows["parallel"]
+    assert "GiB on the first stage" in rows["memory per rank"]
+    errors = _errors(model="gpt3-175b", cluster=p4d, output=out, training=TrainingParams(
+        tensor_parallel=8, pipeline_parallel=16, micro_batch_size=1, global_batch_size=8))
+    assert any(e.startswith("training.global_batch_size:") and "cannot fill pipeline_parallel=16" in e for e in errors), errors

@@ -147,7 +147,7 @@ def test_the_form_refuses_booleans_non_finite_and_out_of_range_numbers(fields):
 
 def test_what_the_ranks_or_the_disk_cannot_hold_is_refused_before_anything_runs(tmp_path):
     (line,) = [e for e in _errors(tmp_path, model="gpt3-175b") if e.startswith("training:")]
-    assert "each rank needs at least" in line and "this machine has" in line
+    assert "each rank needs an estimated" in line and "this machine has" in line
     (line,) = [e for e in _errors(tmp_path, training=TrainingParams(train_samples=10**13)) if e.startswith("output.root")]
     assert f"{tmp_path} has" in line and "GiB free, but the run writes at least" in line and "data index" in line
 

@@ -86,10 +86,10 @@ def test_auto_compile_scope_is_the_whole_model_for_one_cuda_process_and_blocks_o
     # build_model applies the decision: on CPU, each block is compiled and the model is not.
     model = build_model(Config(model="tiny", compile=True, device="cpu", precision="fp32"), DistEnv(0, 1, 0, None),
                         torch.device("cpu"))
-    assert model.h[0]._compiled_call_impl is not None and model._compiled_call_impl is None
+    assert model.h["0"]._compiled_call_impl is not None and model._compiled_call_impl is None
     whole = build_model(Config(model="tiny", compile=True, compile_scope="model", device="cpu", precision="fp32"),
                         DistEnv(0, 1, 0, None), torch.device("cpu"))
-    assert whole._compiled_call_impl is not None and whole.h[0]._compiled_call_impl is None
+    assert whole._compiled_call_impl is not None and whole.h["0"]._compiled_call_impl is None
 
 
 @pytest.mark.timeout(240)

@@ -145,4 +145,4 @@ def test_fused_qkv_splits_into_whole_heads():
         rows = slice(rank * hidden // 2, (rank + 1) * hidden // 2)
         assert [torch.equal(a, b[rows]) for a, b in zip(split_qkv(block, heads // 2), (q, k, v))] == [True] * 3
     model = GPT(Config(**_SMALL))
-    assert model.h[0].attn.qkv.weight.shape == (3 * hidden, hidden)
+    assert model.h["0"].attn.qkv.weight.shape == (3 * hidden, hidden)

@@ -60,13 +60,13 @@ def test_gpt2_initialisation():
     config = Config(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=1000)
     model = GPT(config)
     assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert model.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2 x 8)
-    assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
-    assert torch.all(model.h[0].ln_1.weight == 1) and torch.all(model.h[0].attn.qkv.bias == 0)
+    assert model.h["0"].attn.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2 x 8)
+    assert model.h["0"].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
+    assert torch.all(model.h["0"].ln_1.weight == 1) and torch.all(model.h["0"].attn.qkv.bias == 0)
     again = GPT(config)  # same seed, same weights; another seed, other weights
-    assert torch.equal(again.h[3].mlp.c_fc.weight, model.h[3].mlp.c_fc.weight)
+    assert torch.equal(again.h["3"].mlp.c_fc.weight, model.h["3"].mlp.c_fc.weight)
     other = GPT(Config(**{**config.to_dict(), "seed": 7}))
-    assert not torch.equal(other.h[3].mlp.c_fc.weight, model.h[3].mlp.c_fc.weight)
+    assert not torch.equal(other.h["3"].mlp.c_fc.weight, model.h["3"].mlp.c_fc.weight)
 
 
 def test_data_order_is_the_same_for_any_rank_count():
@@ -100,8 +100,8 @@ def test_non_finite_step_is_skipped_and_fp16_scale_backs_off():
     assert stepped and torch.isfinite(loss) and scaler.scale == 2.0 ** 16
     with torch.no_grad():
         model.wpe.weight[0, 0] = float("nan")
-    before = model.h[0].mlp.c_fc.weight.clone()
+    before = model.h["0"].mlp.c_fc.weight.clone()
     loss, norm, stepped = train_step(model, optimizer, batches, backend=backend, precision="fp16", clip_grad=1.0, scaler=scaler)
     assert not stepped and scaler.scale == 2.0 ** 15
-    assert torch.equal(model.h[0].mlp.c_fc.weight, before)  # the optimizer did not run
+    assert torch.equal(model.h["0"].mlp.c_fc.weight, before)  # the optimizer did not run
     assert all(p.grad is None for p in model.parameters())

@@ -21,7 +21,7 @@ import gpt.distributed as _dist, gpt.train as _train
 from gpt import tensor_parallel as _tp
 from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed
-def _explicit(backend, tp_size, timeout_s):
+def _explicit(backend, tp_size, timeout_s, pp_size=1):
     env = _init(backend, 1, timeout_s)
     return _dist.DistEnv(env.rank, env.world_size, env.local_rank, None,
                          _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))

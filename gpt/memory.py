@@ -1,0 +1,132 @@
+"""What one rank of a training layout holds at its peak, estimated from the configuration alone:
+its share of the model state, its activations for the micro-batches in flight, and the output
+layer with the chunked loss. The plan (flows.plan) checks it against the device's memory before
+anything is queued; ``python -m gpt.memory`` prints it beside what gpt.bench measures.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gpt.config import Config
+
+GIB = 1 << 30
+STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank of a layout holds at its peak, in bytes, on its heaviest pipeline stage."""
+    stage: str                 # "the only stage", "the first stage", "the last stage"
+    parameters: int            # parameters this rank holds (its stage's, its tensor-parallel share)
+    model_state: int           # fp32 weights, gradients and AdamW's two moments (sharded under FSDP)
+    unsharded: int             # FSDP: one block's weights and gradients gathered whole while it runs
+    activations: int           # kept for the backward pass, for every micro-batch in flight
+    in_flight: float           # micro-batches whose activations the stage holds at once
+    loss: int                  # the output layer's gathered weight, gradient and one chunk of logits
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.unsharded + self.activations + self.loss
+
+    def arithmetic(self) -> str:
+        gib = lambda n: f"{n / GIB:,.2f}"  # noqa: E731
+        return (f"{gib(self.total)} GiB on {self.stage}: model state {gib(self.model_state)} ({self.parameters:,} "
+                f"parameters x {STATE_BYTES} B{', sharded over data parallel' if self.unsharded else ''})"
+                + (f" + one block gathered {gib(self.unsharded)}" if self.unsharded else "")
+                + f" + activations {gib(self.activations)} ({self.in_flight:g} micro-batch(es) in flight)"
+                + f" + output layer and loss {gib(self.loss)}")
+
+
+# Activations kept per layer for one micro-batch, in units of sequence x micro-batch x hidden x 2 bytes
+# (Korthikanti et al., 2022, without dropout masks, and without attention scores, which flash
+# attention never stores): 8 held whole on every tensor-parallel rank, 24 split over them; of the
+# 32, the attention's are 10 and the MLP's 18 (the norms' 4 stay).
+_ACTIVATION_WHOLE, _ACTIVATION_SPLIT = 8, 24
+_SCOPE_SAVES = {"attention": 10 / 32, "mlp": 18 / 32}
+
+
+def rank_memory(config: Config, world_size: int, vocab_size: int | None = None) -> RankMemory:
+    """One rank's peak memory for this layout (pipeline x data x tensor parallel, the micro-batch, the
+    activation-checkpointing scope, the pipeline schedule), on the stage that needs the most."""
+    t, pp, v = config.tensor_parallel, config.pipeline_parallel, config.virtual_pipeline_stages
+    dp = max(1, world_size // (t * pp))
+    h, s, b = config.hidden_size, config.seq_length, config.micro_batch_size
+    vocab = config.padded_vocab_size() if vocab_size is None else -(-vocab_size // (128 * t)) * 128 * t
+    layers = config.num_layers // pp
+    block = (12 * h * h) // t + 13 * h
+    element = 4 if config.precision == "fp32" else 2
+    micro_batches = max(1, config.global_batch_size // (b * dp))
+    if pp == 1:
+        in_flight = 1.0
+    elif config.pipeline_schedule == "gpipe":
+        in_flight = float(micro_batches)
+    else:   # 1F1B: the first stage holds pp micro-batches; interleaving adds (pp - 1) / (pp x v)
+        in_flight = min(micro_batches, pp) * (1 + ((pp - 1) / (pp * v) if v > 1 else 0))
+    per_layer = s * b * h * (_ACTIVATION_WHOLE + _ACTIVATION_SPLIT / t) * element / 2
+    if config.activation_checkpointing and config.activation_checkpointing_scope == "block":
+        kept = layers * s * b * h * 4 * in_flight + per_layer       # block inputs, and one block recomputed
+    else:
+        saved = _SCOPE_SAVES.get(config.activation_checkpointing_scope, 0) if config.activation_checkpointing else 0
+        kept = layers * per_layer * (1 - saved) * in_flight
+    # The loss: the output weight's fp32 gradient, its copy in the autocast dtype and, under tensor
+    # parallel, gathered whole; one chunk's logits (fp32, with the autocast matmul's output and the
+    # gradient in that dtype beside them); the gradient of the hidden states.
+    chunk_tokens = min(s * b, max(1, 2 ** 27 // vocab))
+    sixteen_bit = element < 4
+    loss = (vocab * h * (4 + (element if sixteen_bit else 0) + (4 if t > 1 else 0))
+            + chunk_tokens * vocab * (4 + (2 * element if sixteen_bit else 0)) + s * b * h * 4)
+    embedding = (vocab // t) * h
+    stages = []
+    for name, extra, has_loss, flight in (("the first stage", embedding + config.max_position_embeddings * h, pp == 1, 1.0),
+                                          ("the last stage", embedding + 2 * h, True, 1.0 / max(1.0, in_flight))):
+        params = layers * block + extra
+        state = STATE_BYTES * params // (dp if config.data_parallel_mode == "fsdp" else 1)
+        unsharded = 8 * block if config.data_parallel_mode == "fsdp" and dp > 1 else 0
+        stages.append(RankMemory("the only stage" if pp == 1 else name, params, state, unsharded,
+                                 int(kept * flight), in_flight * flight, loss if has_loss else 0))
+        if pp == 1:
+            break
+    return max(stages, key=lambda m: m.total)
+
+
+def fitting_layout(config: Config, world_size: int, limit: int) -> str | None:
+    """A change to the layout that fits in ``limit`` bytes per rank, named by its fields, or None."""
+    for ac in dict.fromkeys((config.activation_checkpointing, True)):
+        for mode in (config.data_parallel_mode, "fsdp"):
+            for pp in sorted({config.pipeline_parallel, *(p for p in (2, 4, 8, 16, 32) if p > config.pipeline_parallel)}):
+                if world_size % (config.tensor_parallel * pp) or config.num_layers % pp:
+                    continue
+                change = {"activation_checkpointing": ac or config.activation_checkpointing,
+                          "data_parallel_mode": mode, "pipeline_parallel": pp}
+                candidate = dataclasses.replace(config, **change, activation_checkpointing_scope="block"
+                                                if ac and not config.activation_checkpointing else
+                                                config.activation_checkpointing_scope)
+                if dataclasses.replace(candidate, mock_data=True, data_index=None).problems(world_size):
+                    continue
+                if rank_memory(candidate, world_size).total <= limit:
+                    said = [f"{k}={v}" for k, v in change.items() if getattr(config, k) != v]
+                    return ", ".join(said) if said else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpt.memory --world-size N --set FIELD=VALUE ...``: the estimate, as JSON."""
+    import argparse
+    import json
+
+    from gpt.train import _parse_value
+
+    parser = argparse.ArgumentParser(prog="python -m gpt.memory", description=main.__doc__)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    fields = {k: _parse_value(v) for k, _, v in (item.partition("=") for item in args.set)}
+    config = Config.from_dict({"mock_data": True, **fields})
+    estimate = rank_memory(config, args.world_size)
+    print(json.dumps({**dataclasses.asdict(estimate), "total": estimate.total, "arithmetic": estimate.arithmetic()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

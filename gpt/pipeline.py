@@ -1,0 +1,211 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the blocks split evenly into stages, each
+rank of the ``pp`` mesh dimension holding one stage, or ``virtual_pipeline_stages`` of them
+(interleaved: stage s on pipeline rank s mod pp), run by one of torch's schedules.
+
+The embedding goes with the first stage; the final norm, the output layer and the chunked loss with
+the last, which holds its own copy of the (tied) embedding as ``lm_head.weight``: both start equal
+(initialised by the same name) and the two gradients are summed after each backward, as Megatron
+does, so they stay equal. Each rank keeps one GPT of its layers under their global names ("h.7"),
+which the optimizer and the checkpoints see as they see a whole model; its stages are views of it
+that share its layers. Data and tensor parallel apply inside each stage (gpt.distributed): FSDP2
+shards each stage; DDP's part, averaging the gradients over the data-parallel ranks, happens here
+after the schedule, in buckets, as Megatron's own data parallel does (torch's DDP module counts on
+one forward per backward, which a pipeline schedule does not give it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+)
+
+from gpt.config import Config
+from gpt.distributed import DistEnv, apply_layers, materialise
+from gpt.model import GPT
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "interleaved-zb": ScheduleInterleavedZeroBubble}
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The layers of each stage: equal runs of consecutive blocks."""
+    per = num_layers // stages
+    return [range(s * per, (s + 1) * per) for s in range(stages)]
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages a pipeline rank runs, in order: one per round of the loop over the ranks."""
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def bubble_fraction(schedule: str, pp: int, virtual: int, micro_batches: int) -> float:
+    """The idle share of a step, (pp - 1) / (virtual x micro-batches + pp - 1): the fill and drain
+    of the pipeline, shortened by interleaving (Narayanan et al., 2021). Zero-bubble schedules fill
+    it with the weight-gradient work, in the ideal case entirely."""
+    if pp == 1 or schedule == "interleaved-zb":
+        return 0.0
+    return (pp - 1) / (virtual * micro_batches + pp - 1)
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs them over a step's micro-batches."""
+
+    model: GPT                              # this rank's layers, under their global names
+    schedule: object
+    micro_batches: int
+    size: int
+    pp_group: dist.ProcessGroup
+    tied: nn.Parameter | None               # this rank's embedding (first stage) or its copy (last)
+    tied_group: dist.ProcessGroup | None    # the first and last stage of this data/tensor-parallel slot
+    dp_group: dist.ProcessGroup | None      # set where this step averages gradients over data parallel
+    scale: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.lm_head is not None
+
+    def train(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the sum of their mean losses on the last
+        stage (zero elsewhere). Gradients are left as the mean over the micro-batches, summed over the
+        tied embedding's two copies and reduced over the data-parallel ranks."""
+        self.scale[:] = [scale] if scale is not None else []
+        total = self._run(batches, self.schedule.step)
+        self._average_over_data_parallel()
+        self._sum_tied_gradients()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        self.scale[:] = []
+        return self._run(batches, self.schedule.eval)
+
+    def _run(self, batches, run) -> torch.Tensor:
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        losses: list[torch.Tensor] = []
+        kwargs = {"return_outputs": False} if run == self.schedule.step else {}
+        if self.model.wte is not None:
+            run(x, target=y, losses=losses, **kwargs)
+        else:
+            run(target=y, losses=losses, **kwargs)
+        total = torch.zeros((), device=x.device)
+        for loss in losses:
+            total += loss.detach().float() / (self.scale[0] if self.scale else 1.0)
+        return total
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function, on the last stage."""
+        loss = self.model.loss(hidden, targets)
+        return loss * self.scale[0] if self.scale else loss
+
+    def _average_over_data_parallel(self, bucket_elements: int = 2 ** 25) -> None:
+        if self.dp_group is None:
+            return
+        size = dist.get_world_size(self.dp_group)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        bucket: list[torch.Tensor] = []
+        for i, grad in enumerate(grads):
+            bucket.append(grad)
+            last = i == len(grads) - 1
+            if last or sum(g.numel() for g in bucket) + grads[i + 1].numel() > bucket_elements \
+                    or grads[i + 1].dtype != grad.dtype:
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=self.dp_group)
+                flat.div_(size)
+                for g, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(averaged)
+                bucket = []
+
+    def _sum_tied_gradients(self) -> None:
+        if self.tied_group is None or self.tied is None:
+            return
+        grad = self.tied.grad
+        if grad is None:  # a stage that computed no gradient for it still takes part in the sum
+            grad = self.tied.grad = torch.zeros_like(self.tied)
+        if hasattr(grad, "placements") and grad.placements != self.tied.placements:
+            # the embedding's gradient may come out of backward replicated; hold it as the weight is
+            grad = self.tied.grad = grad.redistribute(grad.device_mesh, self.tied.placements)
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=self.tied_group)
+
+    def norm_parameters(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The parameters the gradient norm counts: the last stage's copy of the embedding once only,
+        on the first stage."""
+        if self.is_last and self.model.wte is None:
+            return [p for p in parameters if p is not self.model.lm_head.weight]
+        return parameters
+
+
+def build_pipeline(config: Config, env: DistEnv, device: torch.device) -> Pipeline:
+    """This rank's stages of the GPT, with data and tensor parallel inside each, weights initialised
+    as the whole model's, and the schedule."""
+    pp, virtual = config.pipeline_parallel, config.virtual_pipeline_stages
+    stages = pp * virtual
+    held = stages_of_rank(env.pp_rank, pp, virtual)
+    layers = stage_layers(config.num_layers, stages)
+    with torch.device("meta"):
+        model = GPT(config)
+    _keep(model, [i for s in held for i in layers[s]], first=0 in held, last=stages - 1 in held)
+    apply_layers(model, config, env, device)
+    views = [_view(model, layers[s], first=s == 0, last=s == stages - 1) for s in held]
+    parts = materialise(model, views, config, env, device)
+    pp_group = env.mesh["pp"].get_group()
+    pipe_stages = [PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
+    n = config.global_batch_size // (config.micro_batch_size * env.dp_size)
+    averaging = config.data_parallel_mode == "ddp" and env.dp_size > 1
+    pipeline = Pipeline(model, None, n, pp, pp_group, _tied(model), _tied_group(env),
+                        env.mesh["dp"].get_group() if averaging else None)
+    kind = SCHEDULES[config.pipeline_schedule]
+    single = kind in (ScheduleGPipe, Schedule1F1B)
+    pipeline.schedule = kind(pipe_stages[0] if single else pipe_stages, n_microbatches=n, loss_fn=pipeline.loss,
+                             scale_grads=True)
+    return pipeline
+
+
+def _keep(model: GPT, keys: list[int], first: bool, last: bool) -> None:
+    """Remove from a (meta) model what this rank's stages do not hold."""
+    model.h = nn.ModuleDict({str(i): model.h[str(i)] for i in keys})
+    if last and not first:  # the output layer's own copy of the embedding
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.wte.weight))
+    if not first:
+        model.wte, model.wpe = None, None
+    if not last:
+        model.ln_f, model.lm_head = None, None
+    model.emits_hidden = True
+
+
+def _view(model: GPT, layers: range, first: bool, last: bool) -> GPT:
+    """One stage: a GPT over the rank's modules for ``layers`` (shared, not copied)."""
+    view = GPT.__new__(GPT)
+    nn.Module.__init__(view)
+    view.config, view.vocab_size, view.emits_hidden = model.config, model.vocab_size, True
+    view.wte, view.wpe = (model.wte, model.wpe) if first else (None, None)
+    view.h = nn.ModuleDict({str(i): model.h[str(i)] for i in layers})
+    view.ln_f, view.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
+    return view
+
+
+def _tied(model: GPT) -> nn.Parameter | None:
+    if model.wte is not None:
+        return model.wte.weight
+    return model.lm_head.weight if model.lm_head is not None else None
+
+
+def _tied_group(env: DistEnv) -> dist.ProcessGroup | None:
+    """This rank's pair of first and last stage (same data- and tensor-parallel index); every rank
+    creates every pair's group, as dist.new_group requires."""
+    mine = None
+    ranks = env.mesh.mesh  # (pp, dp, tp) -> global rank
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            pair = [int(ranks[0, d, t]), int(ranks[-1, d, t])]
+            group = dist.new_group(pair)
+            if env.rank in pair:
+                mine = group
+    return mine
