@@ -38,7 +38,9 @@ def checkpoint_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
                 collect(f"{prefix}.{key}", item)
 
     collect("model", state["model"])
-    collect("optimizer", state["optimizer"]["state"])
+    # The optimizer state is saved flat: "state.<parameter>.<name>", "param_groups.<parameter>.<name>".
+    collect("optimizer", {key.removeprefix("state."): value for key, value in state["optimizer"].items()
+                          if key.startswith("state.")})
     return tensors
 
 
