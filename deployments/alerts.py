@@ -25,12 +25,13 @@ NAME = "gpt-pretrain: notify when a run ends badly"
 BLOCK_NAME = "gpt-pretrain-alerts"
 URL_VARIABLE = "GPT_ALERT_WEBHOOK_URL"
 ENDINGS = ("Failed", "Crashed", "Completed", "Cancelled")
+BAD_ENDINGS = ("Failed", "Crashed")
 SUBJECT = "pretrain run {{ flow_run.name }}: {{ flow_run.state.name }}"
 BODY = ("Flow run {{ flow_run.name }} of {{ flow.name }} ended {{ flow_run.state.name }}: "
         "{{ flow_run.state.message }}\n{{ flow_run|ui_url }}")
 
 
-def automation(block_document_id: str, endings: tuple[str, ...] = ("Failed", "Crashed")) -> Automation:
+def automation(block_document_id: str, endings: tuple[str, ...] = BAD_ENDINGS) -> Automation:
     return Automation(
         name=NAME,
         description=f"Notifies when a pretrain flow run ends {', '.join(endings)}.",
@@ -73,22 +74,34 @@ def ensure_automation(block_document_id: str, endings: tuple[str, ...]) -> None:
     automation(block_document_id, endings).create()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deployments.alerts", description=__doc__.splitlines()[0])
-    where = p.add_mutually_exclusive_group(required=True)
+def add_channel_arguments(p: argparse.ArgumentParser, required: bool) -> None:
+    """--block, --slack or --webhook (where alerts go) and --on (which endings alert)."""
+    where = p.add_mutually_exclusive_group(required=required)
     where.add_argument("--block", help="an existing notification block, as type/name (e.g. slack-webhook/ml-team)")
     where.add_argument("--slack", action="store_true", help=f"a Slack incoming webhook at ${URL_VARIABLE}")
     where.add_argument("--webhook", action="store_true", help=f"a JSON POST to ${URL_VARIABLE}")
-    p.add_argument("--on", nargs="+", choices=ENDINGS, default=["Failed", "Crashed"],
-                   help="the final states that notify (default: Failed Crashed)")
-    a = p.parse_args(argv)
+    p.add_argument("--on", nargs="+", choices=ENDINGS, default=list(BAD_ENDINGS),
+                   help=f"the final states that notify (default: {' '.join(BAD_ENDINGS)})")
+
+
+def block_from_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
+    """The notification block the arguments name or describe (saved from $GPT_ALERT_WEBHOOK_URL), or
+    None when they name none."""
     if a.block:
-        block_id = load_block(a.block)
-    else:
-        url = os.environ.get(URL_VARIABLE)
-        if not url:
-            p.error(f"set {URL_VARIABLE} to the webhook's URL (it is a secret: never an argument)")
-        block_id = save_block("slack" if a.slack else "webhook", url)
+        return load_block(a.block)
+    if not (a.slack or a.webhook):
+        return None
+    url = os.environ.get(URL_VARIABLE)
+    if not url:
+        p.error(f"set {URL_VARIABLE} to the webhook's URL (it is a secret: never an argument)")
+    return save_block("slack" if a.slack else "webhook", url)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deployments.alerts", description=__doc__.splitlines()[0])
+    add_channel_arguments(p, required=True)
+    a = p.parse_args(argv)
+    block_id = block_from_arguments(p, a)
     ensure_automation(block_id, tuple(a.on))
     print(f"automation {NAME!r} notifies on {', '.join(a.on)} through block {a.block or BLOCK_NAME}")
     return 0

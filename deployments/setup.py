@@ -11,7 +11,6 @@ Run against PREFECT_API_URL; running it again changes nothing but the alert's ch
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from deployments import alerts, zombies
@@ -39,23 +38,15 @@ def ensure_work_pool(name: str = POOL) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__.splitlines()[0])
     p.add_argument("--pool", default=POOL, help="the work pool's name (deployments/prefect.yaml uses gpt)")
-    channel = p.add_mutually_exclusive_group()
-    channel.add_argument("--block", help="alerts to an existing notification block, as type/name")
-    channel.add_argument("--slack", action="store_true", help=f"alerts to a Slack webhook at ${alerts.URL_VARIABLE}")
-    channel.add_argument("--webhook", action="store_true", help=f"alerts as a JSON POST to ${alerts.URL_VARIABLE}")
-    p.add_argument("--on", nargs="+", choices=alerts.ENDINGS, default=["Failed", "Crashed"],
-                   help="the final states that alert (default: Failed Crashed)")
+    alerts.add_channel_arguments(p, required=False)
     a = p.parse_args(argv)
-    if (a.slack or a.webhook) and not os.environ.get(alerts.URL_VARIABLE):
-        p.error(f"set {alerts.URL_VARIABLE} to the webhook's URL (it is a secret: never an argument)")
+    block_id = alerts.block_from_arguments(p, a)
     created = ensure_work_pool(a.pool)
     print(f"work pool {a.pool!r} {'created' if created else 'already there'}")
     zombies.ensure_automation()
     print(f"automation {zombies.NAME!r} in place; run workers with "
           f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={zombies.HEARTBEAT_S}")
-    if a.block or a.slack or a.webhook:
-        block_id = alerts.load_block(a.block) if a.block else alerts.save_block(
-            "slack" if a.slack else "webhook", os.environ[alerts.URL_VARIABLE])
+    if block_id is not None:
         alerts.ensure_automation(block_id, tuple(a.on))
         print(f"automation {alerts.NAME!r} alerts on {', '.join(a.on)} through block {a.block or alerts.BLOCK_NAME}")
     return 0

@@ -2,10 +2,11 @@
 estimate on its form, and goes on only when approved."""
 from __future__ import annotations
 
-from pydantic import Field
-from prefect.input import RunInput
-
+import math
 import os
+
+from prefect.input import RunInput
+from pydantic import Field
 
 from flows.estimate import Estimate
 from flows.params import BudgetParams, ParameterError
@@ -29,8 +30,8 @@ def with_operator_caps(budget: BudgetParams, environ: dict[str, str] | os._Envir
         try:
             cap = float(text)
         except ValueError:
-            cap = float("nan")
-        if not cap > 0 or cap == float("inf"):
+            cap = math.nan
+        if not (math.isfinite(cap) and cap > 0):
             raise ParameterError([f"budget: {variable}={text!r} where the flow runs is not a positive number; "
                                   "the operator must fix it"])
         own = getattr(budget, field)

@@ -22,6 +22,7 @@ from flows.params import (
     TrainingParams,
     parameter_errors,
 )
+from tasks import trackers
 
 
 def _key_values(items: list[str], flag: str, group: str, errors: list[str]) -> dict[str, Any]:
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--run-name")
     p.add_argument("--output-uri", help="s3://bucket/prefix to upload the run folder to")
     p.add_argument("--output-endpoint-url")
-    p.add_argument("--tracker", action="append", default=[], choices=["wandb", "mlflow"],
+    p.add_argument("--tracker", action="append", default=[], choices=trackers.NAMES,
                    help="log the run to this experiment tracker (repeatable; credentials from the environment)")
     p.add_argument("--budget-node-hours", type=float, help="above this estimate, wait for approval in the Prefect UI")
     p.add_argument("--budget-cost", type=float, help="the same for the estimated cost (the cluster preset's currency)")

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt.backend import peak_flops
+from gpt.backend import names_device, peak_flops
 from gpt.config import Config
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
@@ -128,7 +127,7 @@ def _same_hardware(machine: dict[str, Any], cluster: ClusterConfig) -> bool:
         return machine.get("key") == _this_machine()["key"]
     if cluster.job_device == "cuda":
         return bool(cluster.accelerator and isinstance(machine.get("gpu"), str)
-                    and re.search(rf"\b{re.escape(cluster.accelerator)}\b", machine["gpu"], re.IGNORECASE))
+                    and names_device(machine["gpu"], cluster.accelerator))
     if cluster.job_device == "neuron":
         return bool(machine.get("neuron_devices"))
     return False

@@ -8,6 +8,7 @@ from typing import Any, Callable, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpt.config import PRESETS
+from tasks.trackers import Tracker
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 
@@ -36,16 +37,22 @@ class _Params(BaseModel):
 
 
 def refused_as_failed_run(flow_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A flow whose ParameterError ends the run Failed with the error's lines as its message (what
-    the UI shows), without a traceback; a caller of the flow still gets the ParameterError."""
+    """A flow whose ParameterError, or the error of a failed stage (flows.stages), ends the run Failed
+    with a message that says it (what the UI and alerts show): the error's lines, or the stage and
+    its error; a caller of the flow still gets the error."""
     @functools.wraps(flow_fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        from prefect.states import Failed
+
         try:
             return flow_fn(*args, **kwargs)
         except ParameterError as e:
-            from prefect.states import Failed
-
             return Failed(message=str(e), data=e)
+        except Exception as e:
+            stage = getattr(e, "failed_stage", None)
+            if stage is None:
+                raise
+            return Failed(message=f"stage {stage} failed: {type(e).__name__}: {e}", data=e)
 
     return run
 
@@ -161,7 +168,7 @@ class OutputParams(_Params):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint for `uri`")
     profile: str | None = Field(None, description="AWS profile for `uri` (empty: data.profile, so sync and "
                                                   "upload use the same credentials)")
-    trackers: list[Literal["wandb", "mlflow"]] = Field(default_factory=list, max_length=2, description=
+    trackers: list[Tracker] = Field(default_factory=list, max_length=2, description=
                                                        "Experiment trackers to log the run to (credentials from "
                                                        "the environment where the flow runs)")
     tracker_project: str = Field("gpt-pretrain", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",

@@ -66,24 +66,19 @@ def pretrain(
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
-    stages = Stages()
     with RunOwner(plan.run_dir, wait=following(plan.run_dir, plan.config.total_iters)):
-        try:
-            return _pretrain(plan, model, data, tokenizer, output, budget, stages)
-        except Exception as e:
-            if stages.failed is None:
-                raise
-            return stages.failure(e)
+        return _pretrain(plan, model, data, tokenizer, output, budget)
 
 
 def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams,
-              budget: BudgetParams, stages: Stages) -> dict:
+              budget: BudgetParams) -> dict:
+    stages = Stages()
     problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)   # as it is now that it is ours
     if problems:
         raise ParameterError(problems)
     outlook = plan.outlook()
     identity.record(plan.run_dir, plan.identity)
-    provenance.record(plan.run_dir, str(flow_run.get_id() or "") or None, dict(flow_run.parameters or {}))
+    provenance.record(plan.run_dir, flow_run.get_id() or None, dict(flow_run.parameters or {}))
     print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
     reporting.plan_table(plan, outlook.message)

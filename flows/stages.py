@@ -14,7 +14,6 @@ class Stages:
 
     def __init__(self) -> None:
         self.records: list[dict] = []
-        self.failed: str | None = None       # the stage whose error ends the flow run
 
     def skip(self, stage: str, why: str) -> None:
         print(f"stage {stage} skipped: {why}")
@@ -29,16 +28,11 @@ class Stages:
             print(f"stage {stage}: the cached result's outputs are gone or damaged; running it again")
             state = task_fn.with_options(refresh_cache=True)(*args, return_state=True, **kwargs)
         self.records.append({"stage": stage, "state": state.name, "seconds": time.perf_counter() - start})
-        if state.is_failed() or state.is_crashed():
-            self.failed = stage
-        return state.result()  # raises the stage's error, failing the flow run
-
-    def failure(self, error: BaseException) -> Any:
-        """The flow run's final state for ``error`` raised by a failed stage: Failed, its message naming
-        the stage (what the UI and alerts show); a caller of the flow still gets ``error``."""
-        from prefect.states import Failed
-
-        return Failed(message=f"stage {self.failed} failed: {type(error).__name__}: {error}", data=error)
+        try:
+            return state.result()  # raises the stage's error, failing the flow run
+        except Exception as e:
+            e.failed_stage = stage  # named in the flow run's final state (flows.params.refused_as_failed_run)
+            raise
 
 
 def tokenized_intact(manifest: Any) -> bool:

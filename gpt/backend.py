@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from gpt.tensor_parallel import Group
@@ -37,13 +38,17 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
+def names_device(text: str, name: str) -> bool:
+    """Whether ``text`` (a device's full name) names the device ``name``: a whole word, any case."""
+    return re.search(rf"\b{re.escape(name)}\b", text, re.IGNORECASE) is not None
+
+
 def peak_flops(device: str | None, precision: str) -> float | None:
     """PEAK_FLOPS of the device a name names (a device's full name such as "NVIDIA H100 80GB HBM3",
     or an accelerator such as "h100": whole words, any case, the longest entry first) at
     ``precision``; fp8 counts against the bf16 peak. None when no entry matches."""
     precision = "bf16" if precision == "fp8" else precision
-    names = sorted((n for n in PEAK_FLOPS if re.search(rf"\b{re.escape(n)}\b", device or "", re.IGNORECASE)),
-                   key=len, reverse=True)
+    names = sorted((n for n in PEAK_FLOPS if names_device(device or "", n)), key=len, reverse=True)
     return PEAK_FLOPS[names[0]].get(precision) if names else None
 
 
@@ -113,14 +118,19 @@ class Backend:
             return optimizer
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind.fused_adamw or None)
 
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer, tp: Group | None = None) -> None:
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer, tp: Group | None = None,
+                         replicas: dist.ProcessGroup | None = None) -> None:
         """Average the gradients over the data-parallel replicas where the model does not (DDP and
         FSDP reduce inside backward). On XLA, and under gpt.tensor_parallel's layers, the model is
         not wrapped, so it happens here: over the whole world, or over the ranks that hold the same
-        part of every parameter."""
+        part of every parameter. Pipeline stages trained data parallel as DDP average over
+        ``replicas`` here too (torch's DDP module counts on one forward per backward, which a
+        pipeline schedule does not give it)."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if tp is not None:
             tp.average_over_replicas(grads)
+        elif replicas is not None:
+            average_over_group(grads, replicas)
         elif self.lazy:
             import torch_xla.runtime as xr
             average_on_xla(grads, [list(range(xr.world_size()))])
@@ -199,6 +209,28 @@ class Backend:
 
     def _accelerator(self) -> bool:
         return self.kind.device_type not in ("cpu", "xla")
+
+
+def average_over_group(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_elements: int = 2 ** 25) -> None:
+    """Average eager tensors in place over a process group: a few large all-reduces of flattened
+    buckets (of one dtype, up to ``bucket_elements``) rather than one per tensor."""
+    count = dist.get_world_size(group)
+    if count < 2:
+        return
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        if not buckets or size + grad.numel() > bucket_elements or grad.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel()
+    for bucket in buckets:
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        flat.div_(count)
+        for grad, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(averaged)
 
 
 def average_on_xla(grads: list[torch.Tensor], replicas: list[list[int]]) -> None:

@@ -113,9 +113,9 @@ def optimizer_names(model: nn.Module) -> dict[str, str]:
     the output layer's copy of the embedding, whose state is the embedding's (``wte.weight``, as a
     whole model names the tied parameter)."""
     names = part_names(model)
-    inner = getattr(model, "module", model)
-    if getattr(inner, "wte", True) is None and getattr(inner, "lm_head", None) is not None:
-        names["lm_head.weight"] = names.get("lm_head.weight", "lm_head.weight").replace("lm_head.", "wte.", 1)
+    inner = getattr(model, "module", model)  # unwrapped from DDP
+    if inner.wte is None and inner.lm_head is not None:
+        names["lm_head.weight"] = "wte.weight"
     return names
 
 

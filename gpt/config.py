@@ -301,7 +301,7 @@ class Config:
         if not interleaved and virtual > 1:
             found.append(f"virtual_pipeline_stages={virtual} needs an interleaved schedule: set "
                          "pipeline_schedule='interleaved-1f1b' (or 'interleaved-zb')")
-        per_step = self.global_batch_size // (self.micro_batch_size * dp) if self.micro_batch_size * dp else 0
+        per_step = self.global_batch_size // (self.micro_batch_size * dp)
         if pp > 1 and per_step < pp:
             found.append(f"global_batch_size={self.global_batch_size} gives {per_step} micro-batch(es) per step "
                          f"(/ micro_batch_size={self.micro_batch_size} / data-parallel size {dp}), which cannot fill "

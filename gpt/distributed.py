@@ -176,7 +176,7 @@ def materialise(model: GPT, parts: list[GPT], config: Config, env: DistEnv, devi
     tensor_parallel.mark(model)
     model.init_weights(config.seed)
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp" and parts == [model]:
-        # (pipeline stages average their gradients after the schedule: gpt.pipeline)
+        # (pipeline stages average their gradients after the schedule: Backend.reduce_gradients)
         return [DistributedDataParallel(part, process_group=env.mesh["dp"].get_group(),
                                         device_ids=None if device.index is None else [device.index]) for part in parts]
     return parts
@@ -273,16 +273,13 @@ def grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None
         norms.append(split[0].tp_shard.group.all_reduce(squares).sqrt())
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain))
-    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=_device(parameters))
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     if pp_group is not None:
         squares = norm.float() ** 2
         dist.all_reduce(squares, group=pp_group)
         norm = squares.sqrt()
     return norm
 
-
-def _device(parameters: list[nn.Parameter]) -> torch.device:
-    return parameters[0].device if parameters else torch.device("cpu")
 
 
 def scale_grads(parameters: list[nn.Parameter], factor: float | torch.Tensor) -> None:

@@ -8,13 +8,13 @@ the last, which holds its own copy of the (tied) embedding as ``lm_head.weight``
 does, so they stay equal. Each rank keeps one GPT of its layers under their global names ("h.7"),
 which the optimizer and the checkpoints see as they see a whole model; its stages are views of it
 that share its layers. Data and tensor parallel apply inside each stage (gpt.distributed): FSDP2
-shards each stage; DDP's part, averaging the gradients over the data-parallel ranks, happens here
-after the schedule, in buckets, as Megatron's own data parallel does (torch's DDP module counts on
-one forward per backward, which a pipeline schedule does not give it).
+shards each stage; as DDP, the gradients are averaged over ``replicas`` after the schedule
+(gpt.backend.Backend.reduce_gradients).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -58,13 +58,12 @@ class Pipeline:
 
     model: GPT                              # this rank's layers, under their global names
     schedule: object
-    micro_batches: int
     size: int
     pp_group: dist.ProcessGroup
     tied: nn.Parameter | None               # this rank's embedding (first stage) or its copy (last)
     tied_group: dist.ProcessGroup | None    # the first and last stage of this data/tensor-parallel slot
-    dp_group: dist.ProcessGroup | None      # set where this step averages gradients over data parallel
-    scale: list[torch.Tensor] = field(default_factory=list)
+    replicas: dist.ProcessGroup | None      # data parallel as DDP: the group the gradients are averaged over
+    loss_scale: torch.Tensor | None = None  # fp16: the loss function scales by it
 
     @property
     def is_last(self) -> bool:
@@ -73,54 +72,31 @@ class Pipeline:
     def train(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the sum of their mean losses on the last
         stage (zero elsewhere). Gradients are left as the mean over the micro-batches, summed over the
-        tied embedding's two copies and reduced over the data-parallel ranks."""
-        self.scale[:] = [scale] if scale is not None else []
-        total = self._run(batches, self.schedule.step)
-        self._average_over_data_parallel()
+        tied embedding's two copies (FSDP has reduced them over the data-parallel ranks)."""
+        self.loss_scale = scale
+        total = self._run(batches, partial(self.schedule.step, return_outputs=False))
         self._sum_tied_gradients()
         return total
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        self.scale[:] = []
+        self.loss_scale = None
         return self._run(batches, self.schedule.eval)
 
     def _run(self, batches, run) -> torch.Tensor:
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         losses: list[torch.Tensor] = []
-        kwargs = {"return_outputs": False} if run == self.schedule.step else {}
-        if self.model.wte is not None:
-            run(x, target=y, losses=losses, **kwargs)
-        else:
-            run(target=y, losses=losses, **kwargs)
+        run(*([x] if self.model.wte is not None else []), target=y, losses=losses)
         total = torch.zeros((), device=x.device)
         for loss in losses:
-            total += loss.detach().float() / (self.scale[0] if self.scale else 1.0)
+            total += loss.detach().float() / (1.0 if self.loss_scale is None else self.loss_scale)
         return total
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function, on the last stage."""
         loss = self.model.loss(hidden, targets)
-        return loss * self.scale[0] if self.scale else loss
-
-    def _average_over_data_parallel(self, bucket_elements: int = 2 ** 25) -> None:
-        if self.dp_group is None:
-            return
-        size = dist.get_world_size(self.dp_group)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        bucket: list[torch.Tensor] = []
-        for i, grad in enumerate(grads):
-            bucket.append(grad)
-            last = i == len(grads) - 1
-            if last or sum(g.numel() for g in bucket) + grads[i + 1].numel() > bucket_elements \
-                    or grads[i + 1].dtype != grad.dtype:
-                flat = torch._utils._flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=self.dp_group)
-                flat.div_(size)
-                for g, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                    g.copy_(averaged)
-                bucket = []
+        return loss if self.loss_scale is None else loss * self.loss_scale
 
     def _sum_tied_gradients(self) -> None:
         if self.tied_group is None or self.tied is None:
@@ -159,7 +135,7 @@ def build_pipeline(config: Config, env: DistEnv, device: torch.device) -> Pipeli
     pipe_stages = [PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
     n = config.global_batch_size // (config.micro_batch_size * env.dp_size)
     averaging = config.data_parallel_mode == "ddp" and env.dp_size > 1
-    pipeline = Pipeline(model, None, n, pp, pp_group, _tied(model), _tied_group(env),
+    pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env),
                         env.mesh["dp"].get_group() if averaging else None)
     kind = SCHEDULES[config.pipeline_schedule]
     single = kind in (ScheduleGPipe, Schedule1F1B)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpt.backend import average_on_xla
+from gpt.backend import average_on_xla, average_over_group
 from gpt.model import GPT
 
 
@@ -54,11 +54,8 @@ class Group:
         if self.lazy:
             average_on_xla(grads, self.data_parallel)
             return
-        count = len(self.replicas)
-        if count > 1:
-            for g in grads:
-                dist.all_reduce(g, group=self.replica_process_group)
-                g.div_(count)
+        if len(self.replicas) > 1:
+            average_over_group(grads, self.replica_process_group)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over the group, as a new tensor."""

@@ -132,7 +132,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             (loss * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach()
     heartbeat.enter("sync")
-    backend.reduce_gradients(optimizer, tp)
+    backend.reduce_gradients(optimizer, tp, pipeline.replicas if pipeline else None)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
     norm = grad_norm(pipeline.norm_parameters(params) if pipeline else params,

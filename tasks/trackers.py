@@ -16,14 +16,15 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 from gpt.files import write_json
 from tasks.run_context import run_logger
 
 RECORD = "trackers.json"
-NAMES = ("wandb", "mlflow")
+Tracker = Literal["wandb", "mlflow"]
+NAMES = get_args(Tracker)
 TRAIN_KEYS = ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "elapsed_ms", "consumed_samples")
 MAX_FAILURES = 5
 RETRY_S = 30.0            # the pause after a failure, times the failures in a row
