@@ -46,29 +46,33 @@ _ACTIVATION_WHOLE, _ACTIVATION_SPLIT = 8, 24
 _SCOPE_SAVES = {"attention": 10 / 32, "mlp": 18 / 32}
 
 
-def rank_memory(config: Config, world_size: int, vocab_size: int | None = None) -> RankMemory:
+def rank_memory(config: Config, world_size: int) -> RankMemory:
     """One rank's peak memory for this layout (pipeline x data x tensor parallel, the micro-batch, the
     activation-checkpointing scope, the pipeline schedule), on the stage that needs the most."""
     t, pp, v = config.tensor_parallel, config.pipeline_parallel, config.virtual_pipeline_stages
     dp = max(1, world_size // (t * pp))
     h, s, b = config.hidden_size, config.seq_length, config.micro_batch_size
-    vocab = config.padded_vocab_size() if vocab_size is None else -(-vocab_size // (128 * t)) * 128 * t
+    vocab = config.padded_vocab_size()
     layers = config.num_layers // pp
     block = (12 * h * h) // t + 13 * h
     element = 4 if config.precision == "fp32" else 2
     micro_batches = max(1, config.global_batch_size // (b * dp))
     if pp == 1:
-        in_flight = 1.0
-    elif config.pipeline_schedule == "gpipe":
-        in_flight = float(micro_batches)
-    else:   # 1F1B: the first stage holds pp micro-batches; interleaving adds (pp - 1) / (pp x v)
-        in_flight = min(micro_batches, pp) * (1 + ((pp - 1) / (pp * v) if v > 1 else 0))
+        first_in_flight = last_in_flight = 1.0
+    elif config.pipeline_schedule == "gpipe":      # every forward before any backward, on every stage
+        first_in_flight = last_in_flight = float(micro_batches)
+    else:   # 1F1B: the first stage holds pp micro-batches (interleaving adds (pp - 1) / (pp x v)), the last one
+        first_in_flight = min(micro_batches, pp) * (1 + ((pp - 1) / (pp * v) if v > 1 else 0))
+        last_in_flight = 1.0
     per_layer = s * b * h * (_ACTIVATION_WHOLE + _ACTIVATION_SPLIT / t) * element / 2
-    if config.activation_checkpointing and config.activation_checkpointing_scope == "block":
-        kept = layers * s * b * h * 4 * in_flight + per_layer       # block inputs, and one block recomputed
-    else:
-        saved = _SCOPE_SAVES.get(config.activation_checkpointing_scope, 0) if config.activation_checkpointing else 0
-        kept = layers * per_layer * (1 - saved) * in_flight
+    checkpointed = config.activation_checkpointing
+    saved = _SCOPE_SAVES.get(config.activation_checkpointing_scope, 0) if checkpointed else 0
+
+    def activations(in_flight: float) -> int:
+        if checkpointed and config.activation_checkpointing_scope == "block":
+            return int(layers * s * b * h * 4 * in_flight + per_layer)   # block inputs, one block recomputed
+        return int(layers * per_layer * (1 - saved) * in_flight)
+
     # The loss: the output weight's fp32 gradient, its copy in the autocast dtype and, under tensor
     # parallel, gathered whole; one chunk's logits (fp32, with the autocast matmul's output and the
     # gradient in that dtype beside them); the gradient of the hidden states.
@@ -77,28 +81,28 @@ def rank_memory(config: Config, world_size: int, vocab_size: int | None = None) 
     loss = (vocab * h * (4 + (element if sixteen_bit else 0) + (4 if t > 1 else 0))
             + chunk_tokens * vocab * (4 + (2 * element if sixteen_bit else 0)) + s * b * h * 4)
     embedding = (vocab // t) * h
-    stages = []
-    for name, extra, has_loss, flight in (("the first stage", embedding + config.max_position_embeddings * h, pp == 1, 1.0),
-                                          ("the last stage", embedding + 2 * h, True, 1.0 / max(1.0, in_flight))):
+    fsdp = config.data_parallel_mode == "fsdp"
+
+    def stage(name: str, extra: int, in_flight: float, loss: int) -> RankMemory:
         params = layers * block + extra
-        state = STATE_BYTES * params // (dp if config.data_parallel_mode == "fsdp" else 1)
-        unsharded = 8 * block if config.data_parallel_mode == "fsdp" and dp > 1 else 0
-        stages.append(RankMemory("the only stage" if pp == 1 else name, params, state, unsharded,
-                                 int(kept * flight), in_flight * flight, loss if has_loss else 0))
-        if pp == 1:
-            break
-    return max(stages, key=lambda m: m.total)
+        return RankMemory(name, params, STATE_BYTES * params // (dp if fsdp else 1), 8 * block if fsdp and dp > 1 else 0,
+                          activations(in_flight), in_flight, loss)
+
+    positions, final_norm = config.max_position_embeddings * h, 2 * h
+    if pp == 1:
+        return stage("the only stage", embedding + positions + final_norm, 1.0, loss)
+    return max(stage("the first stage", embedding + positions, first_in_flight, 0),
+               stage("the last stage", embedding + final_norm, last_in_flight, loss), key=lambda m: m.total)
 
 
 def fitting_layout(config: Config, world_size: int, limit: int) -> str | None:
     """A change to the layout that fits in ``limit`` bytes per rank, named by its fields, or None."""
     for ac in dict.fromkeys((config.activation_checkpointing, True)):
-        for mode in (config.data_parallel_mode, "fsdp"):
+        for mode in dict.fromkeys((config.data_parallel_mode, "fsdp")):
             for pp in sorted({config.pipeline_parallel, *(p for p in (2, 4, 8, 16, 32) if p > config.pipeline_parallel)}):
                 if world_size % (config.tensor_parallel * pp) or config.num_layers % pp:
                     continue
-                change = {"activation_checkpointing": ac or config.activation_checkpointing,
-                          "data_parallel_mode": mode, "pipeline_parallel": pp}
+                change = {"activation_checkpointing": ac, "data_parallel_mode": mode, "pipeline_parallel": pp}
                 candidate = dataclasses.replace(config, **change, activation_checkpointing_scope="block"
                                                 if ac and not config.activation_checkpointing else
                                                 config.activation_checkpointing_scope)
