@@ -109,9 +109,11 @@ class TrainingParams(_Params):
     micro_batch_size: int | None = Field(None, ge=1, le=65536, description="Sequences per device per micro-step")
     global_batch_size: int | None = Field(None, ge=1, le=2**24, description="Sequences per optimizer step, all devices")
     seq_length: int | None = Field(None, ge=8, le=2**20, description="Sequence length")
-    tensor_parallel: int = Field(1, ge=1, le=1024, description="Tensor-parallel size (tp)")
-    pipeline_parallel: int = Field(1, ge=1, le=1024, description="Pipeline stages (pp); the schedule and virtual "
-                                   "stages go in overrides: pipeline_schedule, virtual_pipeline_stages")
+    tensor_parallel: int | None = Field(None, ge=1, le=1024, description="Tensor-parallel size (tp); empty with "
+                                        "pipeline_parallel: the preset's published layout on a GPU cluster, else 1")
+    pipeline_parallel: int | None = Field(None, ge=1, le=1024, description="Pipeline stages (pp); empty: 1 (or the "
+                                          "preset's published layout); the schedule and virtual stages go in "
+                                          "overrides: pipeline_schedule, virtual_pipeline_stages")
     data_parallel: int | None = Field(None, ge=1, le=2**20, description="Data-parallel size (dp); empty: the "
                                                                        "cluster's tasks divided by tp x pp. Must match.")
     data_parallel_mode: Literal["ddp", "fsdp"] = "ddp"

@@ -35,7 +35,7 @@ from flows.params import (
 )
 from flows.sizes import disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
-from gpt.config import PRESETS, Config, ConfigError
+from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError
 from tasks.cluster import FLOAT8_GPUS, ClusterConfig, load_cluster
 from tasks.index import parse_split
 from tasks.precompile import cache_key
@@ -269,11 +269,12 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     if where is not None:
         world_size = where.world_size
         fields["device"], fields["precision"] = job_device_and_precision(training, where, errors)
-        ranks = (training.data_parallel or 1) * training.tensor_parallel * training.pipeline_parallel
+        fields["tensor_parallel"], fields["pipeline_parallel"] = tp, pp = model_parallel(model, training, where)
+        ranks = (training.data_parallel or 1) * tp * pp
         if training.data_parallel is not None and ranks != world_size:
-            errors.append(f"training.data_parallel: {training.data_parallel} x tensor_parallel "
-                          f"{training.tensor_parallel} x pipeline_parallel {training.pipeline_parallel} = {ranks} "
-                          f"processes, but the cluster runs {world_size} (nodes x tasks_per_node); change one of them")
+            errors.append(f"training.data_parallel: {training.data_parallel} x tensor_parallel {tp} x "
+                          f"pipeline_parallel {pp} = {ranks} processes, but the cluster runs {world_size} "
+                          "(nodes x tasks_per_node); change one of them")
         if fields["device"] == "neuron":  # graphs come from neuron_parallel_compile; torch-neuronx has no torch.compile
             fields["compile"] = False
     try:
@@ -291,17 +292,28 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     return None if problems else config
 
 
+def model_parallel(model: str, training: TrainingParams, cluster: ClusterConfig) -> tuple[int, int]:
+    """(tensor_parallel, pipeline_parallel): the run's, or with neither set the preset's published
+    layout on a GPU cluster whose ranks it divides (gpt.config.GPU_LAYOUTS), else no model parallel."""
+    if training.tensor_parallel is not None or training.pipeline_parallel is not None:
+        return training.tensor_parallel or 1, training.pipeline_parallel or 1
+    tp, pp = GPU_LAYOUTS.get(model, (1, 1))
+    if cluster.job_device == "cuda" and cluster.world_size % (tp * pp) == 0:
+        return tp, pp
+    return 1, 1
+
+
 def config_fields(training: TrainingParams) -> dict[str, Any]:
     """The gpt Config fields these parameters set; the preset fills the rest (device and precision
     come from the cluster: see `job_device_and_precision`)."""
     t = training
     fields: dict[str, Any] = {
-        "tensor_parallel": t.tensor_parallel, "pipeline_parallel": t.pipeline_parallel,
         "data_parallel_mode": t.data_parallel_mode,
         "compile": t.compile, "activation_checkpointing": t.activation_checkpointing,
         "benchmark": t.benchmark, "seed": t.seed,
     }
     for name in ("train_iters", "train_samples", "micro_batch_size", "global_batch_size", "seq_length",
+                 "tensor_parallel", "pipeline_parallel",
                  "lr", "min_lr", "log_interval", "eval_interval", "eval_iters", "save_interval", "init_from"):
         if getattr(t, name) is not None:
             fields[name] = getattr(t, name)

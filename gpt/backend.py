@@ -123,9 +123,8 @@ class Backend:
         """Average the gradients over the data-parallel replicas where the model does not (DDP and
         FSDP reduce inside backward). On XLA, and under gpt.tensor_parallel's layers, the model is
         not wrapped, so it happens here: over the whole world, or over the ranks that hold the same
-        part of every parameter. Pipeline stages trained data parallel as DDP average over
-        ``replicas`` here too (torch's DDP module counts on one forward per backward, which a
-        pipeline schedule does not give it)."""
+        part of every parameter. Where data parallel as DDP has no DDP module (pipeline stages,
+        DTensor tensor parallel: gpt.distributed.gradient_replicas) it averages over ``replicas``."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if tp is not None:
             tp.average_over_replicas(grads)
@@ -213,10 +212,12 @@ class Backend:
 
 def average_over_group(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_elements: int = 2 ** 25) -> None:
     """Average eager tensors in place over a process group: a few large all-reduces of flattened
-    buckets (of one dtype, up to ``bucket_elements``) rather than one per tensor."""
+    buckets (of one dtype, up to ``bucket_elements``) rather than one per tensor. A DTensor's local
+    shard is averaged: the replicas hold the same shard of it."""
     count = dist.get_world_size(group)
     if count < 2:
         return
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for grad in grads:

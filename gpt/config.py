@@ -48,6 +48,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-310.1b": _gpt3(96, 16384, 128, 0.6e-4, 2160),
 }
 
+# The tensor x pipeline layout each preset was published with on GPU clusters: Megatron-LM's scaling
+# table (Narayanan et al., 2021, Table 1) and its GPT-3 175B example. The flow trains a preset in it
+# on a GPU cluster when a run sets neither size.
+GPU_LAYOUTS: dict[str, tuple[int, int]] = {
+    "gpt-1.7b": (1, 1), "gpt-3.6b": (2, 1), "gpt-7.5b": (4, 1), "gpt-18.4b": (8, 1), "gpt-39.1b": (8, 2),
+    "gpt-76.1b": (8, 4), "gpt-145.6b": (8, 8), "gpt-310.1b": (8, 16), "gpt3-175b": (8, 16),
+}
+
 _SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
 _SCHEDULE_SAMPLES = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
 _CHOICES = {
@@ -367,9 +375,6 @@ class Config:
             found.append("both data_index and mock_data are set; keep one")
         if self.data_index is not None and not Path(self.data_index).is_file():
             found.append(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
-        if self.data_parallel_mode == "ddp" and self.tensor_parallel > 1 and dp > 1 and self.device in ("cpu", "cuda"):
-            found.append("data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on more than one "
-                         "data-parallel rank; use data_parallel_mode='fsdp'")
         if self.device == "neuron" and self.data_parallel_mode == "fsdp":
             found.append("device='neuron' trains data parallel as data_parallel_mode='ddp' (gradients all-reduced, "
                          "optimizer state on every replica); set data_parallel_mode='ddp'")

@@ -157,9 +157,6 @@ def materialise(model: GPT, parts: list[GPT], config: Config, env: DistEnv, devi
     if env.mesh is None and dp > 1 and config.data_parallel_mode == "fsdp":
         raise ConfigError(f"data_parallel_mode='fsdp': {device.type} devices train data parallel as "
                           "data_parallel_mode='ddp' (gradients all-reduced, optimizer state on every replica)")
-    if env.mesh is not None and dp > 1 and config.tensor_parallel > 1 and config.data_parallel_mode == "ddp":
-        raise ConfigError(f"data_parallel_mode='ddp' cannot combine with tensor_parallel > 1 on {device.type} "
-                          "devices (DDP over DTensor); use data_parallel_mode='fsdp'")
     if env.mesh is not None and dp > 1 and config.data_parallel_mode == "fsdp":
         dp_mesh = env.mesh["dp"]
         for block in model.h.values():
@@ -175,11 +172,19 @@ def materialise(model: GPT, parts: list[GPT], config: Config, env: DistEnv, devi
         model.lm_head.weight = model.wte.weight  # to_empty and the TP plans re-create parameters
     tensor_parallel.mark(model)
     model.init_weights(config.seed)
-    if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp" and parts == [model]:
-        # (pipeline stages average their gradients after the schedule: Backend.reduce_gradients)
+    if env.mesh is not None and dp > 1 and config.data_parallel_mode == "ddp" and gradient_replicas(config, env) is None:
         return [DistributedDataParallel(part, process_group=env.mesh["dp"].get_group(),
                                         device_ids=None if device.index is None else [device.index]) for part in parts]
     return parts
+
+
+def gradient_replicas(config: Config, env: DistEnv) -> dist.ProcessGroup | None:
+    """The data-parallel group over which Backend.reduce_gradients averages the gradients as DDP
+    would, where no DDP module wraps the model: pipeline stages (a schedule gives DDP no forward per
+    backward) and tensor-parallel layers (DDP takes no DTensor). None where DDP, FSDP or nothing does it."""
+    if env.mesh is None or env.dp_size == 1 or config.data_parallel_mode != "ddp":
+        return None
+    return env.mesh["dp"].get_group() if config.pipeline_parallel > 1 or config.tensor_parallel > 1 else None
 
 
 def compile_backend(device: torch.device) -> str:

@@ -8,8 +8,8 @@ the last, which holds its own copy of the (tied) embedding as ``lm_head.weight``
 does, so they stay equal. Each rank keeps one GPT of its layers under their global names ("h.7"),
 which the optimizer and the checkpoints see as they see a whole model; its stages are views of it
 that share its layers. Data and tensor parallel apply inside each stage (gpt.distributed): FSDP2
-shards each stage; as DDP, the gradients are averaged over ``replicas`` after the schedule
-(gpt.backend.Backend.reduce_gradients).
+shards each stage; as DDP, the gradients are averaged after the schedule
+(gpt.distributed.gradient_replicas).
 """
 from __future__ import annotations
 
@@ -62,7 +62,6 @@ class Pipeline:
     pp_group: dist.ProcessGroup
     tied: nn.Parameter | None               # this rank's embedding (first stage) or its copy (last)
     tied_group: dist.ProcessGroup | None    # the first and last stage of this data/tensor-parallel slot
-    replicas: dist.ProcessGroup | None      # data parallel as DDP: the group the gradients are averaged over
     loss_scale: torch.Tensor | None = None  # fp16: the loss function scales by it
 
     @property
@@ -134,9 +133,7 @@ def build_pipeline(config: Config, env: DistEnv, device: torch.device) -> Pipeli
     pp_group = env.mesh["pp"].get_group()
     pipe_stages = [PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
     n = config.global_batch_size // (config.micro_batch_size * env.dp_size)
-    averaging = config.data_parallel_mode == "ddp" and env.dp_size > 1
-    pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env),
-                        env.mesh["dp"].get_group() if averaging else None)
+    pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env))
     kind = SCHEDULES[config.pipeline_schedule]
     single = kind in (ScheduleGPipe, Schedule1F1B)
     pipeline.schedule = kind(pipe_stages[0] if single else pipe_stages, n_microbatches=n, loss_fn=pipeline.loss,

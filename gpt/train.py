@@ -33,8 +33,8 @@ from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.distributed import (
-    DistEnv, all_reduce_sum, build_model, clip_grads, gather_floats, gather_objects, grad_norm, gradient_sync,
-    init_distributed, scale_grads, shutdown,
+    DistEnv, all_reduce_sum, build_model, clip_grads, gather_floats, gather_objects, grad_norm, gradient_replicas,
+    gradient_sync, init_distributed, scale_grads, shutdown,
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
@@ -108,7 +108,8 @@ def build_optimizer(model: nn.Module, config: Config, backend: Backend) -> torch
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler, tp: Group | None = None,
-               pipeline: Pipeline | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pipeline: Pipeline | None = None, replicas: dist.ProcessGroup | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate gradients over the micro-batches, reduce them over the ranks, clip, step.
 
     Returns device scalars, read by nobody here: the loss averaged over all ranks, the global
@@ -116,6 +117,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     the reduced gradients, so all ranks take the same one: the clip coefficient, and skipping the
     step (on every rank) when the norm is not finite. On XLA the whole step is one graph. With
     pipeline stages, their schedule runs the micro-batches' forward and backward passes.
+    ``replicas``: the data-parallel group to average the gradients over where no DDP module does
+    (gpt.distributed.gradient_replicas).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if pipeline is not None:
@@ -132,7 +135,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             (loss * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach()
     heartbeat.enter("sync")
-    backend.reduce_gradients(optimizer, tp, pipeline.replicas if pipeline else None)
+    backend.reduce_gradients(optimizer, tp, replicas)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
     norm = grad_norm(pipeline.norm_parameters(params) if pipeline else params,
@@ -415,6 +418,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     train_data, valid_data, test_data = load_datasets(config)
     pipeline = build_pipeline(config, env, device) if config.pipeline_parallel > 1 else None
     model = pipeline.model if pipeline else build_model(config, env, device)
+    replicas = gradient_replicas(config, env)
     optimizer = build_optimizer(model, config, backend)
     scaler = LossScaler(config.precision == "fp16", device)
     state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
@@ -459,7 +463,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
                                              precision=config.precision, clip_grad=config.clip_grad, scaler=scaler,
-                                             tp=env.tp, pipeline=pipeline)
+                                             tp=env.tp, pipeline=pipeline, replicas=replicas)
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
             steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter

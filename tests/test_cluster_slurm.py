@@ -14,15 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from prefect import flow
 
+from gpt.checkpoint import saved_layout
 from gpt.config import Config
 from tasks.cluster import ClusterError, load_cluster
 from tasks.jobs import slurm_state
 from tasks.precompile import cache_key, precompile
 from tasks.train import train, train_task
 from tests.run_folder import job_records, wait_until
-from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
+from tests.fixtures_gpt import GPTLauncher
+from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run, checkpoint_tensors
 
 pytestmark = pytest.mark.slurm
 
@@ -108,6 +111,34 @@ def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: 
     assert any(re.search(r"iteration\s+12/\s*12 \| consumed samples", m) for m in messages), messages
     assert progress(state.state_details.flow_run_id) == 100.0
     assert any(f"job {job['job_id']} RUNNING on node[1-2]" in m for m in messages), messages
+
+
+def test_pipeline_stages_on_the_two_nodes_train_as_one_process(slurm_cluster: dict, prefect_api: Any,
+                                                               tmp_path: Path) -> None:
+    """Pipeline parallel 2 across the local cluster's two nodes, a stage on each, through a flow's
+    train task: its checkpoint keeps every tensor under its global name, and the weights are those
+    of the same run in one process."""
+    run_dir = tmp_path / "run"
+    config = tiny(train_iters=8, pipeline_parallel=2, run_dir=str(run_dir))
+
+    @flow(name="cluster-pipeline")
+    def two_stages() -> Any:
+        return train_task(config, load_cluster(slurm_cluster["preset"]))
+
+    result = two_stages()
+    assert result.summary["status"] == "completed" and result.summary["iteration"] == 8
+    (job,) = job_records(run_dir)
+    assert [s["nodes"] for s in job["states"] if s["state"] == "RUNNING"] == ["node[1-2]"]
+    assert saved_layout(run_dir / "checkpoints" / "iter_0000008")["pipeline_parallel"] == 2
+    one = tmp_path / "one"
+    GPTLauncher(tmp_path).run({**config.to_dict(), "pipeline_parallel": 1, "run_dir": str(one)})
+    losses = [[json.loads(line)["lm_loss"] for line in (d / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "train"] for d in (run_dir, one)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4) and len(losses[0]) == 8
+    got, want = checkpoint_tensors(run_dir), checkpoint_tensors(one)
+    assert sorted(got) == sorted(want)
+    for name in (n for n in want if n.startswith("model.")):    # fp32: sums in another order
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, prefect_api: Any,

@@ -201,3 +201,22 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
     errors = _errors(model="gpt3-175b", cluster=p4d, output=out, training=TrainingParams(
         tensor_parallel=8, pipeline_parallel=16, micro_batch_size=1, global_batch_size=8))
     assert any(e.startswith("training.global_batch_size:") and "cannot fill pipeline_parallel=16" in e for e in errors), errors
+
+
+def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run_sets_one(tmp_path, monkeypatch):
+    import flows.plan
+
+    monkeypatch.setattr(flows.plan, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
+    out = OutputParams(root=str(tmp_path))
+    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})
+    megatron = _check(model="gpt3-175b", cluster=p4d, output=out)
+    assert (megatron.config.tensor_parallel, megatron.config.pipeline_parallel) == (8, 16)   # Megatron's example
+    table = _check(model="gpt-39.1b", cluster=p4d, output=out)
+    assert (table.config.tensor_parallel, table.config.pipeline_parallel) == (8, 2)           # its scaling table
+    own = _check(model="gpt-39.1b", cluster=p4d, output=out, training=TrainingParams(tensor_parallel=8,
+                                                                                    data_parallel_mode="fsdp"))
+    assert (own.config.tensor_parallel, own.config.pipeline_parallel) == (8, 1)
+    one_node = _errors(model="gpt3-175b", cluster=ClusterParams(preset="p4d-8gpu", overrides={"nodes": 1}), output=out)
+    assert any(e.startswith("training:") and "each rank needs an estimated" in e for e in one_node), one_node
+    cpu = _check(model="tiny", output=out)
+    assert (cpu.config.tensor_parallel, cpu.config.pipeline_parallel) == (1, 1)

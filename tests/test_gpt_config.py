@@ -87,7 +87,6 @@ ERRORS = [
     (dict(mock_data=False), 1, "no training data"),
     (dict(data_index="/nonexistent/index.json", mock_data=False), 1, "data_index='/nonexistent/index.json': no such file"),
     (dict(data_index=__file__), 1, "both data_index and mock_data"),
-    (dict(device="cpu", tensor_parallel=2, global_batch_size=16), 4, "data_parallel_mode='ddp' cannot combine"),
     (dict(device="neuron", data_parallel_mode="fsdp"), 2, "device='neuron' trains data parallel as data_parallel_mode='ddp'"),
     (dict(precompile=True, compile=True), 1, "precompile=True needs compile_cache_dir"),
     (dict(clip_grad=-1.0), 1, "clip_grad"),

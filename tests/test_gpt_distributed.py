@@ -22,7 +22,18 @@ def reference(tmp_path_factory):
 def test_two_ranks_match_one_process(layout, reference, gpt_launcher, tmp_path):
     run_dir = tmp_path / "run"
     gpt_launcher.run({**SMALL, **layout, "run_dir": str(run_dir)}, world_size=2)
-    ref_dir, _ = reference
+    _assert_the_curves_of(reference[0], run_dir)
+
+
+def test_tensor_parallel_with_ddp_replicas_matches_one_process(reference, gpt_launcher, tmp_path):
+    """TP 2 x DP 2 as DDP: DDP takes no DTensor, so the replicas average the gradients' shards."""
+    run_dir = tmp_path / "run"
+    gpt_launcher.run({**SMALL, "tensor_parallel": 2, "data_parallel_mode": "ddp", "run_dir": str(run_dir)},
+                     world_size=4)
+    _assert_the_curves_of(reference[0], run_dir)
+
+
+def _assert_the_curves_of(ref_dir, run_dir) -> None:
     expected = [r["lm_loss"] for r in read_metrics(ref_dir)]
     got = [r["lm_loss"] for r in read_metrics(run_dir)]
     assert len(got) == len(expected) == SMALL["train_iters"]

@@ -32,10 +32,11 @@ def one_process(tmp_path_factory):
     (2, {"pipeline_parallel": 2}),
     (4, {"pipeline_parallel": 2, "data_parallel_mode": "ddp"}),
     (4, {"pipeline_parallel": 2, "tensor_parallel": 2, "data_parallel_mode": "fsdp", "activation_checkpointing": True}),
+    (8, {"pipeline_parallel": 2, "tensor_parallel": 2, "data_parallel_mode": "ddp"}),
     (4, {"pipeline_parallel": 4, "pipeline_schedule": "gpipe"}),
     (2, {"pipeline_parallel": 2, "virtual_pipeline_stages": 2, "pipeline_schedule": "interleaved-1f1b"}),
     (2, {"pipeline_parallel": 2, "virtual_pipeline_stages": 2, "pipeline_schedule": "interleaved-zb"}),
-], ids=["pp2", "pp2-dp2", "pp2-tp2-fsdp", "pp4-gpipe", "pp2x2-interleaved", "pp2x2-zero-bubble"])
+], ids=["pp2", "pp2-dp2", "pp2-tp2-fsdp", "pp2-tp2-dp2", "pp4-gpipe", "pp2x2-interleaved", "pp2x2-zero-bubble"])
 def test_pipeline_layouts_train_as_one_process(world, layout, one_process, gpt_launcher, tmp_path):
     run_dir = tmp_path / "run"
     gpt_launcher.run({**RUN, **layout, "run_dir": str(run_dir)}, world_size=world)
