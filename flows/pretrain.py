@@ -31,7 +31,7 @@ from flows.params import (
 from flows import approval, estimate, identity, provenance
 from flows.local_server import lasting_api
 from flows.plan import Plan, make_plan, run_folder_problems
-from flows.stages import Stages, export_intact, index_intact
+from flows.stages import Stages, export_intact, index_intact, trained_intact
 from tasks import report as reporting
 from tasks.export import export_task
 from tasks.index import index_task
@@ -112,7 +112,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     else:
         stages.skip("precompile", "training.compile is off: nothing to compile")
     result = stages.run("train", train_task, plan.config, plan.cluster, precompiled=compiled,
-                        trackers=tuple(output.trackers), tracker_project=output.tracker_project)
+                        trackers=tuple(output.trackers), tracker_project=output.tracker_project, intact=trained_intact)
 
     exported = stages.run("export", export_task, result.run_dir, dataset.vocab_file, dataset.merge_file,
                           intact=export_intact)

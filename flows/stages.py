@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpt.checkpoint import Checkpointer
 from gpt.data import DataIndex, MMapIndexedDataset
 
 
@@ -50,6 +51,12 @@ def index_intact(manifest: Any) -> bool:
     except ValueError:
         return False
     return all((Path(manifest.path).parent / name).is_file() for name in files)
+
+
+def trained_intact(result: Any) -> bool:
+    """The run folder of a cached training still holds its metrics and a complete checkpoint (it may
+    have been deleted since, and the same parameters train it again)."""
+    return Path(result.metrics_path).is_file() and Checkpointer(Path(result.run_dir) / "checkpoints", 1, 0).latest() is not None
 
 
 def export_intact(manifest: Any) -> bool:

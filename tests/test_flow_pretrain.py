@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,14 @@ def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(har
     tokenize = sorted(r.state.name for r in runs if r.name.startswith("tokenize"))
     assert tokenize == ["Cached", "Completed"]      # found stale, run again
     assert Path(prefix + ".bin").is_file()
+
+    shutil.rmtree(first.result()["run_dir"])         # the run folder deleted: the same parameters train it again
+    retrained = _run(src, root, compile=False)
+    assert retrained.is_completed(), retrained.message
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[retrained.state_details.flow_run_id])))
+    assert sorted(r.state.name for r in runs if r.name.startswith("train")) == ["Cached", "Completed"]
+    assert Path(retrained.result()["export"], "model.safetensors").is_file()
 
     with open(src, "a") as f:                        # new content at the same source path
         f.write(json.dumps({"text": "Entirely new words that the first run never saw. " * 30}) + "\n")
