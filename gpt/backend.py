@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from gpt.tensor_parallel import Group
+    from gpt.parallel.xla import Group
 
 # Dense peak FLOP/s per device, from the vendors' data sheets, for MFU.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -121,10 +121,10 @@ class Backend:
     def reduce_gradients(self, optimizer: torch.optim.Optimizer, tp: Group | None = None,
                          replicas: dist.ProcessGroup | None = None) -> None:
         """Average the gradients over the data-parallel replicas where the model does not (DDP and
-        FSDP reduce inside backward). On XLA, and under gpt.tensor_parallel's layers, the model is
+        FSDP reduce inside backward). On XLA, and under gpt.parallel.xla's layers, the model is
         not wrapped, so it happens here: over the whole world, or over the ranks that hold the same
         part of every parameter. Where data parallel as DDP has no DDP module (pipeline stages,
-        DTensor tensor parallel: gpt.distributed.gradient_replicas) it averages over ``replicas``."""
+        DTensor tensor parallel: gpt.parallel.data.gradient_replicas) it averages over ``replicas``."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if tp is not None:
             tp.average_over_replicas(grads)

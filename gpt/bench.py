@@ -16,6 +16,10 @@ doubling from ``--micro-batch`` while it fits and halving while it does not (out
 over ``--memory-cap-gib`` anywhere), then measures at that size. ``--profile DIR`` then records a few
 more steps of our row with torch.profiler: DIR/trace.json.gz (chrome://tracing, Perfetto) and, in the
 JSON, the device's busy share of the wall time and its time per step by kind of kernel.
+
+``--pp N`` adds a "pipeline" row: the same model and batch in N pipeline stages, one process per
+stage (gloo ranks sharing the CPU's threads equally, or one GPU each), timed after our one-process
+row. It reports tokens/s, the schedule's bubble fraction and each stage's peak memory.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import ctypes
 import dataclasses
 import gc
 import json
+import os
+import socket
 import statistics
 import sys
 import time
@@ -31,23 +37,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 from gpt.backend import Backend, get_backend
 from gpt.config import Config
-from gpt.distributed import DistEnv, build_model, compile_scope
+from gpt.distributed import DistEnv, gather_objects, init_distributed, shutdown
 from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
+from gpt.parallel.build import build_model, compile_scope
+from gpt.parallel.pipeline import Pipeline, bubble_fraction, build_pipeline
 from gpt.train import LossScaler, build_optimizer, train_step
 
 
 class _Row:
     """One model, its optimizer and a fixed batch of random tokens, ready to time training steps."""
 
-    def __init__(self, config: Config, backend: Backend) -> None:
+    devices = 1
+
+    def __init__(self, config: Config, backend: Backend, local_rank: int = 0) -> None:
         self.config = config
         self.backend = backend
-        self.device = backend.device(0)
+        self.device = backend.device(local_rank)
         release_memory(backend)
         self._memory_before = backend.memory_in_use_bytes()
         backend.reset_peak_memory()
@@ -85,14 +96,14 @@ class _Row:
         peak = c.peak_flops or self.backend.peak_flops(c.precision)
         return {"compile": c.compile, "tokens_per_s": tokens_per_s, "step_time_ms": 1000 * step_s,
                 "step_time_ms_mean": 1000 * statistics.fmean(self.times),
-                "mfu": mfu(tokens_per_s, flops_per_token(c, param_count(c)), peak, 1),
+                "mfu": mfu(tokens_per_s, flops_per_token(c, param_count(c)), peak, self.devices),
                 "peak_memory_bytes": self.peak_memory, "warmup_s": self.warmup_s, "final_loss": self.loss}
 
 
 class _Ours(_Row):
-    def __init__(self, config: Config, backend: Backend) -> None:
-        self.scaler = LossScaler(config.precision == "fp16", backend.device(0))
-        super().__init__(config, backend)
+    def __init__(self, config: Config, backend: Backend, local_rank: int = 0) -> None:
+        self.scaler = LossScaler(config.precision == "fp16", backend.device(local_rank))
+        super().__init__(config, backend, local_rank)
 
     def build(self) -> nn.Module:
         return build_model(self.config, DistEnv(0, 1, 0, None), self.device)
@@ -105,6 +116,33 @@ class _Ours(_Row):
     def result(self) -> dict[str, Any]:
         scope = compile_scope(self.config, self.device, 1) if self.config.compile else None
         return {**super().result(), "compile_scope": scope}
+
+
+class _Pipelined(_Ours):
+    """This rank's stages of the model in ``config.pipeline_parallel`` stages, and its schedule."""
+
+    def __init__(self, config: Config, backend: Backend, env: DistEnv) -> None:
+        self.env = env
+        self.devices = config.pipeline_parallel
+        super().__init__(config, backend, env.local_rank)
+
+    def build(self) -> nn.Module:
+        self.pipeline: Pipeline = build_pipeline(self.config, self.env, self.device)
+        return self.pipeline.model
+
+    def train_step(self) -> torch.Tensor:
+        loss, _, _ = train_step(self.model, self.optimizer, self.batches, backend=self.backend,
+                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler,
+                                pipeline=self.pipeline)
+        return loss
+
+    def result(self) -> dict[str, Any]:
+        c = self.config
+        n = c.global_batch_size // c.micro_batch_size
+        return {**super().result(), "pipeline_parallel": c.pipeline_parallel, "schedule": c.pipeline_schedule,
+                "virtual_pipeline_stages": c.virtual_pipeline_stages, "micro_batches": n,
+                "bubble_fraction": bubble_fraction(c.pipeline_schedule, c.pipeline_parallel,
+                                                   c.virtual_pipeline_stages, n)}
 
 
 class _HuggingFace(_Row):
@@ -141,10 +179,11 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         compile: bool = False, compile_scope: str = "auto", compare_eager: bool = False, peer: bool = False,
         activation_checkpointing: bool = False, activation_checkpointing_scope: str = "block",
         fp8_recipe: str = "tensorwise", find_micro_batch: bool = False, memory_cap_gib: float | None = None,
-        peak_flops: float | None = None, profile_dir: str | None = None, profile_steps: int = 3) -> dict[str, Any]:
+        peak_flops: float | None = None, profile_dir: str | None = None, profile_steps: int = 3,
+        pipeline_parallel: int = 1, pipeline_schedule: str = "1f1b", virtual_pipeline_stages: int = 1) -> dict[str, Any]:
     """Benchmark ``model``: our row's figures at the top level; with ``compare_eager`` an "eager" row,
-    with ``peer`` an "hf" row, and our tokens/s over theirs. Compiling with ``compare_eager``, our row
-    is the compiled model."""
+    with ``peer`` an "hf" row, with ``pipeline_parallel`` > 1 a "pipeline" row, and our tokens/s over
+    theirs. Compiling with ``compare_eager``, our row is the compiled model."""
     backend = get_backend(device)
     precision = precision or ("fp32" if backend.name == "cpu" else "bf16")
     config = Config(model=model, micro_batch_size=micro_batch, global_batch_size=micro_batch * grad_accum,
@@ -153,6 +192,10 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
                     activation_checkpointing=activation_checkpointing,
                     activation_checkpointing_scope=activation_checkpointing_scope, peak_flops=peak_flops, mock_data=True)
     config.validate(1)
+    staged = dataclasses.replace(config, pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
+                                 virtual_pipeline_stages=virtual_pipeline_stages)
+    if pipeline_parallel > 1:
+        staged.validate(pipeline_parallel)  # names the field: micro-batches per step, layers per stage
     result: dict[str, Any] = {
         "model": model, "params": param_count(config), "device": _device_name(backend.name), "precision": precision,
         "grad_accum": grad_accum, "seq_length": config.seq_length, "steps": steps, "warmup": max(1, warmup),
@@ -182,6 +225,10 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         result["profile"]["device_busy_of_timed_step"] = (result["profile"]["device_busy_ms_per_step"]
                                                           / (1000 * statistics.median(rows["ours"].times)))
     measured = {name: row.result() for name, row in rows.items()}
+    if pipeline_parallel > 1:
+        del rows  # the one-process rows' memory goes before the stages start
+        release_memory(backend)
+        measured["pipeline"] = measure_pipeline(staged, backend, warmup, steps)
     result.update(measured.pop("ours"))
     for name, row in measured.items():
         result[name] = row
@@ -196,6 +243,45 @@ def _measure(rows: list[_Row], warmup: int, steps: int) -> None:
     for _ in range(steps):
         for row in rows:
             row.times.append(row.step())
+
+
+def measure_pipeline(config: Config, backend: Backend, warmup: int, steps: int) -> dict[str, Any]:
+    """The pipeline row, measured by ``config.pipeline_parallel`` processes started here: gloo ranks
+    on the CPU, each with its share of this process's threads, or NCCL ranks on one GPU each."""
+    pp = config.pipeline_parallel
+    if backend.name == "cuda" and torch.cuda.device_count() < pp:
+        raise ValueError(f"pipeline_parallel={pp} (--pp) needs {pp} GPUs, one per stage; "
+                         f"this machine has {torch.cuda.device_count()}")
+    if backend.name not in ("cpu", "cuda"):
+        raise ValueError(f"pipeline_parallel={pp} (--pp): the benchmark starts its stages on cpu or cuda only")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = max(1, torch.get_num_threads() // pp)
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_pipeline_rank, args=(pp, port, threads, config, backend.name, warmup, steps, results),
+                       nprocs=pp, start_method="spawn")
+    return results.get()
+
+
+def _pipeline_rank(rank: int, pp: int, port: int, threads: int, config: Config, device: str, warmup: int,
+                   steps: int, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    backend = get_backend(device)
+    env = init_distributed(backend, 1, pp_size=pp)
+    try:
+        row = _Pipelined(config, backend, env)
+        _measure([row], warmup, steps)
+        result = row.result()
+        peaks = gather_objects(row.peak_memory)
+        losses = gather_objects(row.loss)
+        if rank == 0:  # the step times agree (the schedule joins the stages); the loss is the last stage's
+            results.put({**result, "threads_per_stage": threads, "final_loss": losses[-1],
+                         "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_stage": peaks})
+    finally:
+        shutdown(finished=True)
 
 
 # Kernel names by what they do, first match wins (cuBLAS/CUTLASS GEMMs, SDPA's flash/efficient kernels,
@@ -343,6 +429,9 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of the device, for MFU where the table has none")
     p.add_argument("--profile", metavar="DIR", help="then profile a few steps of our row: trace and kernel times")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--pp", type=int, default=1, help="also measure the model in this many pipeline stages")
+    p.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"])
+    p.add_argument("--virtual-pipeline-stages", type=int, default=1)
     a = p.parse_args(argv)
     try:
         result = run(model=a.model, micro_batch=a.micro_batch, steps=a.steps, warmup=a.warmup, grad_accum=a.grad_accum,
@@ -351,7 +440,8 @@ def cli(argv: list[str] | None = None) -> int:
                      activation_checkpointing=a.activation_checkpointing is not None,
                      activation_checkpointing_scope=a.activation_checkpointing or "block", fp8_recipe=a.fp8_recipe,
                      find_micro_batch=a.find_micro_batch, memory_cap_gib=a.memory_cap_gib, peak_flops=a.peak_flops,
-                     profile_dir=a.profile, profile_steps=a.profile_steps)
+                     profile_dir=a.profile, profile_steps=a.profile_steps, pipeline_parallel=a.pp,
+                     pipeline_schedule=a.pipeline_schedule, virtual_pipeline_stages=a.virtual_pipeline_stages)
     except ValueError as e:  # ConfigError too: the message names the option
         p.error(str(e))
     print(json.dumps(result, indent=2))

@@ -10,7 +10,7 @@ Resuming verifies the newest checkpoint (marker, DCP metadata, every shard file 
 metadata says) and falls back to the newest intact one, saying which and why.
 
 DTensors (FSDP, tensor parallel on eager devices) are saved as one tensor each, in shards, and load
-into any layout of DTensors or whole tensors. A parameter split by gpt.tensor_parallel (XLA devices) is a plain tensor on each
+into any layout of DTensors or whole tensors. A parameter split by gpt.parallel.xla (XLA devices) is a plain tensor on each
 rank: it is saved under its name and its part (``h.0.mlp.c_fc.weight.tp3of32``), and loads only
 into the same tensor-parallel size, which a run checks before loading anything.
 """
@@ -43,7 +43,7 @@ from gpt.config import ConfigError
 from gpt.distributed import barrier
 from gpt.files import WriteError
 from gpt.model import plain_name
-from gpt.tensor_parallel import sharded_names
+from gpt.parallel.xla import sharded_names
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^iter_(\d{7,})$")
@@ -103,7 +103,7 @@ class LayoutMismatch(ConfigError):
 
 
 def part_names(model: nn.Module) -> dict[str, str]:
-    """State-dict key -> saved key, for the parameters split by gpt.tensor_parallel."""
+    """State-dict key -> saved key, for the parameters split by gpt.parallel.xla."""
     return {plain_name(name): f"{plain_name(name)}.tp{shard.group.index}of{shard.group.size}"
             for name, shard in sharded_names(model).items()}
 

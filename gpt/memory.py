@@ -20,7 +20,7 @@ class RankMemory:
     stage: str                 # "the only stage", "the first stage", "the last stage"
     parameters: int            # parameters this rank holds (its stage's, its tensor-parallel share)
     model_state: int           # fp32 weights, gradients and AdamW's two moments (sharded under FSDP)
-    unsharded: int             # FSDP: one block's weights and gradients gathered whole while it runs
+    unsharded: int             # FSDP: gathered whole with their gradients, one block and the stage's own layers
     activations: int           # kept for the backward pass, for every micro-batch in flight
     in_flight: float           # micro-batches whose activations the stage holds at once
     loss: int                  # the output layer's gathered weight, gradient and one chunk of logits
@@ -33,7 +33,7 @@ class RankMemory:
         gib = lambda n: f"{n / GIB:,.2f}"  # noqa: E731
         return (f"{gib(self.total)} GiB on {self.stage}: model state {gib(self.model_state)} ({self.parameters:,} "
                 f"parameters x {STATE_BYTES} B{', sharded over data parallel' if self.unsharded else ''})"
-                + (f" + one block gathered {gib(self.unsharded)}" if self.unsharded else "")
+                + (f" + gathered whole (one block, embedding and norm) {gib(self.unsharded)}" if self.unsharded else "")
                 + f" + activations {gib(self.activations)} ({self.in_flight:g} micro-batch(es) in flight)"
                 + f" + output layer and loss {gib(self.loss)}")
 
@@ -85,7 +85,10 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
 
     def stage(name: str, extra: int, in_flight: float, loss: int) -> RankMemory:
         params = layers * block + extra
-        return RankMemory(name, params, STATE_BYTES * params // (dp if fsdp else 1), 8 * block if fsdp and dp > 1 else 0,
+        # FSDP2 gathers each block's weights (and its gradient before the reduce-scatter) while it runs,
+        # and the stage's own layers (embedding, final norm) for the whole step: it does not reshard the root.
+        gathered = 8 * (block + extra) if fsdp and dp > 1 else 0
+        return RankMemory(name, params, STATE_BYTES * params // (dp if fsdp else 1), gathered,
                           activations(in_flight), in_flight, loss)
 
     positions, final_norm = config.max_position_embeddings * h, 2 * h

@@ -4,20 +4,21 @@ Learned position embeddings, pre-LayerNorm blocks, causal self-attention through
 scaled_dot_product_attention (q, k and v from one fused projection), a 4x GELU MLP, a final
 LayerNorm and an output layer tied to the token embedding, whose cross-entropy is taken a chunk of
 tokens at a time (linear_cross_entropy): in training, the logits of a whole batch never exist.
-Parallelism, activation checkpointing and compilation are applied from outside (gpt/distributed.py,
-gpt/pipeline.py); this file knows nothing about them except how to initialise a shard, gather the
-output layer, and run as a pipeline stage: a GPT whose blocks keep their global names ("h.7") and
-whose embedding, or final norm and output layer, may be absent (None) on a stage that lacks them.
+Parallelism, activation checkpointing and compilation are applied from outside (gpt.parallel).
+This file holds the math, and only what lets a layout apply itself to it: a weight's initial value
+by name (each rank keeps its part), a hook to put a split output layer back together
+(``whole_output``), and blocks keyed by their global number, so that a pipeline stage is a GPT
+holding some of them, whose embedding, or final norm and output layer, may be absent (None).
 """
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpt.config import Config
 
@@ -192,8 +193,11 @@ class GPT(nn.Module):
         # A pipeline's last stage hands its normalised hidden states to the schedule's loss function
         # (``loss``), which takes the targets; every other stage hands on what its last block made.
         self.emits_hidden = False
+        # The output layer's whole weight from this rank's part, where a parallel layout splits the
+        # vocabulary rows over ranks (gpt.parallel sets it).
+        self.whole_output: Callable[[torch.Tensor], torch.Tensor] = _as_is
         if not self.wte.weight.is_meta:
-            self.init_weights(config.seed)
+            self.init_weights()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: list[KVCache] | None = None) -> torch.Tensor:
@@ -226,34 +230,13 @@ class GPT(nn.Module):
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's whole weight (the embedding's, tied)."""
-        weight = self.lm_head.weight
-        if isinstance(weight, DTensor):  # vocabulary rows split over tensor-parallel ranks: gather them
-            return weight.full_tensor()
-        if hasattr(weight, "tp_shard"):  # the same, split by gpt.tensor_parallel (XLA devices)
-            return weight.tp_shard.gather(weight)
-        return weight
+        return self.whole_output(self.lm_head.weight)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """GPT-2 initialisation, N(0, 0.02) with residual projections scaled by 1/sqrt(2 x layers).
-
-        Each tensor is drawn whole from a generator seeded by (seed, parameter name) and each rank
-        keeps its own shard, so the weights are the same whatever the parallel layout.
-        """
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+    def init_weights(self) -> None:
+        """GPT-2 initialisation of a whole model (gpt.parallel.build.init_weights: of a split one)."""
         for name, p in self.named_parameters():
-            # On a pipeline's last stage the output layer is a copy of the (first stage's) embedding.
-            name = "wte.weight" if plain_name(name) == "lm_head.weight" else plain_name(name)
-            shape = p.tp_shard.whole_shape(p) if hasattr(p, "tp_shard") else p.shape  # DTensor: whole already
-            if ".ln_" in name or name.startswith("ln_f"):
-                full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
-            elif name.endswith("bias"):
-                full = torch.zeros(shape)
-            else:
-                std = residual_std if name.endswith("c_proj.weight") else 0.02
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = torch.randn(shape, generator=g) * std
-            _copy_full(p, full)
+            p.copy_(initial_weight(name, p.shape, self.config))
 
     def load_hf_gpt2(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a HuggingFace GPT2LMHeadModel state dict (same sizes; vocab rows padded with zeros)."""
@@ -286,16 +269,23 @@ def plain_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    if hasattr(param, "tp_shard"):  # split by gpt.tensor_parallel: only this rank's part goes to the device
-        param.copy_(param.tp_shard.cut(full).to(param.device))
-        return
-    full = full.to(param.device)
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full)
+def initial_weight(name: str, shape: torch.Size, config: Config) -> torch.Tensor:
+    """The whole initial value of parameter ``name``, GPT-2's: N(0, 0.02), residual projections
+    scaled by 1/sqrt(2 x layers), LayerNorms at one and zero, biases zero. Drawn from a generator
+    seeded by (seed, name), so it is the same whatever the parallel layout."""
+    # On a pipeline's last stage the output layer is a copy of the (first stage's) embedding.
+    name = "wte.weight" if plain_name(name) == "lm_head.weight" else plain_name(name)
+    if ".ln_" in name or name.startswith("ln_f"):
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    std = 0.02 / math.sqrt(2 * config.num_layers) if name.endswith("c_proj.weight") else 0.02
+    g = torch.Generator().manual_seed(config.seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * std
+
+
+def _as_is(weight: torch.Tensor) -> torch.Tensor:
+    return weight
 
 
 def param_count(config: Config) -> int:

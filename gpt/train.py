@@ -33,13 +33,15 @@ from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.distributed import (
-    DistEnv, all_reduce_sum, build_model, clip_grads, gather_floats, gather_objects, grad_norm, gradient_replicas,
-    gradient_sync, init_distributed, scale_grads, shutdown,
+    DistEnv, all_reduce_sum, clip_grads, gather_floats, gather_objects, grad_norm, init_distributed, scale_grads,
+    shutdown,
 )
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
-from gpt.pipeline import Pipeline, build_pipeline
-from gpt.tensor_parallel import Group, sharded_names
+from gpt.parallel.build import build_model
+from gpt.parallel.data import gradient_replicas, gradient_sync
+from gpt.parallel.pipeline import Pipeline, build_pipeline
+from gpt.parallel.xla import Group, sharded_names
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
 
@@ -118,7 +120,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     step (on every rank) when the norm is not finite. On XLA the whole step is one graph. With
     pipeline stages, their schedule runs the micro-batches' forward and backward passes.
     ``replicas``: the data-parallel group to average the gradients over where no DDP module does
-    (gpt.distributed.gradient_replicas).
+    (gpt.parallel.data.gradient_replicas).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if pipeline is not None:
@@ -266,7 +268,7 @@ def load_hf_weights(model: nn.Module, config: Config) -> None:
         raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
     weights = hf_to_ours(load_file(str(folder / "model.safetensors")), config.padded_vocab_size(),
                          config.num_attention_heads)
-    split = {plain_name(name): shard for name, shard in sharded_names(model).items()}  # gpt.tensor_parallel's
+    split = {plain_name(name): shard for name, shard in sharded_names(model).items()}  # gpt.parallel.xla's
     weights = {key: split[key].cut(value) if key in split else value for key, value in weights.items()}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 

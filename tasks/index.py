@@ -295,7 +295,18 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     path = out / f"{name}-index.json"
     write_atomic(path, text)
     return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=name,
-                         max_token_ids={p: d.max_token_id() for (_, p), d in zip(entries, datasets)})
+                         max_token_ids={p: _max_token_id(d, f, out) for (_, p), d, f in zip(entries, datasets, fingerprints)})
+
+
+def _max_token_id(data: MMapIndexedDataset, fingerprint: list, out_dir: Path) -> int:
+    """The largest token id in a prefix's .bin, read once per content (by its fingerprint) and kept
+    beside the indices: a corpus of 1T tokens is 2 TB to read."""
+    path = out_dir / f"{digest(json.dumps(fingerprint), length=32)}-max-token-id.json"
+    if path.exists():
+        return int(json.loads(path.read_text())["max_token_id"])
+    largest = data.max_token_id()
+    write_atomic(path, json.dumps({"prefix": os.path.abspath(data.prefix), "max_token_id": largest}))
+    return largest
 
 
 def _build_blend(parts: list[IndexedPart], weights: list[float], sizes: list[int], target: int, split: str,

@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from gpt.files import write_atomic
 from gpt.memory import rank_memory
-from gpt.pipeline import bubble_fraction
+from gpt.parallel.pipeline import bubble_fraction
 
 
 def _fmt(value: Any, digits: int = 4) -> str:

@@ -75,7 +75,8 @@ def test_find_micro_batch_refusals():
 @pytest.mark.timeout(120)
 def test_auto_compile_scope_is_the_whole_model_for_one_cuda_process_and_blocks_otherwise():
     from gpt.config import Config
-    from gpt.distributed import DistEnv, build_model, compile_scope
+    from gpt.distributed import DistEnv
+    from gpt.parallel.build import build_model, compile_scope
 
     auto = Config(model="tiny")
     assert auto.compile_scope == "auto"
@@ -104,3 +105,19 @@ def test_profile_writes_a_trace_and_sorts_kernels_by_kind(tmp_path):
     assert bench.kernel_kind("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>") == "optimizer"
     assert bench.kernel_kind("triton_red_fused_native_layer_norm_backward_9") == "triton"
     assert bench.kernel_kind("triton_tem_fused_mm_3") == "matmul" and bench.kernel_kind("scatter_add_kernel") == "other"
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_row_trains_the_same_model_in_stages_with_each_stages_memory():
+    r = bench.run(model="tiny", micro_batch=2, grad_accum=4, steps=2, warmup=1, seq_length=32, vocab_size=256,
+                  device="cpu", pipeline_parallel=2)
+    pipe = r["pipeline"]
+    assert (pipe["pipeline_parallel"], pipe["schedule"], pipe["micro_batches"]) == (2, "1f1b", 4)
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 5)   # (pp - 1) / (micro-batches + pp - 1)
+    assert len(pipe["peak_memory_bytes_per_stage"]) == 2 and min(pipe["peak_memory_bytes_per_stage"]) > 0
+    assert pipe["tokens_per_s"] == 8 * 32 / (pipe["step_time_ms"] / 1000)
+    assert r["ours_vs_pipeline_tokens_per_s"] == r["tokens_per_s"] / pipe["tokens_per_s"]
+    assert pipe["final_loss"] == pytest.approx(r["final_loss"], rel=1e-4)   # the same model, the same steps
+    with pytest.raises(ValueError, match="pipeline_parallel"):
+        bench.run(model="tiny", micro_batch=2, grad_accum=1, steps=1, warmup=0, seq_length=32, vocab_size=256,
+                  device="cpu", pipeline_parallel=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpt.config import Config, ConfigError
-from gpt.distributed import convert_to_float8, require_float8_device
+from gpt.parallel.build import convert_to_float8, require_float8_device
 from gpt.model import GPT
 
 torchao_float8 = pytest.importorskip("torchao.float8")
@@ -37,7 +37,7 @@ def _model(recipe: str | None) -> GPT:
         convert_to_float8(model, recipe, emulate=True)
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
-    model.init_weights(config.seed)
+    model.init_weights()
     return model
 
 

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt.config import Config
-from gpt.distributed import DistEnv, build_model
+from gpt.distributed import DistEnv
+from gpt.parallel.build import build_model
 from gpt.model import GPT, plain_name, linear_cross_entropy
 
 

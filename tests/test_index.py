@@ -220,7 +220,7 @@ def test_cli(tmp_path):
     assert len(GPTDataset.from_index(result["path"], "valid")) >= 5
 
 
-def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path):
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path, monkeypatch):
     from flows.data import Dataset, check_vocabulary
     from flows.params import ParameterError
 
@@ -228,8 +228,14 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path)
     with IndexedDatasetWriter(prefix, np.uint16) as w:
         for i in range(40):
             w.add_document(np.arange(i, i + 30) * 100)         # ids up to 6,800
+    reads = []
+    monkeypatch.setattr(MMapIndexedDataset, "max_token_id", lambda self: reads.append(self.prefix) or 6800)
     index = build_indices([prefix], seq_length=8, seed=1, num_samples={"train": 10}, out_dir=str(tmp_path / "i"))
     assert index.max_token_ids == {prefix: 6800}
+    again = build_indices([prefix], seq_length=8, seed=1, num_samples={"train": 20}, out_dir=str(tmp_path / "i"))
+    assert again.max_token_ids == {prefix: 6800} and len(reads) == 1   # the .bin is read once per content
+    monkeypatch.undo()
+    assert MMapIndexedDataset(prefix).max_token_id() == 6800
     check_vocabulary(index, Dataset(vocab_file="vocab.json", vocab_size=6801))
     with pytest.raises(ParameterError) as e:
         check_vocabulary(index, Dataset(vocab_file="/data/gpt2/vocab.json", vocab_size=4096))

@@ -8,7 +8,7 @@ import torch
 from gpt.checkpoint import saved_layout
 from gpt.config import Config, ConfigError
 from gpt.export import find_checkpoint, load_checkpoint
-from gpt.pipeline import bubble_fraction, stage_layers, stages_of_rank
+from gpt.parallel.pipeline import bubble_fraction, stage_layers, stages_of_rank
 from tests.fixtures_gpt import SMALL, read_metrics
 
 # 8 layers, 4 micro-batches of 2 per step on one data-parallel rank (2 on each of two).

@@ -1,4 +1,4 @@
-"""Tensor parallelism with explicit collectives (gpt/tensor_parallel.py), the one XLA devices train
+"""Tensor parallelism with explicit collectives (gpt/parallel/xla.py), the one XLA devices train
 with: here on real gloo ranks running gpt.train, with the layers, the gradient norm and the
 checkpoints of the XLA path and torch.distributed's collectives in place of XLA's (XLA:CPU has none;
 tests/test_xla.py runs the same layers inside one XLA graph)."""
@@ -10,15 +10,15 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import torch
 
-from gpt import tensor_parallel
+from gpt.parallel import xla
 from gpt.export import find_checkpoint, load_checkpoint, to_hf_state_dict
 from tests.fixtures_gpt import SMALL, read_metrics
 
-# Every rank joins the process group as usual, then trains with gpt.tensor_parallel's groups and
+# Every rank joins the process group as usual, then trains with gpt.parallel.xla's groups and
 # no DeviceMesh, as on an XLA device; device 'neuron' (its configuration checks) computes on the CPU.
 EXPLICIT = """
 import gpt.distributed as _dist, gpt.train as _train
-from gpt import tensor_parallel as _tp
+from gpt.parallel import xla as _tp
 from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed
 def _explicit(backend, tp_size, timeout_s, pp_size=1):
@@ -98,7 +98,7 @@ def test_another_tensor_parallel_size_is_refused_before_loading(gpt_launcher, tm
 
 
 def test_groups_are_consecutive_ranks_and_replicas_the_columns():
-    group = tensor_parallel.new_group(rank=5, world_size=8, size=4, lazy=True)
+    group = xla.new_group(rank=5, world_size=8, size=4, lazy=True)
     assert (group.index, group.size) == (1, 4)
     assert group.replicas == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert group.data_parallel == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -161,7 +161,7 @@ def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: P
     from flows import sizes
     from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from flows.plan import make_plan
-    from gpt import tensor_parallel
+    from gpt.parallel import xla
 
     # Its root is shared storage with room for its 72 GiB checkpoints (FSx), unlike this machine's disk.
     monkeypatch.setattr(sizes, "free_bytes", lambda path: 100 * sizes.GIB * 1024)
@@ -175,6 +175,6 @@ def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: P
     world = plan.cluster.nodes * plan.cluster.tasks_per_node
     assert world == 512
     config.validate(world)
-    group = tensor_parallel.new_group(rank=32 * 5 + 7, world_size=world, size=32, lazy=True)
+    group = xla.new_group(rank=32 * 5 + 7, world_size=world, size=32, lazy=True)
     assert group.replicas[5] == list(range(160, 192))  # node 5's NeuronCores: a group never leaves its node
     assert group.data_parallel[7] == list(range(7, 512, 32))

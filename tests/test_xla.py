@@ -96,7 +96,7 @@ def test_torch_compile_is_refused_with_the_reason(probe):
 
 
 def test_tensor_parallel_layers_run_in_the_step_graph(probe):
-    """gpt.tensor_parallel's split layers over a group of one: their collectives are in the graph
+    """gpt.parallel.xla's split layers over a group of one: their collectives are in the graph
     (one all-reduce per split lookup and output projection, one all-gather for the output layer),
     the losses are those without them, and a step is still one graph with no CPU fallback."""
     tp, plain = probe["tensor_parallel"], probe["xla"]

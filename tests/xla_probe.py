@@ -23,8 +23,9 @@ from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer
 from gpt.config import Config, ConfigError
 from gpt.data import MockGPTDataset
-from gpt import tensor_parallel
-from gpt.distributed import DistEnv, build_model
+from gpt.parallel import xla
+from gpt.distributed import DistEnv
+from gpt.parallel.build import build_model
 from gpt.train import LossScaler, build_optimizer, lr_at, main, micro_batches, train_step
 
 SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
@@ -176,12 +177,12 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def tensor_parallel_in_one_graph() -> dict[str, Any]:
-    """The split layers of gpt.tensor_parallel over a group of one rank, their all-reduces and
+    """The split layers of gpt.parallel.xla over a group of one rank, their all-reduces and
     all-gather in the graph (XLA:CPU runs no collective across processes; tests/test_tensor_parallel.py
     runs the layers on real ranks)."""
     os.environ["XLA_ALWAYS_ALLREDUCE"] = "1"  # torch_xla leaves them out for one rank otherwise
     try:
-        env = DistEnv(0, 1, 0, None, tensor_parallel.Group(0, 1, [[0]], lazy=True))
+        env = DistEnv(0, 1, 0, None, xla.Group(0, 1, [[0]], lazy=True))
         config, backend, where, model, _, _ = setup("neuron", env)
         tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1)).to(where)
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(tokens[:, :-1], tokens[:, 1:])])

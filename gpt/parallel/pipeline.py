@@ -7,9 +7,9 @@ the last, which holds its own copy of the (tied) embedding as ``lm_head.weight``
 (initialised by the same name) and the two gradients are summed after each backward, as Megatron
 does, so they stay equal. Each rank keeps one GPT of its layers under their global names ("h.7"),
 which the optimizer and the checkpoints see as they see a whole model; its stages are views of it
-that share its layers. Data and tensor parallel apply inside each stage (gpt.distributed): FSDP2
+that share its layers. Data and tensor parallel apply inside each stage (gpt.parallel.build): FSDP2
 shards each stage; as DDP, the gradients are averaged after the schedule
-(gpt.distributed.gradient_replicas).
+(gpt.parallel.data.gradient_replicas).
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from gpt.config import Config
-from gpt.distributed import DistEnv, apply_layers, materialise
+from gpt.distributed import DistEnv
 from gpt.model import GPT
+from gpt.parallel.build import apply_layers, materialise
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "interleaved-zb": ScheduleInterleavedZeroBubble}
@@ -158,6 +159,7 @@ def _view(model: GPT, layers: range, first: bool, last: bool) -> GPT:
     view = GPT.__new__(GPT)
     nn.Module.__init__(view)
     view.config, view.vocab_size, view.emits_hidden = model.config, model.vocab_size, True
+    view.whole_output = model.whole_output
     view.wte, view.wpe = (model.wte, model.wpe) if first else (None, None)
     view.h = nn.ModuleDict({str(i): model.h[str(i)] for i in layers})
     view.ln_f, view.lm_head = (model.ln_f, model.lm_head) if last else (None, None)

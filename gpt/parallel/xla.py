@@ -1,6 +1,6 @@
 """Tensor parallelism with explicit collectives, for XLA's lazy tensors (Trainium through torch-neuronx).
 
-On eager devices tensor parallelism is DTensor's (gpt/distributed.py, apply_tensor_parallel). On an
+On eager devices tensor parallelism is DTensor's (gpt.parallel.tensor). On an
 XLA device a DTensor means GSPMD, which the Neuron compiler does not train with; there the layers
 below split the same weights the same way, Megatron's way, and call the collectives themselves:
 
@@ -217,6 +217,11 @@ def apply(model: GPT, group: Group) -> None:
         block.mlp.c_fc = ColumnParallelLinear(hidden, 4 * hidden, group)
         block.mlp.c_proj = RowParallelLinear(4 * hidden, hidden, group)
     model.lm_head.weight = model.wte.weight
+    model.whole_output = _gathered
+
+
+def _gathered(weight: torch.Tensor) -> torch.Tensor:
+    return weight.tp_shard.gather(weight)
 
 
 def mark(model: nn.Module) -> None:

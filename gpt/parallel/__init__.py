@@ -1,0 +1,12 @@
+"""Parallelism applied to a plain GPT from outside the model, as torchtitan does; gpt/model.py holds
+only the math.
+
+- ``build``: the order every job applies them in, float8 linears (torchao) -> tensor parallel ->
+  activation checkpointing -> compile -> data parallel, then the weights, initialised whole and
+  kept as this rank's part, so that they are the same whatever the layout;
+- ``tensor``: Megatron's split of attention, MLP and vocabulary as DTensor plans (eager devices);
+- ``xla``: the same split with explicit collectives, for XLA's lazy tensors (Trainium);
+- ``data``: FSDP2 or DDP over the data-parallel ranks, and the replicas that average gradients
+  where no DDP module applies;
+- ``pipeline``: stages on torch.distributed.pipelining and their schedules.
+"""
