@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
@@ -53,12 +55,30 @@ _TMP = re.compile(r"^iter_(\d{7,})\.tmp(?:-.*)?$")
 def damage(path: Path) -> str | None:
     """What is wrong with a saved checkpoint folder, or None when its files are all there: the DCP
     metadata reads, and every shard file it names exists and is as long as the metadata says."""
-    from torch.distributed.checkpoint import FileSystemReader
+    return _read_and_check(path)[1]
 
+
+def shared_metadata(path: Path) -> tuple[Metadata | None, str | None]:
+    """A checkpoint's DCP metadata and what is wrong with its files (``damage``), read and checked
+    by rank 0 alone and sent to every rank: one read of ``.metadata`` and one ``stat`` per shard file
+    for the whole job, where every rank doing it would be thousands of each on the shared file
+    system (8,000 ranks, 8,000 shard files). XLA's process group sends no objects: each rank reads."""
+    if not dist.is_initialized() or dist.get_backend() == "xla":
+        return _read_and_check(path)
+    found = list(_read_and_check(path)) if dist.get_rank() == 0 else [None, None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0], found[1]
+
+
+def _read_and_check(path: Path) -> tuple[Metadata | None, str | None]:
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or torn .metadata
-        return f"its metadata cannot be read: {type(e).__name__}: {e}"
+        return None, f"its metadata cannot be read: {type(e).__name__}: {e}"
+    return metadata, _missing_shard(path, metadata)
+
+
+def _missing_shard(path: Path, metadata: Metadata) -> str | None:
     needed: dict[str, int] = {}
     for item in (metadata.storage_data or {}).values():
         name = str(item.relative_path)
@@ -168,10 +188,10 @@ class Checkpointer:
         """Load the newest intact checkpoint; a damaged newer one is skipped with a message naming
         it and what is wrong. Returns (the checkpoint loaded or None, the training state)."""
         for path in self.complete():
-            problem = damage(path)
+            metadata, problem = shared_metadata(path)
             if problem is None:
                 try:
-                    return path, self.load(path, model, optimizer, train_state)
+                    return path, self.load(path, model, optimizer, train_state, metadata)
                 except LayoutMismatch:
                     raise
                 except Exception as e:  # noqa: BLE001 - any failure to read it means: try an older one
@@ -217,10 +237,10 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             train_state: dict[str, Any]) -> dict[str, Any]:
+             train_state: dict[str, Any], metadata: Metadata | None = None) -> dict[str, Any]:
         """Restore model, optimizer and RNG in place; returns the saved training state."""
         rng = f"rng_rank{self.rank}"
-        state = self._read(path, model, optimizer, {"train": dict(train_state), rng: b""})
+        state = self._read(path, model, optimizer, {"train": dict(train_state), rng: b""}, metadata)
         if state[rng]:  # a checkpoint written by fewer ranks lacks this rank's RNG entry
             set_rng_state(state[rng])
         return state["train"]
@@ -231,12 +251,16 @@ class Checkpointer:
         self._read(path, model, optimizer, {})
 
     def _read(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-              extra: dict[str, Any]) -> dict[str, Any]:
+              extra: dict[str, Any], metadata: Metadata | None = None) -> dict[str, Any]:
         """Load the model (and optimizer) in place, and whatever ``extra`` names; returns the state read."""
+        if metadata is None:
+            metadata, problem = shared_metadata(path)
+            if metadata is None:
+                raise FileNotFoundError(f"checkpoint {path}: {problem}")
         state = self.to_host(self._state(model, optimizer, extra))
-        _check_layout(path, state["model"])
+        _check_layout(path, state["model"], metadata)
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+            dcp.load(state, storage_reader=_Read(path, metadata), planner=DefaultLoadPlanner(allow_partial_load=True),
                      no_dist=not dist.is_initialized())
         original = {saved: key for key, saved in part_names(model).items()}
         set_model_state_dict(model, _renamed(state["model"], original))
@@ -282,8 +306,6 @@ def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str,
     """The model tensors of a checkpoint, whole, in one process, shaped as ``template`` (a plain
     model's state dict): tensors saved whole or in DTensor shards are read as they are, tensors saved
     in parts (``.tpXofN``) are read part by part and joined along the dimension they were split."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted: dict[str, torch.Tensor] = {}
     parts: dict[str, list[str]] = {}
@@ -311,13 +333,24 @@ def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str,
     return whole
 
 
-def _check_layout(path: Path, model_state: dict[str, Any]) -> None:
+class _Read(FileSystemReader):
+    """DCP's file reader, with the metadata already read (shared_metadata)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self.metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.metadata.storage_meta is not None:
+            self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+def _check_layout(path: Path, model_state: dict[str, Any], metadata: Metadata) -> None:
     """Every model tensor this rank loads is in the checkpoint; else it was written with another
     tensor-parallel size (parts named ``.tpXofN``) or another model, and loading would leave
     those tensors as initialised."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     missing = [key for key in model_state if f"model.{key}" not in saved]
     if missing:
         parts = sorted({key.rsplit(".", 1)[1] for key in saved if re.search(r"\.tp\d+of\d+$", key)})

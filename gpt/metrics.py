@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class MetricsWriter:
     def train(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._write({"kind": "train", **record, "time": time.time()})
+        self._write({"kind": "train", "iteration": record["iteration"], **record, "time": time.time()})
         step = record["iteration"]
         for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "elapsed_ms"):
             self._tb.add_scalar(f"train/{key}", record[key], step)
@@ -103,19 +104,22 @@ class MetricsWriter:
             self._tb.close()
 
 
+_ITERATION = re.compile(rb'\{"kind": "[a-z]+", "iteration": (\d+)[,}]')
+
+
 def _truncate_after(path: Path, iteration: int) -> None:
     """Drop records past the checkpoint a run resumes from (those iterations run again), and a line
     cut short when the previous run was killed. The file is cut in place, never replaced, so that
-    nothing that still holds it open writes into an unlinked copy."""
+    nothing that still holds it open writes into an unlinked copy. Only each record's head is read
+    (``_write`` puts its iteration there): a month-long run at thousands of ranks writes gigabytes
+    of ``ranks`` records, which parsing whole would take minutes at every resume."""
     if not path.exists():
         return
     keep = 0
     with open(path, "rb") as f:
         for line in f:
-            try:
-                if not line.endswith(b"\n") or json.loads(line)["iteration"] > iteration:
-                    break
-            except (ValueError, KeyError):
+            head = _ITERATION.match(line)
+            if not line.endswith(b"\n") or head is None or int(head.group(1)) > iteration:
                 break
             keep += len(line)
     os.truncate(path, keep)

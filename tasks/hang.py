@@ -23,6 +23,11 @@ SLOW_FACTOR = 4.0
 SAVE_FACTOR = 3.0
 SLOW_PHASES = frozenset({"start", "load", "save", "eval"})
 FAILED_GRACE_S = 15.0       # a rank failed this long ago while the others still run: the job is stopped
+# The follower reads every rank's heartbeat file at most once per world_size / HEARTBEATS_PER_S
+# seconds: at each poll up to a few hundred ranks, every 40 s at 8,000. A read costs about 30 us a
+# file on a local disk and an open and a read RPC on a parallel file system: at 8,000 ranks every
+# 2 s poll would spend seconds in them. Hang limits are minutes, so the later look costs nothing.
+HEARTBEATS_PER_S = 200.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class HangWatch:
         self.step_s: float | None = None               # the slowest rank's time per iteration
         self.longest_slow = 0.0
         self.failed: tuple[float, dict[str, Any]] | None = None   # (seen at, heartbeat) of a rank that failed
+        self.read_at: float | None = None               # when the heartbeats were last read
 
     def beats(self) -> list[dict[str, Any]]:
         """This job's heartbeats, of its newest start only (a requeued SLURM job writes
@@ -74,8 +80,11 @@ class HangWatch:
     def check(self, state: str) -> Hang | None:
         now = self.clock()
         if state != "RUNNING":
-            self.progress_at, self.failed = None, None  # queued or requeued: watched afresh when it runs
+            self.progress_at, self.failed, self.read_at = None, None, None  # watched afresh when it runs again
             return None
+        if self.read_at is not None and now - self.read_at < self.world_size / HEARTBEATS_PER_S:
+            return None
+        self.read_at = now
         beats = self.beats()
         if self.progress_at is None:
             self.progress_at = now

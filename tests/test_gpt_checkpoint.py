@@ -99,6 +99,18 @@ def test_a_damaged_newest_checkpoint_falls_back_then_is_set_aside_when_training_
     assert re.search(r"resumed from \S+iter_0000008 at iteration 8", out) and "falling back" not in out
 
 
+COUNT_METADATA_READS = """
+import atexit, torch.distributed.checkpoint as _dcp
+_reads = []
+_read_metadata = _dcp.FileSystemReader.read_metadata
+def _counted(self, *args, **kwargs):
+    _reads.append(self.path)
+    return _read_metadata(self, *args, **kwargs)
+_dcp.FileSystemReader.read_metadata = _counted
+atexit.register(lambda: print(f"METADATA READS {len(_reads)}", flush=True))
+"""
+
+
 def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_path):
     reference = tmp_path / "reference"
     gpt_launcher.run({**SMALL, "run_dir": str(reference)}, world_size=2)
@@ -108,8 +120,11 @@ def test_signal_on_one_rank_stops_both_at_the_same_iteration(gpt_launcher, tmp_p
     assert [rc for rc, _ in results] == [EXIT_INTERRUPTED, EXIT_INTERRUPTED], results[0][1][-3000:]
     assert _summary(results[0][1])["iteration"] == 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000003"]
-    gpt_launcher.run(cfg, world_size=2)
+    results = gpt_launcher.wait(gpt_launcher.start(cfg, 2, prelude=COUNT_METADATA_READS))
+    assert [rc for rc, _ in results] == [0, 0], results[1][1][-3000:]
     assert _losses(run) == _losses(reference)
+    # Rank 0 alone read the checkpoint's metadata (and checked its files); rank 1 got it from rank 0.
+    assert [re.findall(r"METADATA READS (\d+)", text) for _, text in results] == [["1"], ["0"]]
 
 
 def test_a_full_disk_fails_the_save_naming_the_folder_and_leaves_nothing_half_written(gpt_launcher, disk):
@@ -123,3 +138,20 @@ def test_a_full_disk_fails_the_save_naming_the_folder_and_leaves_nothing_half_wr
     subprocess.run(["mount", "-o", "remount,size=16m", str(run)], check=True)
     out = gpt_launcher.run(cfg)
     assert _summary(out)["status"] == "completed" and "resumed from" not in out
+
+
+def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint_and_drops_a_torn_line(tmp_path):
+    from gpt.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), True, 0)
+    for i in range(1, 6):
+        writer.train({"iteration": i, "consumed_samples": 8 * i, "lm_loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
+                      "loss_scale": 1.0, "elapsed_ms": 10.0, "tokens_per_s": 1.0, "mfu": None, "skipped": 0, "nan": 0})
+        writer.ranks(i, 1, [1.0] * 1000, ["node-1"] * 1000)
+    writer.valid(4, 32, 5.1)
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"kind": "train", "iteration": 2, "lm_l')        # a write cut short by a kill
+    MetricsWriter(str(tmp_path), True, 3).close()                  # resumes from iteration 3
+    kept = [(r["kind"], r["iteration"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    assert kept == [(kind, i) for i in (1, 2, 3) for kind in ("train", "ranks")]

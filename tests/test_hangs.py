@@ -164,3 +164,22 @@ def test_a_slow_rank_is_named_as_a_straggler_and_a_normal_run_has_none(tmp_path,
 
 def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_at_thousands_of_ranks_the_follower_reads_the_heartbeats_less_often(tmp_path, monkeypatch):
+    from tasks import hang
+
+    reads: list[str] = []
+    monkeypatch.setattr(hang.heartbeat, "read", lambda run_dir: reads.append(str(run_dir)) or [])
+    now = [0.0]
+    large = hang.HangWatch(tmp_path / "large", "7", 8000, None, clock=lambda: now[0])
+    small = hang.HangWatch(tmp_path / "small", "8", 8, None, clock=lambda: now[0])
+    for t in range(0, 82, 2):   # a poll every 2 s
+        now[0] = float(t)
+        large.check("RUNNING")
+        small.check("RUNNING")
+    assert reads.count(str(tmp_path / "small")) == 41                # every poll
+    assert reads.count(str(tmp_path / "large")) == 3                 # at 0, 40 and 80 s
+    large.check("PENDING")                                            # requeued: read at once when it runs again
+    large.check("RUNNING")
+    assert reads.count(str(tmp_path / "large")) == 4
