@@ -28,7 +28,8 @@ from tasks.tokenize import tokenize_task
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
 REPEAT_WARNING_EPOCHS = 4
-JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst")
+INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",
+                  ".parquet")
 
 
 @dataclass
@@ -62,9 +63,9 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                      endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request,
                      allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
                      verify_content=data.verify_content)
-    inputs = [f for f in synced_files(raw) if f.endswith(JSONL_SUFFIXES)]
+    inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
     if not inputs:
-        raise ParameterError([f"data.sources: no JSONL files ({', '.join(JSONL_SUFFIXES)}) among "
+        raise ParameterError([f"data.sources: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
     out_prefix = layout.tokenized(raw.digest, dataset.vocab_file, dataset.merge_file, data.json_keys,
                                   tokenizer.train_vocab_size)

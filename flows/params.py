@@ -74,14 +74,14 @@ class WeightedPrefix(_Params):
 class DataParams(_Params):
     sources: list[str] = Field(
         default_factory=list,
-        description="JSONL inputs (.jsonl, .json, .gz, .xz, .zst): s3:// URIs or prefixes, local files, "
+        description="JSONL (.jsonl, .json, .gz, .xz, .zst) or Parquet inputs: s3:// URIs or prefixes, local files, "
                     "folders or globs. Empty, with no prefixes: the bundled Shakespeare sample corpus.")
     prefixes: list[WeightedPrefix] = Field(
         default_factory=list, description="Already tokenized datasets to train on, with blend weights")
     weight: float = Field(1.0, gt=0, description="Blend weight of the data tokenized from `sources` "
                                                   "when `prefixes` are given too")
     json_keys: list[str] = Field(default_factory=lambda: ["text"], min_length=1,
-                                 description="JSON fields holding the text")
+                                 description="JSON fields, or Parquet columns, holding the text")
     split: str = Field("969,30,1", description="train,valid,test proportions of documents")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint, e.g. http://127.0.0.1:9000 "
                                                        "(credentials come from the environment, never here)")

@@ -52,9 +52,15 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
     skipped = ", ".join(f"{k}: {v}" for k, v in (manifest.skipped or {}).items()) or "none"
     create_table_artifact(
         dataset_rows(manifest), key=key,
-        description=f"Tokenized dataset (vocab {manifest.vocab_file}, merges {manifest.merge_file}); "
+        description=f"Tokenized dataset ({_tokenizer(manifest)}); "
                     f"skipped lines by reason: {skipped}; inputs:\n{files}{more}",
     )
+
+
+def _tokenizer(manifest: Any) -> str:
+    if getattr(manifest, "tokenizer_file", None):
+        return f"tokenizer {manifest.tokenizer_file}"
+    return f"vocab {manifest.vocab_file}, merges {manifest.merge_file}"
 
 
 def parallel_layout(c: Any, world_size: int) -> str:

@@ -1,11 +1,13 @@
-"""Tokenize stage: JSONL (.jsonl, .gz, .xz, .zst) to Megatron ``<prefix>_<key>_document.bin/.idx``.
+"""Tokenize stage: JSONL (.jsonl, .gz, .xz, .zst) or Parquet to Megatron ``<prefix>_<key>_document.bin/.idx``.
 
 GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, encoded by gigatoken (the fastest engine
-measured here; ids equal HuggingFace ``tokenizers``' byte-level BPE built from the same files).
+measured here; ids equal HuggingFace ``tokenizers``' byte-level BPE built from the same files), or
+any HuggingFace ``tokenizer.json`` (tasks.hf_tokenizer), encoded by the ``tokenizers`` library.
 A literal ``<|endoftext|>`` inside a document is encoded as text: only ``--append-eod`` adds the
 end-of-document id, so no document is ever cut by its own content.
 
-Inputs are streamed in chunks of whole lines; threads of this one process parse and encode chunks
+Inputs are streamed in chunks of whole lines, or of rows for Parquet (whose columns the keys name,
+read a batch of rows of the chosen columns at a time); threads of this one process parse and encode chunks
 (nothing is forked, so it is safe inside a flow run's threads), and the results are written
 strictly in input order, so the output is byte-identical for any worker count and memory stays
 bounded by ``2 * workers`` in-flight chunks. Flags follow Megatron's
@@ -13,6 +15,8 @@ bounded by ``2 * workers`` in-flight chunks. Flags follow Megatron's
 
     python -m tasks.tokenize --input 'data/*.jsonl.zst' --output-prefix out/corpus \\
         --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 2
+    python -m tasks.tokenize --input 'data/*.parquet' --output-prefix out/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model llama3/tokenizer.json --append-eod
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import numpy as np
 import orjson
@@ -36,10 +40,12 @@ from pydantic import BaseModel, ConfigDict
 from gpt.data import IndexedDatasetWriter, best_dtype
 from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
 from tasks.digest import digest, file_digest
+from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.progress import Progress
 from tasks.run_context import log_to_stderr
 
 CHUNK_BYTES = 4 << 20
+PARQUET_ROWS = 1024           # rows per batch read from a Parquet file (web documents: a few MB)
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
 # grows without bound (about 7 MB per MB of random words, on each encoding thread). Once this
 # process has grown by more than this since its engine was built, a fresh engine takes over;
@@ -62,11 +68,12 @@ class TokenizeManifest(BaseModel):
     dtype: str
     skipped: dict[str, int]
     files: list[str]
-    vocab_file: str
-    merge_file: str
+    vocab_file: str | None
+    merge_file: str | None
     vocab_size: int
     eod_id: int
     digest: str
+    tokenizer_file: str | None = None       # a HuggingFace tokenizer.json, in place of vocab and merges
 
 
 # ---------------------------------------------------------------------------------- input
@@ -140,6 +147,48 @@ class _ZstdFrames:
         self._file.close()
 
 
+def is_parquet(path: str) -> bool:
+    return path.endswith(".parquet")
+
+
+def read_parquet(path: str, columns: tuple[str, ...], rows: int = PARQUET_ROWS):
+    """Batches of ``rows`` rows of a Parquet file's ``columns`` (pyarrow RecordBatches), streamed a
+    row group at a time; a file that is not Parquet, is damaged or lacks a column is a
+    TokenizeError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise TokenizeError(f"{path}: not a readable Parquet file ({e}); it is damaged or truncated: "
+                            "download or write it again") from e
+    with parquet:
+        schema = parquet.schema_arrow
+        for column in columns:
+            if column not in schema.names:
+                raise TokenizeError(f"{path}: no column {column!r} (--json-keys names the text columns); "
+                                    f"its columns are {', '.join(schema.names)}")
+            kind = schema.field(column).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+                raise TokenizeError(f"{path}: column {column!r} holds {kind}, not text; name a text column")
+        try:
+            yield from parquet.iter_batches(batch_size=rows, columns=list(columns), use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            raise TokenizeError(f"{path}: cannot read its rows ({e}); it is damaged or truncated: "
+                                "download or write it again") from e
+
+
+def read_pieces(path: str, keys: tuple[str, ...]) -> Iterator:
+    """What the encoder takes from one input: chunks of whole JSONL lines, or batches of Parquet rows."""
+    return read_parquet(path, keys) if is_parquet(path) else read_chunks(path)
+
+
+def where(path: str, line: int) -> str:
+    """A line of a JSONL file, or a row of a Parquet file (both counted from 1)."""
+    return f"{path}: row {line}" if is_parquet(path) else f"{path}:{line}"
+
+
 def read_chunks(path: str, chunk_bytes: int | None = None) -> Iterator[bytes]:
     """Pieces of whole lines of a file, about ``chunk_bytes`` (default CHUNK_BYTES) each."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
@@ -183,30 +232,42 @@ def _release_free_memory() -> None:
         pass
 
 
+Engine = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]   # documents -> flat ids, lengths
+
+
+class _Gigatoken:
+    """GPT-2's vocab.json and merges.txt on the gigatoken engine."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        self.engine = build_encoder(vocab_file, merge_file)
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        layout = self.engine.encode_batch(texts, parallel=False).layout
+        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
+        return np.asarray(layout.content.data)[offsets[0]:offsets[-1]], np.diff(offsets)
+
+
 class _Encoder:
     """The engine and what to encode, shared by the encoding threads."""
 
-    def __init__(self, vocab_file: str, merge_file: str, keys: tuple[str, ...], append_eod: bool,
+    def __init__(self, new_engine: Callable[[], Engine], keys: tuple[str, ...], append_eod: bool,
                  eod_id: int, dtype: np.dtype) -> None:
-        self.vocab_file, self.merge_file = vocab_file, merge_file
+        self.new_engine = new_engine
         self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, dtype
-        self.engine = build_encoder(vocab_file, merge_file)
+        self.engine = new_engine()
         self.base_rss = _rss_bytes()
 
     def renew_if_grown(self) -> None:
         """A fresh engine once the caches have grown past ENCODER_CACHE_BYTES (chunks in flight
         finish on the engine they started with)."""
         if _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
-            self.engine = build_encoder(self.vocab_file, self.merge_file)
+            self.engine = self.new_engine()
             _release_free_memory()          # what the old engine's caches held, once its chunks finish
             self.base_rss = _rss_bytes()
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Flat tokens (with EOD after each document if asked) and per-document lengths."""
-        layout = self.engine.encode_batch(texts, parallel=False).layout
-        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
-        content = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
-        lengths = np.diff(offsets)
+        content, lengths = self.engine(texts)
         if not self.append_eod:
             return content.astype(self.dtype), lengths
         n = len(lengths)
@@ -218,8 +279,11 @@ class _Encoder:
         out[ends] = self.eod_id
         return out, lengths + 1
 
-    def chunk(self, data: bytes) -> dict:
-        """Parse and encode one chunk; problems are reported by line (0-based within the chunk)."""
+    def chunk(self, data) -> dict:
+        """Parse and encode one chunk (bytes of JSONL lines, or a batch of Parquet rows); problems are
+        reported by line or row (0-based within the chunk)."""
+        if not isinstance(data, bytes):
+            return self.rows(data)
         keys = self.keys
         texts: dict[str, list[str]] = {k: [] for k in keys}
         problems: list[tuple[int, str, str]] = []
@@ -255,6 +319,24 @@ class _Encoder:
                     texts[k].append(v)
         encoded = {k: self.encode(texts[k]) for k in keys}
         return {"documents": len(texts[keys[0]]), "bytes": len(data), "lines": len(lines), "encoded": encoded,
+                "problems": problems}
+
+    def rows(self, batch) -> dict:
+        """Encode a batch of Parquet rows: a row whose text is null or empty in any key's column is
+        skipped, as a JSONL line without the key would be."""
+        columns = [batch.column(k).to_pylist() for k in self.keys]
+        problems: list[tuple[int, str, str]] = []
+        keep = []
+        for i, values in enumerate(zip(*columns)):
+            bad = next(((k, v) for k, v in zip(self.keys, values) if not v), None)
+            if bad is None:
+                keep.append(i)
+            elif bad[1] is None:
+                problems.append((i, "missing_key", f"column {bad[0]!r} is null"))
+            else:
+                problems.append((i, "empty_document", f"column {bad[0]!r} is empty"))
+        encoded = {k: self.encode([column[i] for i in keep]) for k, column in zip(self.keys, columns)}
+        return {"documents": len(keep), "bytes": batch.nbytes, "lines": batch.num_rows, "encoded": encoded,
                 "problems": problems}
 
 
@@ -297,12 +379,8 @@ def _result(index: int, future: Future, timeout_s: float) -> dict:
 def iter_texts(files: list[str], key: str, limit_bytes: int) -> Iterator[str]:
     seen = 0
     for path in files:
-        for chunk in read_chunks(path):
-            for raw in chunk.split(b"\n"):
-                try:
-                    v = orjson.loads(raw).get(key)
-                except (orjson.JSONDecodeError, AttributeError):
-                    continue
+        for piece in read_pieces(path, (key,)):
+            for v in _values(piece, key):
                 if isinstance(v, str) and v:
                     yield v
                     seen += len(v)
@@ -310,15 +388,29 @@ def iter_texts(files: list[str], key: str, limit_bytes: int) -> Iterator[str]:
                         return
 
 
+def _values(piece, key: str) -> Iterator:
+    if not isinstance(piece, bytes):
+        yield from piece.column(0).to_pylist()
+        return
+    for raw in piece.split(b"\n"):
+        try:
+            yield orjson.loads(raw).get(key)
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+
+
 def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | None = None,
              merge_file: str | None = None, json_keys: tuple[str, ...] | list[str] = ("text",),
              append_eod: bool = True, workers: int | None = None, strict: bool = False,
-             train_vocab_size: int = 50257, train_bytes: int = 256 << 20) -> TokenizeManifest:
-    """Tokenize JSONL files into one ``.bin/.idx`` pair per JSON key.
+             train_vocab_size: int = 50257, train_bytes: int = 256 << 20,
+             tokenizer_model: str | None = None) -> TokenizeManifest:
+    """Tokenize JSONL or Parquet files into one ``.bin/.idx`` pair per JSON key (Parquet: per column).
 
-    Without ``vocab_file``/``merge_file`` a byte-level BPE of ``train_vocab_size`` entries is
-    trained on the first ``train_bytes`` of text and saved as ``vocab.json``/``merges.txt``
-    beside the output. ``strict`` stops at the first bad line instead of skipping it.
+    ``tokenizer_model`` (a HuggingFace tokenizer.json, or its folder) encodes in place of GPT-2's
+    files, on the ``tokenizers`` library's threads. Without any tokenizer, a byte-level BPE of
+    ``train_vocab_size`` entries is trained on the first ``train_bytes`` of text and saved as
+    ``vocab.json``/``merges.txt`` beside the output. ``strict`` stops at the first bad line
+    instead of skipping it.
     """
     files = expand_inputs(inputs)
     json_keys = tuple(json_keys)
@@ -326,6 +418,9 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
         raise TokenizeError("--json-keys: give at least one key")
     if (vocab_file is None) != (merge_file is None):
         raise TokenizeError("--vocab-file and --merge-file go together: give both, or neither to train a BPE")
+    if tokenizer_model is not None and vocab_file is not None:
+        raise TokenizeError("--tokenizer-model (HuggingFaceTokenizer) replaces --vocab-file and --merge-file: "
+                            "give one or the other")
     if all(os.path.getsize(f) == 0 for f in files):
         raise TokenizeError(f"--input {', '.join(files)}: empty input, nothing to tokenize")
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
@@ -337,11 +432,18 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     except OSError as e:
         raise TokenizeError(f"--output-prefix {output_prefix}: cannot write in {out_dir} ({e.strerror or e}); "
                             "choose a folder you can write to") from None
-    if vocab_file is None:
-        print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}", flush=True)
-        vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
-    vocab, eod_id = load_vocab(vocab_file, merge_file)
-    vocab_size = vocabulary_size(vocab)
+    if tokenizer_model is not None:
+        hf = HFTokenizer(tokenizer_file(tokenizer_model))
+        eod_id, vocab_size, new_engine = hf.eod_id, hf.vocab_size, lambda: hf
+        workers = 1     # the library encodes each batch on its own threads
+    else:
+        if vocab_file is None:
+            print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}",
+                  flush=True)
+            vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
+        vocab, eod_id = load_vocab(vocab_file, merge_file)
+        vocab_size = vocabulary_size(vocab)
+        new_engine = lambda: _Gigatoken(vocab_file, merge_file)  # noqa: E731
     dtype = best_dtype(vocab_size)
     prefixes = {k: f"{os.path.abspath(output_prefix)}_{k}_document" for k in json_keys}
     writers = {k: IndexedDatasetWriter(prefixes[k], dtype) for k in json_keys}
@@ -349,9 +451,9 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     documents = 0
     progress = Progress("tokenize", "documents", log_every_s=2.0)
     try:
-        items = ((i, chunk) for i, path in enumerate(files) for chunk in read_chunks(path))
+        items = ((i, piece) for i, path in enumerate(files) for piece in read_pieces(path, json_keys))
         line_of = [1] * len(files)  # line number where each file's next chunk starts
-        encoder = _Encoder(vocab_file, merge_file, json_keys, append_eod, eod_id, dtype)
+        encoder = _Encoder(new_engine, json_keys, append_eod, eod_id, dtype)
         for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
             encoder.renew_if_grown()
             path = files[result["file"]]
@@ -360,10 +462,10 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
             for i, kind, detail in result["problems"]:
                 line = first_line + i
                 if strict:
-                    raise TokenizeError(f"{path}:{line}: {detail} (--strict stops at the first bad line)")
+                    raise TokenizeError(f"{where(path, line)}: {detail} (--strict stops at the first bad line)")
                 skipped[kind] += 1
                 if kind != "blank_line" and skipped[kind] <= MAX_MESSAGES_PER_KIND:
-                    print(f"{path}:{line}: skipped: {detail}", flush=True)
+                    print(f"{where(path, line)}: skipped: {detail}", flush=True)
             for k, (tokens, lengths) in result["encoded"].items():
                 writers[k].add_documents(tokens, lengths)
             documents += result["documents"]
@@ -386,16 +488,18 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     if any(skipped.values()):
         print(f"Skipped lines: {_nonzero(skipped)}", flush=True)
     tokens = writers[json_keys[0]].num_tokens
+    tokenizer = [hf.path] if tokenizer_model is not None else [vocab_file, merge_file]
     stamp = {
         "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
-        "vocab": file_digest(vocab_file), "merges": file_digest(merge_file),
+        "tokenizer": [file_digest(path) for path in tokenizer],
         "args": [list(json_keys), append_eod], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
     }
     return TokenizeManifest(
         prefixes=prefixes, documents=documents, tokens=tokens, dtype=dtype.name, skipped=skipped,
-        files=[os.path.abspath(f) for f in files], vocab_file=os.path.abspath(vocab_file),
-        merge_file=os.path.abspath(merge_file), vocab_size=vocab_size, eod_id=eod_id,
+        files=[os.path.abspath(f) for f in files], vocab_file=vocab_file and os.path.abspath(vocab_file),
+        merge_file=merge_file and os.path.abspath(merge_file), vocab_size=vocab_size, eod_id=eod_id,
         digest=digest(stamp, length=32),
+        tokenizer_file=os.path.abspath(hf.path) if tokenizer_model is not None else None,
     )
 
 
@@ -409,7 +513,9 @@ def _tokenize_cache_key(context, parameters: dict) -> str:
     stamp = {
         "args": {k: v for k, v in parameters.items() if k != "workers"},
         "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-        "tokenizer": [file_digest(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file")) if p],
+        "tokenizer": [file_digest(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file"),
+                                               parameters.get("tokenizer_model") and tokenizer_file(parameters["tokenizer_model"]))
+                      if p],
     }
     return "tokenize-" + digest(stamp, length=32)
 
@@ -419,23 +525,28 @@ tokenize_task = task(tokenize, name="tokenize", cache_key_fn=_tokenize_cache_key
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tasks.tokenize", description="JSONL to Megatron .bin/.idx (GPT-2 BPE).")
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files or globs (.jsonl, .gz, .xz, .zst)")
+    p = argparse.ArgumentParser(prog="python -m tasks.tokenize",
+                                description="JSONL or Parquet to Megatron .bin/.idx (GPT-2 BPE).")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="JSONL files or globs (.jsonl, .gz, .xz, .zst), or Parquet files (.parquet)")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--vocab-file", help="GPT-2 vocab.json (omit with --merge-file to train a BPE)")
     p.add_argument("--merge-file", help="GPT-2 merges.txt")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
-    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+    p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizer.json, or the folder holding one")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="the JSON fields, or Parquet columns, to tokenize")
     p.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
     p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--vocab-size", type=int, default=50257, help="size of the BPE trained when no vocab is given")
     a = p.parse_args(argv)
+    if (a.tokenizer_type == "HuggingFaceTokenizer") != (a.tokenizer_model is not None):
+        p.error("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model go together")
     log_to_stderr()
     try:
         m = tokenize(a.input, a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,
                      json_keys=a.json_keys, append_eod=a.append_eod, workers=a.workers, strict=a.strict,
-                     train_vocab_size=a.vocab_size)
+                     train_vocab_size=a.vocab_size, tokenizer_model=a.tokenizer_model)
     except TokenizeError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

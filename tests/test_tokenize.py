@@ -282,3 +282,93 @@ def test_temporary_files_of_a_killed_tokenize_are_removed_by_the_next(tmp_path, 
     live.write_bytes(b"not ours to judge")
     tokenize([src], str(tmp_path / "o"), vocab_file=vocab, merge_file=merges)
     assert not any(f.exists() for f in stale) and live.exists()
+
+
+def test_parquet_rows_tokenize_as_the_same_jsonl_lines(tmp_path, shakespeare_jsonl, bpe_vocab, capsys):
+    """A Parquet file of several row groups, its text in one column beside others, gives the bytes
+    the same documents give as JSONL; null and empty rows are skipped and named by row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    vocab, merges = map(str, bpe_vocab)
+    docs = [json.loads(line)["text"] for line in open(shakespeare_jsonl, encoding="utf-8")][:300] + TRICKY
+    column = docs[:10] + [None] + docs[10:20] + [""] + docs[20:]
+    table = pa.table({"id": list(range(len(column))), "text": column})
+    pq.write_table(table, tmp_path / "in.parquet", row_group_size=64)
+    from_parquet = tokenize([str(tmp_path / "in.parquet")], str(tmp_path / "pq"), vocab_file=vocab, merge_file=merges,
+                            append_eod=True, workers=2)
+    from_jsonl = tokenize([write_jsonl(tmp_path / "in.jsonl", docs)], str(tmp_path / "js"), vocab_file=vocab,
+                          merge_file=merges, append_eod=True, workers=1)
+    assert from_parquet.documents == from_jsonl.documents == len(docs)
+    for suffix in (".bin", ".idx"):
+        assert open(from_parquet.prefixes["text"] + suffix, "rb").read() == open(from_jsonl.prefixes["text"] + suffix,
+                                                                                  "rb").read()
+    assert (from_parquet.skipped["missing_key"], from_parquet.skipped["empty_document"]) == (1, 1)
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'in.parquet'}: row 11: skipped: column 'text' is null" in out
+    assert f"{tmp_path / 'in.parquet'}: row 22: skipped: column 'text' is empty" in out
+
+
+def test_a_damaged_parquet_file_or_a_missing_column_is_an_error_naming_it(tmp_path, bpe_vocab):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    vocab, merges = map(str, bpe_vocab)
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"content": [f"document number {i} " * 20 for i in range(3000)]}), path,
+                   row_group_size=500)
+    with pytest.raises(TokenizeError, match=rf"{path}: no column 'text' .*its columns are content"):
+        tokenize([str(path)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges)
+    assert tokenize([str(path)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges,
+                    json_keys=["content"]).documents == 3000
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) // 2])          # the footer, which says where the rows are, is gone
+    with pytest.raises(TokenizeError, match=rf"{path}: not a readable Parquet file .*damaged or truncated"):
+        tokenize([str(path)], str(tmp_path / "cut"), vocab_file=vocab, merge_file=merges, json_keys=["content"])
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) // 2 + 4000] = b"\xff" * 4000   # a row group's pages, footer intact
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(TokenizeError, match=rf"{path}: .*damaged or truncated"):
+        tokenize([str(path)], str(tmp_path / "bad"), vocab_file=vocab, merge_file=merges, json_keys=["content"])
+    assert not list(tmp_path.glob("cut*")) and not list(tmp_path.glob("bad*"))
+
+
+def _tokenizer_json(tmp_path, bpe_vocab, eod="<|end_of_text|>"):
+    """A tokenizer.json as HuggingFace saves one: a byte-level BPE with an added end-of-text token."""
+    from tokenizers import AddedToken
+
+    tok = build_hf_tokenizer(*map(str, bpe_vocab))
+    tok.add_special_tokens([AddedToken(eod, special=True)])
+    path = tmp_path / "hf" / "tokenizer.json"
+    path.parent.mkdir(exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def test_a_huggingface_tokenizer_json_gives_its_ids_and_its_end_of_text(tmp_path, shakespeare_jsonl, bpe_vocab):
+    from tokenizers import Tokenizer, models
+
+    path = _tokenizer_json(tmp_path, bpe_vocab)
+    ref = Tokenizer.from_file(str(path))
+    docs = [json.loads(line)["text"] for line in open(shakespeare_jsonl, encoding="utf-8")][:100] + TRICKY
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    out = subprocess.run([sys.executable, "-m", "tasks.tokenize", "--input", src, "--output-prefix",
+                          str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer",
+                          "--tokenizer-model", str(path.parent), "--append-eod"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    m = json.loads(out.stdout)
+    eod = ref.token_to_id("<|end_of_text|>")
+    assert (m["eod_id"], m["vocab_size"], m["tokenizer_file"]) == (eod, ref.get_vocab_size(), str(path))
+    got = read_docs(m["prefixes"]["text"])
+    assert len(got) == len(docs)
+    for doc, ids in zip(docs, got):
+        assert ids == ref.encode(doc, add_special_tokens=False).ids + [eod]
+    # Its vocabulary also holds GPT-2's <|endoftext|> as plain text: the special token is the one.
+    assert ref.token_to_id("<|endoftext|>") is not None and eod != ref.token_to_id("<|endoftext|>")
+    bare = tmp_path / "bare.json"
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(bare))
+    with pytest.raises(TokenizeError, match=rf"{bare}: none of the end-of-text tokens"):
+        tokenize([src], str(tmp_path / "none"), tokenizer_model=str(bare))
+    with pytest.raises(TokenizeError, match="replaces --vocab-file"):
+        tokenize([src], str(tmp_path / "both"), tokenizer_model=str(path), vocab_file=str(bpe_vocab[0]),
+                 merge_file=str(bpe_vocab[1]))
