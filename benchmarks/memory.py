@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from gpt.config import Config
+from gpt.distributed import free_port
 from gpt.memory import GIB, rank_memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,17 +49,11 @@ sys.exit(gpt.train.cli(sys.argv[1:]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(fields: dict, world_size: int, work: Path) -> int:
     """The largest rank's peak resident memory above its start, in bytes."""
     config_file = work / "config.json"
     config_file.write_text(json.dumps({**fields, "run_dir": str(work / "run")}))
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", RANK, "--config", str(config_file)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": str(r),

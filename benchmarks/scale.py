@@ -33,10 +33,8 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -46,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.index import synthetic_sizes, write_synthetic_dataset
+from benchmarks.memory import measure
 
-ROOT = Path(__file__).resolve().parent.parent
 RANKS = (8, 1000, 8000)
 TOKENS = (1_000_000_000, 10_000_000_000)
 PRESETS = ("gpt3-175b", "gpt-310.1b")
@@ -220,7 +218,7 @@ def index(work: Path, tokens: Sequence[int], seq_length: int = 2048, split: str 
         # Another seed: new indices of the same content, whose largest token id is known by now.
         start = time.perf_counter()
         build_indices([prefix], split=split, seq_length=seq_length, seed=seed + 1, num_samples=num_samples,
-                      out_dir=str(folder / "again"))
+                      out_dir=str(folder / "index"))
         build_s = time.perf_counter() - start
         total = sum(kinds.values())
         billions = count / 1e9
@@ -251,25 +249,12 @@ def _extrapolate(points: list[tuple[int, float, int, float]], to: int) -> dict[s
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_once(work: Path, fields: dict[str, Any]) -> Path:
-    """Train one iteration on one CPU process and save; returns the checkpoint folder."""
-    config = {**fields, "micro_batch_size": 2, "global_batch_size": 2, "train_iters": 1, "lr_warmup_iters": 0,
-              "mock_data": True, "precision": "fp32", "device": "cpu", "log_interval": 1, "eval_interval": 1000,
-              "eval_iters": 1, "save_interval": 1, "run_dir": str(work / "run")}
-    config_file = work / "config.json"
-    config_file.write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    out = subprocess.run([sys.executable, "-m", "gpt.train", "--config", str(config_file)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"gpt.train exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}")
+    """Train one iteration on one CPU process and save (as benchmarks.memory runs gpt.train);
+    returns the checkpoint folder."""
+    measure({**fields, "micro_batch_size": 2, "global_batch_size": 2, "train_iters": 1, "lr_warmup_iters": 0,
+             "mock_data": True, "precision": "fp32", "device": "cpu", "log_interval": 1, "eval_interval": 1000,
+             "eval_iters": 1, "save_interval": 1}, 1, work)
     saved = sorted((work / "run" / "checkpoints").glob("iter_*"))
     if not saved:
         raise RuntimeError("gpt.train saved no checkpoint")

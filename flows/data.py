@@ -23,13 +23,11 @@ from tasks.bpe import load_vocab, vocabulary_size
 from tasks.sample_corpus import sample_corpus_task
 from tasks.sync import local_path, sync_task
 from tasks.index import index_needs
-from tasks.tokenize import tokenize_task
+from tasks.tokenize import INPUT_SUFFIXES, tokenize_task
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
 REPEAT_WARNING_EPOCHS = 4
-INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",
-                  ".parquet")
 
 
 @dataclass

@@ -29,7 +29,6 @@ import dataclasses
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ from torch import nn
 
 from gpt.backend import Backend, get_backend
 from gpt.config import Config
-from gpt.distributed import DistEnv, gather_objects, init_distributed, shutdown
+from gpt.distributed import DistEnv, free_port, gather_objects, init_distributed, shutdown
 from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
 from gpt.parallel.build import build_model, compile_scope
@@ -101,20 +100,23 @@ class _Row:
 
 
 class _Ours(_Row):
-    def __init__(self, config: Config, backend: Backend, local_rank: int = 0) -> None:
-        self.scaler = LossScaler(config.precision == "fp16", backend.device(local_rank))
-        super().__init__(config, backend, local_rank)
+    def __init__(self, config: Config, backend: Backend, env: DistEnv | None = None) -> None:
+        self.env = env or DistEnv(0, 1, 0, None)
+        self.pipeline: Pipeline | None = None
+        self.scaler = LossScaler(config.precision == "fp16", backend.device(self.env.local_rank))
+        super().__init__(config, backend, self.env.local_rank)
 
     def build(self) -> nn.Module:
-        return build_model(self.config, DistEnv(0, 1, 0, None), self.device)
+        return build_model(self.config, self.env, self.device)
 
     def train_step(self) -> torch.Tensor:
         loss, _, _ = train_step(self.model, self.optimizer, self.batches, backend=self.backend,
-                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler)
+                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler,
+                                pipeline=self.pipeline)
         return loss
 
     def result(self) -> dict[str, Any]:
-        scope = compile_scope(self.config, self.device, 1) if self.config.compile else None
+        scope = compile_scope(self.config, self.device, self.env.world_size) if self.config.compile else None
         return {**super().result(), "compile_scope": scope}
 
 
@@ -122,19 +124,12 @@ class _Pipelined(_Ours):
     """This rank's stages of the model in ``config.pipeline_parallel`` stages, and its schedule."""
 
     def __init__(self, config: Config, backend: Backend, env: DistEnv) -> None:
-        self.env = env
         self.devices = config.pipeline_parallel
-        super().__init__(config, backend, env.local_rank)
+        super().__init__(config, backend, env)
 
     def build(self) -> nn.Module:
-        self.pipeline: Pipeline = build_pipeline(self.config, self.env, self.device)
+        self.pipeline = build_pipeline(self.config, self.env, self.device)
         return self.pipeline.model
-
-    def train_step(self) -> torch.Tensor:
-        loss, _, _ = train_step(self.model, self.optimizer, self.batches, backend=self.backend,
-                                precision=self.config.precision, clip_grad=self.config.clip_grad, scaler=self.scaler,
-                                pipeline=self.pipeline)
-        return loss
 
     def result(self) -> dict[str, Any]:
         c = self.config
@@ -195,7 +190,7 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
     staged = dataclasses.replace(config, pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
                                  virtual_pipeline_stages=virtual_pipeline_stages)
     if pipeline_parallel > 1:
-        staged.validate(pipeline_parallel)  # names the field: micro-batches per step, layers per stage
+        check_stages(staged, backend)
     result: dict[str, Any] = {
         "model": model, "params": param_count(config), "device": _device_name(backend.name), "precision": precision,
         "grad_accum": grad_accum, "seq_length": config.seq_length, "steps": steps, "warmup": max(1, warmup),
@@ -208,6 +203,8 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         result["micro_batch_search"] = search
         config = dataclasses.replace(config, micro_batch_size=search["largest"],
                                      global_batch_size=search["largest"] * grad_accum)
+        staged = dataclasses.replace(staged, micro_batch_size=config.micro_batch_size,
+                                     global_batch_size=config.global_batch_size)
     result["micro_batch"] = config.micro_batch_size
     rows: dict[str, _Row] = {"ours": _Ours(config, backend)}
     if compare_eager:
@@ -245,21 +242,25 @@ def _measure(rows: list[_Row], warmup: int, steps: int) -> None:
             row.times.append(row.step())
 
 
+def check_stages(config: Config, backend: Backend) -> None:
+    """What the pipeline row needs, checked before any row is measured: a layout that divides (the
+    message names the field) and a device per stage."""
+    pp = config.pipeline_parallel
+    config.validate(pp)
+    if backend.name not in ("cpu", "cuda"):
+        raise ValueError(f"pipeline_parallel={pp} (--pp): the benchmark starts its stages on cpu or cuda only")
+    if backend.name == "cuda" and torch.cuda.device_count() < pp:
+        raise ValueError(f"pipeline_parallel={pp} (--pp) needs {pp} GPUs, one per stage; "
+                         f"this machine has {torch.cuda.device_count()}")
+
+
 def measure_pipeline(config: Config, backend: Backend, warmup: int, steps: int) -> dict[str, Any]:
     """The pipeline row, measured by ``config.pipeline_parallel`` processes started here: gloo ranks
     on the CPU, each with its share of this process's threads, or NCCL ranks on one GPU each."""
     pp = config.pipeline_parallel
-    if backend.name == "cuda" and torch.cuda.device_count() < pp:
-        raise ValueError(f"pipeline_parallel={pp} (--pp) needs {pp} GPUs, one per stage; "
-                         f"this machine has {torch.cuda.device_count()}")
-    if backend.name not in ("cpu", "cuda"):
-        raise ValueError(f"pipeline_parallel={pp} (--pp): the benchmark starts its stages on cpu or cuda only")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     threads = max(1, torch.get_num_threads() // pp)
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_pipeline_rank, args=(pp, port, threads, config, backend.name, warmup, steps, results),
+    mp.start_processes(_pipeline_rank, args=(pp, free_port(), threads, config, backend.name, warmup, steps, results),
                        nprocs=pp, start_method="spawn")
     return results.get()
 
@@ -277,11 +278,13 @@ def _pipeline_rank(rank: int, pp: int, port: int, threads: int, config: Config, 
         result = row.result()
         peaks = gather_objects(row.peak_memory)
         losses = gather_objects(row.loss)
-        if rank == 0:  # the step times agree (the schedule joins the stages); the loss is the last stage's
-            results.put({**result, "threads_per_stage": threads, "final_loss": losses[-1],
-                         "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_stage": peaks})
-    finally:
-        shutdown(finished=True)
+    except BaseException:
+        shutdown(finished=False)    # at once: the other stages may wait for this one in a send
+        raise
+    shutdown(finished=True)
+    if rank == 0:  # the step times agree (the schedule joins the stages); the loss is the last stage's
+        results.put({**result, "threads_per_stage": threads, "final_loss": losses[-1],
+                     "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_stage": peaks})
 
 
 # Kernel names by what they do, first match wins (cuBLAS/CUTLASS GEMMs, SDPA's flash/efficient kernels,

@@ -63,19 +63,28 @@ def shared_metadata(path: Path) -> tuple[Metadata | None, str | None]:
     by rank 0 alone and sent to every rank: one read of ``.metadata`` and one ``stat`` per shard file
     for the whole job, where every rank doing it would be thousands of each on the shared file
     system (8,000 ranks, 8,000 shard files). XLA's process group sends no objects: each rank reads."""
-    if not dist.is_initialized() or dist.get_backend() == "xla":
+    if not _shares_objects():
         return _read_and_check(path)
     found = list(_read_and_check(path)) if dist.get_rank() == 0 else [None, None]
     dist.broadcast_object_list(found, src=0)
     return found[0], found[1]
 
 
+def _shares_objects() -> bool:
+    """Whether rank 0 can send the others what it read (XLA's process group sends no objects)."""
+    return dist.is_initialized() and dist.get_backend() != "xla"
+
+
 def _read_and_check(path: Path) -> tuple[Metadata | None, str | None]:
+    """Never raises: on rank 0 an error would leave the other ranks waiting for what it sends."""
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or torn .metadata
         return None, f"its metadata cannot be read: {type(e).__name__}: {e}"
-    return metadata, _missing_shard(path, metadata)
+    try:
+        return metadata, _missing_shard(path, metadata)
+    except OSError as e:
+        return None, f"its files cannot be checked: {type(e).__name__}: {e}"
 
 
 def _missing_shard(path: Path, metadata: Metadata) -> str | None:
@@ -186,8 +195,16 @@ class Checkpointer:
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
                log: Any = print) -> tuple[Path | None, dict[str, Any]]:
         """Load the newest intact checkpoint; a damaged newer one is skipped with a message naming
-        it and what is wrong. Returns (the checkpoint loaded or None, the training state)."""
-        for path in self.complete():
+        it and what is wrong. Returns (the checkpoint loaded or None, the training state). Every
+        rank tries the checkpoints rank 0 lists, in the same order (a shared file system may show a
+        rank an older listing)."""
+        shared = _shares_objects()
+        candidates = self.complete() if not shared or dist.get_rank() == 0 else []
+        if shared:
+            listed = [candidates]
+            dist.broadcast_object_list(listed, src=0)
+            candidates = listed[0]
+        for path in candidates:
             metadata, problem = shared_metadata(path)
             if problem is None:
                 try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,13 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, 
     else:
         mesh = init_device_mesh(backend.kind.device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
     return DistEnv(rank, world_size, local_rank, mesh, tp_size=tp_size, pp_size=pp_size)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the rendezvous of ranks started here (MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def check_world(rank: int, world_size: int) -> None:

@@ -118,8 +118,19 @@ def _truncate_after(path: Path, iteration: int) -> None:
     keep = 0
     with open(path, "rb") as f:
         for line in f:
-            head = _ITERATION.match(line)
-            if not line.endswith(b"\n") or head is None or int(head.group(1)) > iteration:
+            if not line.endswith(b"\n") or _iteration(line) > iteration:
                 break
             keep += len(line)
     os.truncate(path, keep)
+
+
+def _iteration(line: bytes) -> float:
+    """A record's iteration, from its head where it is written there, else from the whole record;
+    infinite for a line that is not a record (which ends what is kept)."""
+    head = _ITERATION.match(line)
+    if head is not None:
+        return int(head.group(1))
+    try:
+        return int(json.loads(line)["iteration"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf

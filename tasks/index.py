@@ -301,7 +301,9 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
 def _max_token_id(data: MMapIndexedDataset, fingerprint: list, out_dir: Path) -> int:
     """The largest token id in a prefix's .bin, read once per content (by its fingerprint) and kept
     beside the indices: a corpus of 1T tokens is 2 TB to read."""
-    path = out_dir / f"{digest(json.dumps(fingerprint), length=32)}-max-token-id.json"
+    stat = os.stat(data.bin_path)   # with the sampled fingerprint: a .bin rewritten in place is read again
+    key = json.dumps([fingerprint, stat.st_ino, stat.st_mtime_ns])
+    path = out_dir / f"{digest(key, length=32)}-max-token-id.json"
     if path.exists():
         return int(json.loads(path.read_text())["max_token_id"])
     largest = data.max_token_id()

@@ -44,6 +44,9 @@ from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.progress import Progress
 from tasks.run_context import log_to_stderr
 
+# What the stage reads: JSON lines, plain or compressed, and Parquet.
+INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",
+                  ".parquet")
 CHUNK_BYTES = 4 << 20
 PARQUET_ROWS = 1024           # rows per batch read from a Parquet file (web documents: a few MB)
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gpt.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,12 +18,6 @@ SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_hea
          "vocab_size": 256, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8,
          "lr_warmup_iters": 2, "lr": 3e-3, "min_lr": 3e-4, "mock_data": True, "precision": "fp32",
          "device": "cpu", "log_interval": 1, "eval_interval": 4, "eval_iters": 1, "save_interval": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GPTLauncher:

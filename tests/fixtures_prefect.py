@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from gpt.distributed import free_port
 
 
 @dataclass
@@ -55,12 +56,6 @@ class PrefectServer:
             [sys.executable, "-m", "prefect", *args], env=self.env, cwd=cwd,
             capture_output=True, text=True, timeout=timeout,
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:

@@ -155,3 +155,5 @@ def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint_and_drops_a_torn_l
     MetricsWriter(str(tmp_path), True, 3).close()                  # resumes from iteration 3
     kept = [(r["kind"], r["iteration"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
     assert kept == [(kind, i) for i in (1, 2, 3) for kind in ("train", "ranks")]
+    from gpt.metrics import _iteration
+    assert _iteration(b'{"iteration": 7, "kind": "other"}\n') == 7 and _iteration(b'not a record\n') == float("inf")

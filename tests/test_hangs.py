@@ -179,7 +179,7 @@ def test_at_thousands_of_ranks_the_follower_reads_the_heartbeats_less_often(tmp_
         large.check("RUNNING")
         small.check("RUNNING")
     assert reads.count(str(tmp_path / "small")) == 41                # every poll
-    assert reads.count(str(tmp_path / "large")) == 3                 # at 0, 40 and 80 s
+    assert reads.count(str(tmp_path / "large")) == 6                 # at 0, 16, 32, 48, 64 and 80 s
     large.check("PENDING")                                            # requeued: read at once when it runs again
     large.check("RUNNING")
-    assert reads.count(str(tmp_path / "large")) == 4
+    assert reads.count(str(tmp_path / "large")) == 7

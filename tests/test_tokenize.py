@@ -363,8 +363,12 @@ def test_a_huggingface_tokenizer_json_gives_its_ids_and_its_end_of_text(tmp_path
     assert len(got) == len(docs)
     for doc, ids in zip(docs, got):
         assert ids == ref.encode(doc, add_special_tokens=False).ids + [eod]
-    # Its vocabulary also holds GPT-2's <|endoftext|> as plain text: the special token is the one.
+    # Its vocabulary also holds GPT-2's <|endoftext|> as plain text: the special token is the one,
+    # unless the tokenizer_config.json beside it names another eos_token, as AutoTokenizer reads it.
     assert ref.token_to_id("<|endoftext|>") is not None and eod != ref.token_to_id("<|endoftext|>")
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    configured = tokenize([src], str(tmp_path / "configured"), tokenizer_model=str(path.parent))
+    assert configured.eod_id == ref.token_to_id("<|endoftext|>")
     bare = tmp_path / "bare.json"
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(bare))
     with pytest.raises(TokenizeError, match=rf"{bare}: none of the end-of-text tokens"):
