@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +34,21 @@ class PrefectServer:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def api(self, path: str, body: dict | None = None, method: str | None = None) -> object:
-        """JSON from the REST API: GET without a body, POST with one (e.g. "/artifacts/filter")."""
+    def api(self, path: str, body: dict | None = None, method: str | None = None, attempts: int = 10) -> object:
+        """JSON from the REST API: GET without a body, POST with one (e.g. "/artifacts/filter"). A 503
+        is the server's "retry": its SQLite database was busy (flows writing to it at the same time),
+        and it is retried as Prefect's own client retries it."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.api_url}{path}", data=data, method=method or ("POST" if data else "GET"),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read() or b"null")
+        for attempt in range(attempts):
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return json.loads(r.read() or b"null")
+            except urllib.error.HTTPError as e:
+                if e.code != 503 or attempt == attempts - 1:
+                    raise
+                time.sleep(1 + attempt)
 
     def flow_run(self, run_id: str) -> dict:
         return self.api(f"/flow_runs/{run_id}")
