@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     ParameterError naming every bad flag value, in the plan's format."""
     p = argparse.ArgumentParser(prog="python -m flows.pretrain", description="Pretrain a GPT: the pretrain flow, run here.")
     p.add_argument("--model", help="preset name, e.g. tiny, gpt3-125m, gpt3-1.3b")
-    p.add_argument("--source", action="append", default=[], help="JSONL input: s3:// URI, path or glob (repeatable)")
+    p.add_argument("--source", action="append", default=[], help="JSONL or Parquet input: s3:// URI, path or glob "
+                                                                 "(repeatable)")
     p.add_argument("--prefix", nargs=2, action="append", default=[], metavar=("WEIGHT", "PREFIX"),
                    help="already tokenized .bin/.idx prefix with its blend weight (repeatable)")
     p.add_argument("--json-key", action="append", help="JSON field with the text (repeatable; default text)")
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for sources and tokenizer files")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
+    p.add_argument("--tokenizer-model", help="a HuggingFace tokenizer.json (path or s3:// URI) instead of "
+                                             "--vocab-file and --merge-file")
     p.add_argument("--train-iters", type=int, help="iterations; more than a run reached extends it")
     p.add_argument("--train-samples", type=int)
     p.add_argument("--micro-batch-size", type=int)
@@ -103,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     params["data"] = group("data", DataParams, **pick(
         sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url, split=a.split,
         prefixes=[{"weight": w, "prefix": pr} for w, pr in a.prefix]))
-    params["tokenizer"] = group("tokenizer", TokenizerParams, vocab_file=a.vocab_file, merge_file=a.merge_file)
+    params["tokenizer"] = group("tokenizer", TokenizerParams, vocab_file=a.vocab_file, merge_file=a.merge_file,
+                                tokenizer_model=a.tokenizer_model)
     params["training"] = group("training", TrainingParams, **pick(
         train_iters=a.train_iters, train_samples=a.train_samples, micro_batch_size=a.micro_batch_size,
         global_batch_size=a.global_batch_size, seq_length=a.seq_length, tensor_parallel=a.tensor_parallel,

@@ -1,7 +1,11 @@
 """The data half of the pretrain DAG: tokenizer files and tokenized prefixes from S3, sources synced
-and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes."""
+and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes.
+
+Sync and tokenize run in this process, or, when the cluster preset says ``data_jobs: true``, as
+jobs on its compute nodes: each sync as one job, tokenize as a job array (tasks.tokenize_array)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +24,13 @@ from flows.stages import Stages, tokenized_intact
 from gpt.config import Config
 from tasks import report as reporting
 from tasks.bpe import load_vocab, vocabulary_size
+from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.sample_corpus import sample_corpus_task
-from tasks.sync import local_path, sync_task
+from tasks.cluster import ClusterConfig
+from tasks.sync import local_path, sync_job_task, sync_task
 from tasks.index import index_needs
 from tasks.tokenize import INPUT_SUFFIXES, tokenize_task
+from tasks.tokenize_array import tokenize_array_task
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
@@ -35,42 +42,69 @@ class Dataset:
     blend: list[tuple[float, str]] = field(default_factory=list)   # (weight, local prefix) for the index stage
     vocab_file: str | None = None
     merge_file: str | None = None
+    tokenizer_file: str | None = None                                # a HuggingFace tokenizer.json instead
     vocab_size: int = 0                                              # the vocabulary's, decided here only
     tokenized: Any = None                                            # tasks.tokenize.TokenizeManifest
 
+    @property
+    def tokenizer_files(self) -> list[str]:
+        return [self.tokenizer_file] if self.tokenizer_file else [self.vocab_file, self.merge_file]  # type: ignore[list-item]
 
-def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages) -> Dataset:
+
+@dataclass(frozen=True)
+class DataStages:
+    """The cached stages, and where the data stages run: here, or as jobs on the cluster."""
+    stages: Stages
+    cluster: ClusterConfig
+
+    def sync(self, stage: str, sources: list[str], dest: str, **options: Any) -> Any:
+        if self.cluster.data_jobs:
+            return self.stages.run(stage, sync_job_task, sources, dest, cluster=self.cluster, **options)
+        return self.stages.run(stage, sync_task, sources, dest, **options)
+
+    def tokenize(self, inputs: list[str], output_prefix: str, **options: Any) -> Any:
+        if self.cluster.data_jobs:
+            return self.stages.run("tokenize", tokenize_array_task, inputs, output_prefix, cluster=self.cluster,
+                                   intact=tokenized_intact, **options)
+        return self.stages.run("tokenize", tokenize_task, inputs, output_prefix, intact=tokenized_intact, **options)
+
+
+def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages,
+            cluster: ClusterConfig) -> Dataset:
     """Everything the index stage needs, each piece by a cached stage."""
     out = Dataset()
-    out.vocab_file, out.merge_file = fetch_tokenizer(tokenizer, data, layout, stages)
-    out.blend = fetch_prefixes(data, layout, stages)
+    run = DataStages(stages, cluster)
+    out.vocab_file, out.merge_file, out.tokenizer_file = fetch_tokenizer(tokenizer, data, layout, run)
+    out.blend = fetch_prefixes(data, layout, run)
     sources = list(data.sources)
     if not sources and not out.blend:
         sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
     if sources:
-        out.tokenized = sync_and_tokenize(sources, data, tokenizer, out, layout, stages)
-        out.vocab_file, out.merge_file = out.tokenized.vocab_file, out.tokenized.merge_file
+        out.tokenized = sync_and_tokenize(sources, data, tokenizer, out, layout, run)
+        t = out.tokenized
+        out.vocab_file, out.merge_file, out.tokenizer_file = t.vocab_file, t.merge_file, t.tokenizer_file
         out.blend += [(data.weight, p) for p in out.tokenized.prefixes.values()]
-    out.vocab_size = vocabulary_size(load_vocab(out.vocab_file, out.merge_file)[0])
+    out.vocab_size = HFTokenizer(out.tokenizer_file).vocab_size if out.tokenizer_file else \
+        vocabulary_size(load_vocab(out.vocab_file, out.merge_file)[0])
     return out
 
 
 def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams, dataset: Dataset,
-                      layout: Layout, stages: Stages) -> Any:
-    raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)),
-                     endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request,
-                     allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
-                     verify_content=data.verify_content)
+                      layout: Layout, run: DataStages) -> Any:
+    raw = run.sync("sync", sources, str(layout.raw(sources, data.endpoint_url)),
+                   endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request,
+                   allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
+                   verify_content=data.verify_content)
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
     if not inputs:
         raise ParameterError([f"data.sources: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
     out_prefix = layout.tokenized(raw.digest, dataset.vocab_file, dataset.merge_file, data.json_keys,
-                                  tokenizer.train_vocab_size)
+                                  tokenizer.train_vocab_size, *filter(None, [dataset.tokenizer_file]))
     train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else 50257)
-    tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), vocab_file=dataset.vocab_file,
-                           merge_file=dataset.merge_file, json_keys=list(data.json_keys),
-                           train_vocab_size=train_vocab, intact=tokenized_intact)
+    tokenized = run.tokenize(inputs, str(out_prefix), vocab_file=dataset.vocab_file, merge_file=dataset.merge_file,
+                             tokenizer_model=dataset.tokenizer_file, json_keys=list(data.json_keys),
+                             train_vocab_size=train_vocab)
     reporting.dataset_table(tokenized)
     return tokenized
 
@@ -80,20 +114,26 @@ def synced_files(manifest: Any) -> list[str]:
 
 
 def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout,
-                    stages: Stages) -> tuple[str | None, str | None]:
-    """Local paths of the tokenizer files, syncing them first when they are in S3."""
-    files = [tokenizer.vocab_file, tokenizer.merge_file]
-    if not any(f and is_remote(f) for f in files):
-        return tuple(local_path(f) if f else None for f in files)  # type: ignore[return-value]
+                    run: DataStages) -> tuple[str | None, str | None, str | None]:
+    """Local paths of the tokenizer files (vocab, merges, tokenizer.json), syncing them first when
+    they are in S3: a tokenizer_model folder (``s3://.../llama3/``) whole, as HuggingFace saves one."""
+    files = [tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_model]
     remote = [f for f in files if f and is_remote(f)]
-    manifest = stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)),
-                          endpoint_url=data.endpoint_url, profile=data.profile,
-                          no_sign_request=data.no_sign_request)
-    local = {Path(p).name: p for p in synced_files(manifest)}
-    return tuple(local[Path(f).name] if f and is_remote(f) else f for f in files)  # type: ignore[return-value]
+    local: dict[str, str] = {}
+    if remote:
+        manifest = run.stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)),
+                                  endpoint_url=data.endpoint_url, profile=data.profile,
+                                  no_sign_request=data.no_sign_request)
+        local = {Path(p).name: p for p in synced_files(manifest)}
+        local.update({f: str(Path(manifest.local_dir)) for f in remote if f.endswith("/")})
+    paths = [(local.get(f) or local[Path(f).name]) if f and is_remote(f) else (local_path(f) if f else None)
+             for f in files]
+    if paths[2] is not None:
+        paths[2] = os.path.abspath(tokenizer_file(paths[2]))
+    return paths[0], paths[1], paths[2]
 
 
-def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages) -> list[tuple[float, str]]:
+def fetch_prefixes(data: DataParams, layout: Layout, run: DataStages) -> list[tuple[float, str]]:
     """(weight, local prefix) for each tokenized input, syncing the .bin/.idx pairs from S3."""
     out = []
     for i, p in enumerate(data.prefixes):
@@ -101,8 +141,8 @@ def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages) -> list[tup
             out.append((p.weight, local_path(p.prefix)))
             continue
         local = layout.prefix(p.prefix)
-        stages.run(f"sync-prefix-{i}", sync_task, [p.prefix + ".bin", p.prefix + ".idx"], str(local.parent),
-                   endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
+        run.sync(f"sync-prefix-{i}", [p.prefix + ".bin", p.prefix + ".idx"], str(local.parent),
+                 endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
         out.append((p.weight, str(local)))
     return out
 
@@ -139,6 +179,6 @@ def check_vocabulary(index: Any, dataset: Dataset) -> None:
     bad = {p: m for p, m in index.max_token_ids.items() if m >= dataset.vocab_size}
     if bad:
         raise ParameterError([f"data: {p}.bin holds token id {m}, but the vocabulary "
-                              f"{dataset.vocab_file} has only {dataset.vocab_size} entries: the data "
+                              f"{dataset.tokenizer_files[0]} has only {dataset.vocab_size} entries: the data "
                               "was tokenized with another vocabulary; give that vocabulary or tokenize again"
                               for p, m in sorted(bad.items())])

@@ -36,6 +36,11 @@ MAY_CHANGE = ("train_iters", "train_samples", "micro_batch_size", "tensor_parall
               "collective_timeout_s", "cluster.*")
 
 
+# Tokenizer parameters added after runs began: they count in a run's identity only when given, so
+# that runs started before them keep their folders.
+ADDED_TOKENIZER = ("tokenizer_model",)
+
+
 def run_identity(model: str, data: DataParams, tokenizer: TokenizerParams, config: Config,
                  given: dict[str, Any]) -> dict[str, Any]:
     """The identity of the run these parameters train: ``config`` resolved from them, ``given``
@@ -45,7 +50,8 @@ def run_identity(model: str, data: DataParams, tokenizer: TokenizerParams, confi
                      if given.get(name) is not None and given[name] is not False})
     return {"model": model,
             "data": {name: v for name, v in data.model_dump(mode="json").items() if name in DATA},
-            "tokenizer": tokenizer.model_dump(mode="json"),
+            "tokenizer": {name: v for name, v in tokenizer.model_dump(mode="json").items()
+                          if v is not None or name not in ADDED_TOKENIZER},
             "training": training}
 
 

@@ -96,6 +96,9 @@ class TokenizerParams(_Params):
     vocab_file: str | None = Field(None, description="GPT-2 style vocab.json (path or s3:// URI). "
                                                      "Empty: a byte-level BPE is trained on the sources")
     merge_file: str | None = Field(None, description="GPT-2 style merges.txt (path or s3:// URI)")
+    tokenizer_model: str | None = Field(
+        None, description="A HuggingFace tokenizer.json (path or s3:// URI; a tokenizer_config.json beside it "
+                          "names the end-of-text token), in place of vocab_file and merge_file")
     train_vocab_size: int | None = Field(
         None, ge=257, description="Entries of the BPE trained when no vocab_file is given (empty: 50257, "
                                   f"or {SAMPLE_VOCAB_SIZE} for the bundled sample corpus)")

@@ -374,19 +374,25 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     _allowed("data.profile", boundary.profile(data.profile), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
-    for name in ("vocab_file", "merge_file"):
+    if tokenizer.tokenizer_model and tokenizer.vocab_file:
+        errors.append("tokenizer.tokenizer_model: a tokenizer.json replaces vocab_file and merge_file; give one or "
+                      "the other")
+    for name in ("vocab_file", "merge_file", "tokenizer_model"):
         value = getattr(tokenizer, name)
         if not value:
             continue
         if is_remote(value):
             _allowed(f"tokenizer.{name}", boundary.s3_uri(value), errors)
-        elif not os.path.isfile(local_path(value)):
-            errors.append(f"tokenizer.{name}: {value} not found")
+        elif not os.path.isfile(local_path(value)) and not (
+                name == "tokenizer_model" and os.path.isfile(os.path.join(local_path(value), "tokenizer.json"))):
+            errors.append(f"tokenizer.{name}: {value} not found" + (
+                " (a tokenizer.json, or the folder that holds one)" if name == "tokenizer_model" else ""))
         else:
             _allowed(f"tokenizer.{name}", boundary.local_input(local_path(value), root), errors)
-    if data.prefixes and tokenizer.vocab_file is None:
+    if data.prefixes and tokenizer.vocab_file is None and tokenizer.tokenizer_model is None:
         errors.append("tokenizer.vocab_file: data.prefixes were tokenized with some vocabulary; give its "
-                      "vocab_file and merge_file (also used for the sources, so all data agree)")
+                      "vocab_file and merge_file, or its tokenizer_model (also used for the sources, so all "
+                      "data agree)")
     try:
         parse_split(data.split)
     except ValueError as e:

@@ -83,7 +83,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
     reporting.plan_table(plan, outlook.message)
 
-    dataset = data_stages.prepare(data, tokenizer, plan.layout, stages)
+    dataset = data_stages.prepare(data, tokenizer, plan.layout, stages, plan.cluster)
     warnings = data_stages.check_repetition(dataset, data.split, plan.config)
     for warning in warnings:
         print(f"warning: {warning}")
@@ -115,7 +115,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
                         trackers=tuple(output.trackers), tracker_project=output.tracker_project, intact=trained_intact)
 
     exported = stages.run("export", export_task, result.run_dir, dataset.vocab_file, dataset.merge_file,
-                          intact=export_intact)
+                          tokenizer_file=dataset.tokenizer_file, intact=export_intact)
     url = flow_run.get_flow_run_ui_url() if lasting_api() else None  # None: a temporary server
     figures = reporting.report_task(
         model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
@@ -131,7 +131,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     return {
         **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,
-        "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": [dataset.vocab_file, dataset.merge_file],
+        "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": dataset.tokenizer_files,
         "export": exported.path, "uploaded_to": output.uri, "flow_run": url,
         "job_ids": result.job_ids, "stages": stages.records,
     }

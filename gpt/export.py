@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -33,8 +33,7 @@ from gpt.checkpoint import Checkpointer, load_whole_model
 from gpt.config import Config
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
 from gpt.model import GPT, split_qkv
-
-EOD = "<|endoftext|>"
+from gpt.tokenizer import EOD, TokenizerFileError, end_of_text, load_tokenizer_json, vocabulary_size
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOOL = "python -m gpt.export"
 MARKER = "export.json"
@@ -141,27 +140,29 @@ def load_checkpoint(checkpoint: Path, config: Config) -> GPT:
 
 
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file: str | None = None,
-           merge_file: str | None = None) -> Path:
+           merge_file: str | None = None, tokenizer_file: str | None = None) -> Path:
     """Write the HuggingFace folder for a run or a checkpoint; returns the folder. The tokenizer files
-    default to ``<run>/tokenizer/``. Written to a temporary folder beside ``out_dir`` and renamed onto
+    (GPT-2's pair, or a HuggingFace ``tokenizer_file``) default to those in ``<run>/tokenizer/``. Written to a temporary folder beside ``out_dir`` and renamed onto
     it when complete; ``out_dir`` must be new, empty or an earlier export (ExportError otherwise), and a
     full or read-only disk raises WriteError naming it. Either way nothing is left half-written."""
     from safetensors.torch import save_file
 
     checkpoint, config = find_checkpoint(source)
     run_dir = checkpoint.parent.parent
-    vocab_file = vocab_file or str(run_dir / "tokenizer" / "vocab.json")
-    merge_file = merge_file or str(run_dir / "tokenizer" / "merges.txt")
-    for flag, f in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-        if not Path(f).is_file():
-            raise ExportError(f"{flag} {f}: not found; give the vocabulary the run was tokenized with")
-    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-    if max(vocab.values()) + 1 != config.vocab_size:
-        raise ExportError(f"{vocab_file} has {max(vocab.values()) + 1} entries but the run's vocab_size is "
-                          f"{config.vocab_size}: give the vocabulary the run was tokenized with")
+    folder = run_dir / "tokenizer"
+    if tokenizer_file is None and vocab_file is None and not (folder / "vocab.json").is_file() \
+            and (folder / "tokenizer.json").is_file():
+        tokenizer_file = str(folder / "tokenizer.json")
+    if tokenizer_file is not None:
+        size, eod, write = _tokenizer_json(tokenizer_file, config.max_position_embeddings)
+    else:
+        size, eod, write = _gpt2_files(vocab_file or str(folder / "vocab.json"), merge_file or str(folder / "merges.txt"),
+                                       config.max_position_embeddings)
+    if size != config.vocab_size:
+        raise ExportError(f"the tokenizer has {size} entries but the run's vocab_size is {config.vocab_size}: give "
+                          "the tokenizer the run was tokenized with")
     out = Path(out_dir).resolve()
     check_out_dir(out, run_dir, checkpoint)
-    eod = vocab.get(EOD)
     try:
         with replaced_folder(out, foreign_to_export, TOOL) as tmp:
             model = load_checkpoint(checkpoint, config)
@@ -170,7 +171,7 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file:
             (tmp / "config.json").write_text(json.dumps(hf_config(config, eod), indent=2) + "\n")
             (tmp / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": eod, "eos_token_id": eod, "max_length": config.max_position_embeddings}, indent=2) + "\n")
-            write_tokenizer(tmp, vocab_file, merge_file, config.max_position_embeddings)
+            write(tmp)
             (tmp / MARKER).write_text(json.dumps(
                 {"tool": TOOL, "checkpoint": str(checkpoint), "model": config.model}, indent=2) + "\n")
     except NotReplaceable as e:
@@ -203,6 +204,38 @@ def foreign_to_export(folder: Path) -> Iterable[str]:
     return [n for n in names if n not in EXPORT_FILES]
 
 
+def _gpt2_files(vocab_file: str, merge_file: str, max_length: int) -> tuple[int, int | None, Callable[[Path], None]]:
+    """GPT-2's pair: its size, its end-of-text id, and what writes it into an export."""
+    for flag, f in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not Path(f).is_file():
+            raise ExportError(f"{flag} {f}: not found; give the vocabulary the run was tokenized with")
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    return max(vocab.values()) + 1, vocab.get(EOD), lambda folder: write_tokenizer(folder, vocab_file, merge_file,
+                                                                                   max_length)
+
+
+def _tokenizer_json(path: str, max_length: int) -> tuple[int, int, Callable[[Path], None]]:
+    """A HuggingFace tokenizer.json: its size, its end-of-text id, and what copies it (with the
+    tokenizer_config.json beside it, else one naming its end-of-text token) into an export."""
+    try:
+        tok = load_tokenizer_json(path)
+        eos, eod = end_of_text(tok, path)
+    except TokenizerFileError as e:
+        raise ExportError(f"--tokenizer-file {e}") from None
+
+    def write(folder: Path) -> None:
+        shutil.copyfile(path, folder / "tokenizer.json")
+        config = Path(path).parent / "tokenizer_config.json"
+        if config.is_file():
+            shutil.copyfile(config, folder / "tokenizer_config.json")
+        else:
+            (folder / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "eos_token": eos},
+                indent=2) + "\n")
+
+    return vocabulary_size(tok), eod, write
+
+
 def write_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_length: int) -> None:
     """GPT-2's byte-level BPE as transformers loads it: the two files plus tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -233,9 +266,12 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="the HuggingFace folder to write")
     p.add_argument("--vocab-file", help="default: <run>/tokenizer/vocab.json")
     p.add_argument("--merge-file", help="default: <run>/tokenizer/merges.txt")
+    p.add_argument("--tokenizer-file", help="a HuggingFace tokenizer.json instead (default: <run>/tokenizer/"
+                                            "tokenizer.json when the run has no vocab.json)")
     a = p.parse_args(argv)
     try:
-        out = export(a.source, a.out_dir, vocab_file=a.vocab_file, merge_file=a.merge_file)
+        out = export(a.source, a.out_dir, vocab_file=a.vocab_file, merge_file=a.merge_file,
+                     tokenizer_file=a.tokenizer_file)
     except (ExportError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ExportError) else 1

@@ -16,22 +16,18 @@ from pathlib import Path
 
 import torch
 
-from gpt.export import EOD, find_checkpoint, load_checkpoint, load_hf
+from gpt.export import find_checkpoint, load_checkpoint, load_hf
 from gpt.model import GPT, KVCache
+from gpt.tokenizer import EOD_TOKENS, load_folder, load_tokenizer_json
 
 
 def load(source: str | Path) -> tuple[GPT, object]:
     """The model and its tokenizer (a ``tokenizers.Tokenizer``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     source = Path(source)
     if (source / "model.safetensors").is_file():
-        return load_hf(source).eval(), Tokenizer.from_file(str(source / "tokenizer.json"))
+        return load_hf(source).eval(), load_tokenizer_json(source / "tokenizer.json")
     checkpoint, config = find_checkpoint(source)
-    folder = checkpoint.parent.parent / "tokenizer"
-    tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok, _ = load_folder(checkpoint.parent.parent / "tokenizer")
     return load_checkpoint(checkpoint, config), tok
 
 
@@ -67,8 +63,8 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature:
 def complete(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> Iterator[str]:
     """The continuation of ``prompt`` as text pieces: each piece is what the new token adds to the
     decoded text (a character split over several byte tokens appears once it is whole)."""
-    ids = tokenizer.encode(prompt).ids
-    stop = tokenizer.token_to_id(EOD)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    stop = next((i for i in map(tokenizer.token_to_id, EOD_TOKENS) if i is not None), None)
     new: list[int] = []
     shown = ""
     for token in generate(model, ids, max_new_tokens, stop=stop, **kwargs):

@@ -103,8 +103,17 @@ class ClusterConfig(BaseModel):
     # What one node costs an hour, for the plan's cost estimate and a run's budget (flows/estimate.py).
     price_per_node_hour: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     currency: str = Field("USD", pattern=r"^[A-Z]{3}$")
+    # The data stages (sync, tokenize) as jobs on the compute nodes instead of in the flow's own
+    # process: sync as one job, tokenize as an array of `data_array_tasks` tasks (default: one per
+    # node), each task one node's share of `data_partition`, `data_cpus_per_task` and `data_mem`
+    # (default: the training job's partition, cpus_per_task and mem).
+    data_jobs: bool = False
+    data_partition: str | None = None
+    data_cpus_per_task: int | None = Field(None, ge=1, le=4096)
+    data_mem: str | None = None
+    data_array_tasks: int | None = Field(None, ge=1, le=10_000)
 
-    @field_validator("name", "partition", "account", "qos", "accelerator")
+    @field_validator("name", "partition", "account", "qos", "accelerator", "data_partition")
     @classmethod
     def _plain_name(cls, v: str | None, info: Any) -> str | None:
         if v is not None and not _NAME.match(v):
@@ -132,11 +141,11 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"gres={v!r} must look like gpu:8 or gpu:a100:8")
         return v
 
-    @field_validator("mem")
+    @field_validator("mem", "data_mem")
     @classmethod
-    def _mem(cls, v: str | None) -> str | None:
+    def _mem(cls, v: str | None, info: Any) -> str | None:
         if v is not None and not _MEM.match(v):
-            raise ValueError(f"mem={v!r} must be a size such as 0, 64G or 512000M")
+            raise ValueError(f"{info.field_name}={v!r} must be a size such as 0, 64G or 512000M")
         return v
 
     @field_validator("time_limit", mode="before")
@@ -227,6 +236,19 @@ class ClusterConfig(BaseModel):
         if device == "cuda" and (self.accelerator or "").lower() in PRE_AMPERE_GPUS:
             return "fp16"
         return "bf16"
+
+    def data_job(self) -> "ClusterConfig":
+        """The resources of one data job (sync, or one task of the tokenize array): one task on one
+        CPU node of the data partition, in the training job's environment."""
+        return self.model_copy(update={
+            "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "gres": None, "device": "cpu", "exclusive": False,
+            "nodelist": None, "partition": self.data_partition or self.partition,
+            "sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
+            "cpus_per_task": self.data_cpus_per_task or self.cpus_per_task, "mem": self.data_mem or self.mem})
+
+    @property
+    def data_tasks(self) -> int:
+        return self.data_array_tasks or self.nodes
 
     @property
     def world_size(self) -> int:

@@ -32,7 +32,9 @@ class ExportManifest(BaseModel):
     seconds: float
 
 
-def export_run(run_dir: str, vocab_file: str, merge_file: str, prompts: tuple[str, ...] = PROMPTS) -> ExportManifest:
+def export_run(run_dir: str, vocab_file: str | None, merge_file: str | None, prompts: tuple[str, ...] = PROMPTS,
+               tokenizer_file: str | None = None) -> ExportManifest:
+    """``tokenizer_file``: a HuggingFace tokenizer.json, in place of GPT-2's vocab_file and merge_file."""
     from gpt.export import export
     from gpt.generate import complete, load
     from gpt.model import param_count
@@ -41,7 +43,7 @@ def export_run(run_dir: str, vocab_file: str, merge_file: str, prompts: tuple[st
     run = Path(run_dir)
     tokenizer_dir = run / "tokenizer"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    for src, name in ((vocab_file, "vocab.json"), (merge_file, "merges.txt")):
+    for src, name in tokenizer_files(vocab_file, merge_file, tokenizer_file):
         write_atomic(tokenizer_dir / name, Path(src).read_bytes())
     out = export(run, run / "hf")
     model, tokenizer = load(out)
@@ -57,6 +59,15 @@ def export_run(run_dir: str, vocab_file: str, merge_file: str, prompts: tuple[st
                           seconds=round(time.perf_counter() - started, 3))
 
 
+def tokenizer_files(vocab_file: str | None, merge_file: str | None,
+                    tokenizer_file: str | None) -> list[tuple[str, str]]:
+    """(file, name in the run's tokenizer/ folder) for each tokenizer file a run keeps."""
+    if tokenizer_file is None:
+        return [(vocab_file, "vocab.json"), (merge_file, "merges.txt")]  # type: ignore[list-item]
+    config = Path(tokenizer_file).parent / "tokenizer_config.json"
+    return [(tokenizer_file, "tokenizer.json"), *([(str(config), config.name)] if config.is_file() else [])]
+
+
 def _export_cache_key(context, parameters: dict) -> str | None:
     """The newest checkpoint (its name and marker time) and the tokenizer files' contents."""
     run = Path(parameters["run_dir"])
@@ -64,7 +75,7 @@ def _export_cache_key(context, parameters: dict) -> str | None:
     if checkpoint is None:
         return None
     key = Digest(str(checkpoint), (checkpoint / "COMPLETE").stat().st_mtime_ns)
-    for f in (parameters["vocab_file"], parameters["merge_file"]):
+    for f, _ in tokenizer_files(parameters["vocab_file"], parameters["merge_file"], parameters.get("tokenizer_file")):
         key.add_file(f)
     return "export-" + key.hex(32)
 

@@ -22,13 +22,15 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import submitit
-from submitit.core.utils import FailedJobError, JobPaths, pickle_load
+from submitit.core.utils import DelayedSubmission, FailedJobError, JobPaths, pickle_load
+from submitit.slurm.slurm import SlurmJob
 
 from gpt import heartbeat
 from gpt.config import Config
@@ -255,6 +257,28 @@ class _SlurmExecutor(submitit.SlurmExecutor):
         unset = [arg for name in credential_variables() for arg in ("-u", name)]
         return ["env", *unset, *super()._make_submission_command(submission_file_path)]
 
+    def _internal_process_submissions(self, delayed: list[DelayedSubmission]) -> list[submitit.Job]:
+        """An array is submitted by this class too (submitit's own array path submits through its
+        plain executor, whose sbatch would carry the credentials): each task's pickle is written
+        first, one sbatch with ``--array`` follows, then the pickles take the tasks' ids."""
+        if len(delayed) == 1:
+            return super()._internal_process_submissions(delayed)
+        staging = JobPaths.get_first_id_independent_folder(self.folder)
+        staging.mkdir(parents=True, exist_ok=True)
+        pickles = [staging / f"{uuid.uuid4().hex}.pkl" for _ in delayed]
+        for submission, path in zip(delayed, pickles):
+            submission.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+            submission.dump(path)
+        array = _SlurmExecutor(self.folder, self.max_num_timeout, python=self.python)
+        array.update_parameters(**self.parameters)
+        array.parameters["map_count"] = len(delayed)
+        first = array._submit_command(self._submitit_command_str)
+        jobs = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=list(range(first.num_tasks)))
+                for i in range(len(delayed))]
+        for job, path in zip(jobs, pickles):
+            job.paths.move_temporary_file(path, "submitted_pickle")
+        return jobs
+
 
 def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str | None) -> submitit.Executor:
     if cluster.kind == "slurm":
@@ -366,22 +390,51 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
                        watch=watch(running.job_id) if watch is not None else None)
 
 
-def _submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str, python: str | None,
-            record: JobRecord) -> RunningJob:
+def submit_array(fns: list[Callable[[], Any]], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
+                 on_poll: Callable[[], None] | None = None) -> list[Any]:
+    """Submit each of ``fns`` as one task of a SLURM job array (each task ``cluster``'s resources,
+    all run side by side), follow every task to its end, and return, in order, each task's result
+    or the JobError it failed with: a failed task does not stop the others. The flow run cancelled,
+    or this process exiting, cancels them all."""
+    with RunOwner(run_dir):
+        record = JobRecord(run_dir)
+        running = _submit(fns, cluster, run_dir=run_dir, job_name=job_name, python=None, record=record)
+        outcomes: list[Any] = []
+        try:
+            for task in running:
+                try:
+                    outcomes.append(_follow(task, cluster, run_dir=run_dir, record=record,
+                                            on_poll=on_poll or (lambda: None))[0])
+                except FlowRunCancelled:
+                    raise
+                except JobError as e:
+                    outcomes.append(e)
+        finally:
+            for task in running[len(outcomes) + 1:]:
+                task.cancel()
+        return outcomes
+
+
+def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
+            python: str | None, record: JobRecord) -> Any:
+    """One job for ``fn``, or one array task for each of a list of them."""
     folder = run_dir / "jobs"
     folder.mkdir(parents=True, exist_ok=True)
     ex = _executor(cluster, folder, job_name, python)
     try:
-        job = ex.submit(fn)
+        jobs = ex.submit_array(fn) if isinstance(fn, list) else [ex.submit(fn)]
     except FailedJobError as e:
         raise ClusterError(f"SLURM refused job {job_name!r} ({cluster.name}: nodes={cluster.nodes}, "
                            f"partition={cluster.partition}): {str(e).strip()}") from e
-    running = RunningJob(str(job.job_id), cluster.kind, job)
-    script = folder / f"{running.job_id}_submission.sh"
-    record.add(running.job_id, cluster.kind, job_name, str(script) if script.exists() else None)
-    run_logger().info("submitted %s job %s (%s, %d x %d tasks); logs in %s",
-                      cluster.kind, running.job_id, cluster.name, cluster.nodes, cluster.tasks_per_node, folder)
-    return running
+    running = [RunningJob(str(job.job_id), cluster.kind, job) for job in jobs]
+    for task in running:
+        script = folder / f"{task.job_id.split('_')[0]}_submission.sh"
+        record.add(task.job_id, cluster.kind, job_name, str(script) if script.exists() else None)
+    what = f"job {running[0].job_id}" if not isinstance(fn, list) else \
+        f"array {running[0].job_id.split('_')[0]} of {len(running)} tasks, each"
+    run_logger().info("submitted %s %s (%s, %d x %d tasks); logs in %s",
+                      cluster.kind, what, cluster.name, cluster.nodes, cluster.tasks_per_node, folder)
+    return running if isinstance(fn, list) else running[0]
 
 
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,

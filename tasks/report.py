@@ -76,6 +76,16 @@ def parallel_layout(c: Any, world_size: int) -> str:
             f"step, bubble {bubble:.1%}")
 
 
+def data_stages(k: Any) -> str:
+    """Where sync and tokenize run."""
+    if not k.data_jobs:
+        return "sync and tokenize in the flow's process"
+    job = k.data_job()
+    return (f"jobs on partition {job.partition or '(the default)'}: sync as one job, tokenize as an array of "
+            f"{k.data_tasks} tasks" + (f", {job.cpus_per_task} CPUs each" if job.cpus_per_task else "")
+            + (f", mem {job.mem}" if job.mem else ""))
+
+
 def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
               estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
     """What the run will do, decided before any stage runs (flows.plan.Plan), what its folder says
@@ -88,7 +98,7 @@ def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
             ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
-            ("compile", str(c.compile)), ("what happens", outlook)]
+            ("data stages", data_stages(k)), ("compile", str(c.compile)), ("what happens", outlook)]
     rows += [("warning", w) for w in warnings]
     rows += list(estimate)
     return [{"item": item, "value": value} for item, value in rows]

@@ -20,6 +20,8 @@ def log_to_stderr() -> None:
 
 
 def run_context() -> Any:
+    if "prefect.context" not in sys.modules:
+        return None         # no run without Prefect loaded: a command line need not pay its import
     from prefect.context import FlowRunContext, TaskRunContext
 
     return TaskRunContext.get() or FlowRunContext.get()

@@ -30,11 +30,11 @@ import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import IO, Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 import orjson
-from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
@@ -51,9 +51,10 @@ CHUNK_BYTES = 4 << 20
 PARQUET_ROWS = 1024           # rows per batch read from a Parquet file (web documents: a few MB)
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
 # grows without bound (about 7 MB per MB of random words, on each encoding thread). Once this
-# process has grown by more than this since its engine was built, a fresh engine takes over;
-# repetitive text never reaches it.
-ENCODER_CACHE_BYTES = 64 << 20
+# process has grown by more than this since its engine was built, a fresh engine takes over. On
+# varied real text the cache earns its memory (a fresh engine encodes at half speed until it is
+# warm again), so it may grow this far while the process stays under 1 GiB.
+ENCODER_CACHE_BYTES = 256 << 20
 # A 4 MiB chunk encodes in well under a second; a chunk not done after this long means a stuck engine.
 CHUNK_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_KIND = 20
@@ -182,9 +183,29 @@ def read_parquet(path: str, columns: tuple[str, ...], rows: int = PARQUET_ROWS):
                                 "download or write it again") from e
 
 
-def read_pieces(path: str, keys: tuple[str, ...]) -> Iterator:
+@dataclass(frozen=True)
+class Piece:
+    """An input file, or the lines of an uncompressed JSONL file in bytes ``[start, end)`` (both on
+    line boundaries), as one array task of a sharded tokenize reads it."""
+    path: str
+    start: int = 0
+    end: int | None = None
+
+    def where(self, line: int) -> str:
+        """Line ``line`` of this piece (counted from 1), for a message."""
+        return where(self.path, line) if self.start == 0 else f"{self.path}: line {line} after byte {self.start}"
+
+
+def splittable(path: str) -> bool:
+    """Whether a file can be cut at any line: plain JSONL (compressed streams and Parquet cannot)."""
+    return path.endswith((".jsonl", ".json"))
+
+
+def read_pieces(piece: Piece, keys: tuple[str, ...]) -> Iterator:
     """What the encoder takes from one input: chunks of whole JSONL lines, or batches of Parquet rows."""
-    return read_parquet(path, keys) if is_parquet(path) else read_chunks(path)
+    if is_parquet(piece.path):
+        return read_parquet(piece.path, keys)
+    return read_chunks(piece.path, start=piece.start, end=piece.end)
 
 
 def where(path: str, line: int) -> str:
@@ -192,13 +213,18 @@ def where(path: str, line: int) -> str:
     return f"{path}: row {line}" if is_parquet(path) else f"{path}:{line}"
 
 
-def read_chunks(path: str, chunk_bytes: int | None = None) -> Iterator[bytes]:
-    """Pieces of whole lines of a file, about ``chunk_bytes`` (default CHUNK_BYTES) each."""
+def read_chunks(path: str, chunk_bytes: int | None = None, *, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+    """Pieces of whole lines of a file (of its bytes ``[start, end)`` when given: a plain file
+    only), about ``chunk_bytes`` (default CHUNK_BYTES) each."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     rest = b""
+    left = float("inf") if end is None else end - start
     try:
         with open_stream(path) as f:
-            while block := f.read(chunk_bytes):
+            if start:
+                f.seek(start)
+            while left > 0 and (block := f.read(int(min(chunk_bytes, left)))):
+                left -= len(block)
                 data = rest + block if rest else block
                 cut = data.rfind(b"\n") + 1
                 if cut == 0:
@@ -382,7 +408,7 @@ def _result(index: int, future: Future, timeout_s: float) -> dict:
 def iter_texts(files: list[str], key: str, limit_bytes: int) -> Iterator[str]:
     seen = 0
     for path in files:
-        for piece in read_pieces(path, (key,)):
+        for piece in read_pieces(Piece(path), (key,)):
             for v in _values(piece, key):
                 if isinstance(v, str) and v:
                     yield v
@@ -402,6 +428,154 @@ def _values(piece, key: str) -> Iterator:
             continue
 
 
+class BadLine(TokenizeError):
+    """``--strict``: the first bad line (of ``pieces[index]``, its ``line``-th)."""
+
+    def __init__(self, piece: Piece, line: int, detail: str, index: int = 0) -> None:
+        super().__init__(f"{piece.where(line)}: {detail} (--strict stops at the first bad line)")
+        self.piece, self.line, self.detail, self.index = piece, line, detail, index
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """The tokenizer a stage encodes with: GPT-2's vocab.json and merges.txt, or a HuggingFace
+    tokenizer.json; small enough to hand to an array task on another node."""
+    vocab_file: str | None
+    merge_file: str | None
+    tokenizer_file: str | None
+    eod_id: int
+    vocab_size: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return best_dtype(self.vocab_size)
+
+    @property
+    def files(self) -> list[str]:
+        return [self.tokenizer_file] if self.tokenizer_file else [self.vocab_file, self.merge_file]  # type: ignore[list-item]
+
+    def engine_factory(self) -> tuple[Callable[[], Engine], bool]:
+        """A maker of fresh engines, and whether the engine runs its own threads (one chunk at a time then)."""
+        if self.tokenizer_file:
+            hf = HFTokenizer(self.tokenizer_file)
+            return (lambda: hf), True
+        vocab_file, merge_file = self.vocab_file, self.merge_file
+        return (lambda: _Gigatoken(vocab_file, merge_file)), False  # type: ignore[arg-type]
+
+
+def resolve_tokenizer(files: list[str], json_keys: tuple[str, ...], *, vocab_file: str | None, merge_file: str | None,
+                      tokenizer_model: str | None, train_vocab_size: int, train_bytes: int,
+                      out_dir: str) -> TokenizerFiles:
+    """The tokenizer files, a BPE trained on the inputs and saved in ``out_dir`` when none is given."""
+    if (vocab_file is None) != (merge_file is None):
+        raise TokenizeError("--vocab-file and --merge-file go together: give both, or neither to train a BPE")
+    if tokenizer_model is not None and vocab_file is not None:
+        raise TokenizeError("--tokenizer-model (HuggingFaceTokenizer) replaces --vocab-file and --merge-file: "
+                            "give one or the other")
+    if tokenizer_model is not None:
+        hf = HFTokenizer(tokenizer_file(tokenizer_model))
+        return TokenizerFiles(None, None, os.path.abspath(hf.path), hf.eod_id, hf.vocab_size)
+    if vocab_file is None:
+        print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}",
+              flush=True)
+        vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
+    vocab, eod_id = load_vocab(vocab_file, merge_file)
+    return TokenizerFiles(os.path.abspath(vocab_file), os.path.abspath(merge_file), None,  # type: ignore[arg-type]
+                          eod_id, vocabulary_size(vocab))
+
+
+@dataclass
+class Encoded:
+    """What ``encode`` wrote: documents, lines skipped by kind, the first messages about them (piece
+    index, line within the piece, kind, detail) and each piece's line count."""
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+    problems: list[tuple[int, int, str, str]]
+    lines: list[int]
+
+
+def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: TokenizerFiles, *, append_eod: bool,
+           workers: int, strict: bool, on_chunk: Callable[[], None] = lambda: None) -> Encoded:
+    """Encode ``pieces`` in order into one ``.bin/.idx`` pair per key of ``prefixes``, written under
+    temporary names and renamed once complete; ``on_chunk`` runs after each chunk is written."""
+    json_keys = tuple(prefixes)
+    new_engine, own_threads = tokenizer.engine_factory()
+    workers = 1 if own_threads else workers
+    writers = {k: IndexedDatasetWriter(prefixes[k], tokenizer.dtype) for k in json_keys}
+    out = Encoded(0, 0, {kind: 0 for kind in SKIP_KINDS}, [], [0] * len(pieces))
+    progress = Progress("tokenize", "documents", log_every_s=2.0)
+    try:
+        items = ((i, chunk) for i, piece in enumerate(pieces) for chunk in read_pieces(piece, json_keys))
+        encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, tokenizer.dtype)
+        for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
+            encoder.renew_if_grown()
+            piece = pieces[result["file"]]
+            first_line = out.lines[result["file"]] + 1
+            out.lines[result["file"]] += result["lines"]
+            for i, kind, detail in result["problems"]:
+                line = first_line + i
+                if strict:
+                    raise BadLine(piece, line, detail, result["file"])
+                out.skipped[kind] += 1
+                if kind != "blank_line" and out.skipped[kind] <= MAX_MESSAGES_PER_KIND:
+                    out.problems.append((result["file"], line, kind, detail))
+                    print(f"{piece.where(line)}: skipped: {detail}", flush=True)
+            for k, (tokens, lengths) in result["encoded"].items():
+                writers[k].add_documents(tokens, lengths)
+            out.documents += result["documents"]
+            on_chunk()
+            progress.add(result["bytes"], items=result["documents"])
+            progress.show()
+        progress.show(final=True)
+        if out.documents == 0:
+            raise TokenizeError(f"--input {', '.join(sorted({p.path for p in pieces}))}: no usable document "
+                                f"(skipped: {_nonzero(out.skipped)})")
+        for w in writers.values():
+            w.finalize()
+    except OSError as e:
+        for w in writers.values():
+            w.abort()
+        raise TokenizeError(f"--output-prefix {next(iter(prefixes.values()))}: writing the output failed "
+                            f"({e.strerror or e}); nothing was kept: free space (or fix the folder) and run it again") from e
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    out.tokens = writers[json_keys[0]].num_tokens
+    return out
+
+
+def output_prefixes(output_prefix: str, json_keys: tuple[str, ...]) -> dict[str, str]:
+    return {k: f"{os.path.abspath(output_prefix)}_{k}_document" for k in json_keys}
+
+
+def check_output_folder(output_prefix: str) -> str:
+    """The output folder, made; a TokenizeError when it cannot be written."""
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise TokenizeError(f"--output-prefix {output_prefix}: cannot write in {out_dir} ({e.strerror or e}); "
+                            "choose a folder you can write to") from None
+    return out_dir
+
+
+def inputs_and_tokenizer(inputs: list[str] | str, output_prefix: str, json_keys: tuple[str, ...],
+                         **tokenizer: Any) -> tuple[list[str], TokenizerFiles]:
+    """The input files and the tokenizer (``resolve_tokenizer``'s arguments), each checked, and the
+    output folder made: what any way of running the stage starts from."""
+    files = expand_inputs(inputs)
+    if not json_keys:
+        raise TokenizeError("--json-keys: give at least one key")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise TokenizeError(f"--input {', '.join(files)}: empty input, nothing to tokenize")
+    out_dir = check_output_folder(output_prefix)
+    return files, resolve_tokenizer(files, json_keys, out_dir=out_dir, **tokenizer)
+
+
 def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | None = None,
              merge_file: str | None = None, json_keys: tuple[str, ...] | list[str] = ("text",),
              append_eod: bool = True, workers: int | None = None, strict: bool = False,
@@ -415,94 +589,33 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     ``vocab.json``/``merges.txt`` beside the output. ``strict`` stops at the first bad line
     instead of skipping it.
     """
-    files = expand_inputs(inputs)
     json_keys = tuple(json_keys)
-    if not json_keys:
-        raise TokenizeError("--json-keys: give at least one key")
-    if (vocab_file is None) != (merge_file is None):
-        raise TokenizeError("--vocab-file and --merge-file go together: give both, or neither to train a BPE")
-    if tokenizer_model is not None and vocab_file is not None:
-        raise TokenizeError("--tokenizer-model (HuggingFaceTokenizer) replaces --vocab-file and --merge-file: "
-                            "give one or the other")
-    if all(os.path.getsize(f) == 0 for f in files):
-        raise TokenizeError(f"--input {', '.join(files)}: empty input, nothing to tokenize")
+    files, tokenizer = inputs_and_tokenizer(inputs, output_prefix, json_keys, vocab_file=vocab_file,
+                                            merge_file=merge_file, tokenizer_model=tokenizer_model,
+                                            train_vocab_size=train_vocab_size, train_bytes=train_bytes)
+    prefixes = output_prefixes(output_prefix, json_keys)
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        if not os.access(out_dir, os.W_OK):
-            raise PermissionError(13, "not writable")
-    except OSError as e:
-        raise TokenizeError(f"--output-prefix {output_prefix}: cannot write in {out_dir} ({e.strerror or e}); "
-                            "choose a folder you can write to") from None
-    if tokenizer_model is not None:
-        hf = HFTokenizer(tokenizer_file(tokenizer_model))
-        eod_id, vocab_size, new_engine = hf.eod_id, hf.vocab_size, lambda: hf
-        workers = 1     # the library encodes each batch on its own threads
-    else:
-        if vocab_file is None:
-            print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}",
-                  flush=True)
-            vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
-        vocab, eod_id = load_vocab(vocab_file, merge_file)
-        vocab_size = vocabulary_size(vocab)
-        new_engine = lambda: _Gigatoken(vocab_file, merge_file)  # noqa: E731
-    dtype = best_dtype(vocab_size)
-    prefixes = {k: f"{os.path.abspath(output_prefix)}_{k}_document" for k in json_keys}
-    writers = {k: IndexedDatasetWriter(prefixes[k], dtype) for k in json_keys}
-    skipped = {kind: 0 for kind in SKIP_KINDS}
-    documents = 0
-    progress = Progress("tokenize", "documents", log_every_s=2.0)
-    try:
-        items = ((i, piece) for i, path in enumerate(files) for piece in read_pieces(path, json_keys))
-        line_of = [1] * len(files)  # line number where each file's next chunk starts
-        encoder = _Encoder(new_engine, json_keys, append_eod, eod_id, dtype)
-        for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
-            encoder.renew_if_grown()
-            path = files[result["file"]]
-            first_line = line_of[result["file"]]
-            line_of[result["file"]] += result["lines"]
-            for i, kind, detail in result["problems"]:
-                line = first_line + i
-                if strict:
-                    raise TokenizeError(f"{where(path, line)}: {detail} (--strict stops at the first bad line)")
-                skipped[kind] += 1
-                if kind != "blank_line" and skipped[kind] <= MAX_MESSAGES_PER_KIND:
-                    print(f"{where(path, line)}: skipped: {detail}", flush=True)
-            for k, (tokens, lengths) in result["encoded"].items():
-                writers[k].add_documents(tokens, lengths)
-            documents += result["documents"]
-            progress.add(result["bytes"], items=result["documents"])
-            progress.show()
-        progress.show(final=True)
-        if documents == 0:
-            raise TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {_nonzero(skipped)})")
-        for w in writers.values():
-            w.finalize()
-    except OSError as e:
-        for w in writers.values():
-            w.abort()
-        raise TokenizeError(f"--output-prefix {output_prefix}: writing the output failed ({e.strerror or e}); "
-                            "nothing was kept: free space (or fix the folder) and run it again") from e
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    if any(skipped.values()):
-        print(f"Skipped lines: {_nonzero(skipped)}", flush=True)
-    tokens = writers[json_keys[0]].num_tokens
-    tokenizer = [hf.path] if tokenizer_model is not None else [vocab_file, merge_file]
+    encoded = encode([Piece(f) for f in files], prefixes, tokenizer, append_eod=append_eod, workers=workers,
+                     strict=strict)
+    if any(encoded.skipped.values()):
+        print(f"Skipped lines: {_nonzero(encoded.skipped)}", flush=True)
+    return manifest(files, prefixes, tokenizer, append_eod=append_eod, documents=encoded.documents,
+                    tokens=encoded.tokens, skipped=encoded.skipped)
+
+
+def manifest(files: list[str], prefixes: dict[str, str], tokenizer: TokenizerFiles, *, append_eod: bool,
+             documents: int, tokens: int, skipped: dict[str, int]) -> TokenizeManifest:
+    """The manifest of a complete output, however it was written (in this process or joined from shards)."""
     stamp = {
         "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
-        "tokenizer": [file_digest(path) for path in tokenizer],
-        "args": [list(json_keys), append_eod], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
+        "tokenizer": [file_digest(path) for path in tokenizer.files],
+        "args": [list(prefixes), append_eod], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
     }
     return TokenizeManifest(
-        prefixes=prefixes, documents=documents, tokens=tokens, dtype=dtype.name, skipped=skipped,
-        files=[os.path.abspath(f) for f in files], vocab_file=vocab_file and os.path.abspath(vocab_file),
-        merge_file=merge_file and os.path.abspath(merge_file), vocab_size=vocab_size, eod_id=eod_id,
-        digest=digest(stamp, length=32),
-        tokenizer_file=os.path.abspath(hf.path) if tokenizer_model is not None else None,
+        prefixes=prefixes, documents=documents, tokens=tokens, dtype=tokenizer.dtype.name, skipped=skipped,
+        files=[os.path.abspath(f) for f in files], vocab_file=tokenizer.vocab_file, merge_file=tokenizer.merge_file,
+        vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id, digest=digest(stamp, length=32),
+        tokenizer_file=tokenizer.tokenizer_file,
     )
 
 
@@ -510,11 +623,12 @@ def _nonzero(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
 
 
-def _tokenize_cache_key(context, parameters: dict) -> str:
-    """Arguments, input file sizes and mtimes, and the tokenizer files' contents."""
+def tokenize_cache_key(context, parameters: dict) -> str:
+    """Arguments, input file sizes and mtimes, and the tokenizer files' contents; not where or on
+    how many cores and tasks it runs, which changes nothing in the outputs."""
     files = expand_inputs(parameters["inputs"])
     stamp = {
-        "args": {k: v for k, v in parameters.items() if k != "workers"},
+        "args": {k: v for k, v in parameters.items() if k not in ("workers", "cluster", "tasks")},
         "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
         "tokenizer": [file_digest(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file"),
                                                parameters.get("tokenizer_model") and tokenizer_file(parameters["tokenizer_model"]))
@@ -523,8 +637,17 @@ def _tokenize_cache_key(context, parameters: dict) -> str:
     return "tokenize-" + digest(stamp, length=32)
 
 
-tokenize_task = task(tokenize, name="tokenize", cache_key_fn=_tokenize_cache_key, persist_result=True,
-                     log_prints=True)
+def __getattr__(name: str) -> Any:
+    """``tokenize_task``, the stage as a Prefect task, made on first use: the command line never
+    imports Prefect (a second and more of start-up)."""
+    if name != "tokenize_task":
+        raise AttributeError(name)
+    from prefect import task
+
+    global tokenize_task
+    tokenize_task = task(tokenize, name="tokenize", cache_key_fn=tokenize_cache_key, persist_result=True,
+                         log_prints=True)
+    return tokenize_task
 
 
 def main(argv: list[str] | None = None) -> None:

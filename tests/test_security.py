@@ -22,7 +22,7 @@ from flows.params import (
 )
 from flows.plan import make_plan
 from tasks.cluster import ClusterError, load_cluster
-from tasks.jobs import submit
+from tasks.jobs import submit, submit_array
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "marker-secret-3f9a1c"
@@ -135,5 +135,16 @@ def test_slurm_jobs_and_slurms_records_get_no_credentials(slurm_cluster: dict, t
     saved, _, _ = submit(slurm_saved_environment, cluster, run_dir=tmp_path, job_name="env")
     assert b"SLURM_" in saved or b"PATH=" in saved     # the file was found and read
     assert MARKER.encode() not in saved
+    leaks = [str(f) for f in tmp_path.rglob("*") if f.is_file() and MARKER.encode() in f.read_bytes()]
+    assert leaks == []
+
+
+@pytest.mark.slurm
+def test_the_tasks_of_a_job_array_get_no_credentials(slurm_cluster: dict, tmp_path: Path, monkeypatch) -> None:
+    _with_marker_credentials(monkeypatch)
+    envs = submit_array([environment, environment], load_cluster(slurm_cluster["preset"]).data_job(),
+                        run_dir=tmp_path, job_name="env")
+    assert [env["SLURM_ARRAY_TASK_ID"] for env in envs] == ["0", "1"]
+    assert not [k for env in envs for k, v in env.items() if MARKER in v or k in CREDENTIALS]
     leaks = [str(f) for f in tmp_path.rglob("*") if f.is_file() and MARKER.encode() in f.read_bytes()]
     assert leaks == []

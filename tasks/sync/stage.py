@@ -1,6 +1,7 @@
 """The sync and upload stages as Prefect tasks: cached on the listing, retried on network trouble."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -8,11 +9,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
+from tasks.cluster import ClusterConfig
+from tasks.jobs import submit
 from tasks.sync.download import sync
 from tasks.sync.listing import list_sources, listing_digest
-from tasks.sync.manifest import local_copy_matches
+from tasks.sync.manifest import SyncManifest, local_copy_matches
 from tasks.sync.reach import Reach
-from tasks.sync.remote import Remote, TransientSyncError
+from tasks.sync.remote import Remote, SyncError, TransientSyncError
 from tasks.sync.uploader import upload
 
 
@@ -60,3 +63,35 @@ sync_task = task(sync, name="sync", cache_key_fn=_sync_cache_key, persist_result
 
 
 upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)
+
+
+@dataclass(frozen=True)
+class SyncJob:
+    """``sync`` as a job runs it on a compute node. Its errors come back as its result, and the flow's
+    process raises them, so that network trouble is retried like the in-process stage's."""
+    sources: list[str] | str
+    dest: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> SyncManifest | SyncError:
+        try:
+            return sync(self.sources, self.dest, **self.options)
+        except SyncError as e:
+            return e
+
+
+def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig, **options: Any) -> SyncManifest:
+    """``sync`` as one job on a node of the data partition (cluster preset ``data_jobs: true``): the
+    bytes move over that node's link into shared storage, verified as in this process; this process
+    lists, follows and reads the manifest. The job's record and log are in ``<dest>.jobs/``. The
+    job gets no credential from this process's environment: it reads the node's own (an instance
+    role, or the profile's files in a shared home)."""
+    dest = str(Path(dest).expanduser().absolute())
+    result, _, _ = submit(SyncJob(sources, dest, options), cluster.data_job(), run_dir=Path(dest + ".jobs"),
+                          job_name="sync")
+    if isinstance(result, SyncError):
+        raise result
+    return result
+
+
+sync_job_task = task(sync_on_cluster, name="sync", cache_key_fn=_sync_cache_key, persist_result=True, **_RETRIES)

@@ -1,0 +1,141 @@
+"""One task of the tokenize array (tasks.tokenize_array) and the plan that cuts the inputs into shards.
+
+What an array task imports on its node: the encoder (tasks.tokenize), never Prefect.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from gpt.files import write_json
+from tasks.bpe import TokenizeError
+from tasks.digest import file_digest
+from tasks.tokenize import BadLine, Piece, TokenizerFiles, encode, output_prefixes, splittable
+
+SCAN_BLOCK = 1 << 16      # bytes read at a time to find where a line starts
+# A fault injected for tests, from GPT_DATA_FAULT (inert when unset): "shard=N" kills shard N's task after its first
+# chunk is written, on its first run only.
+FAULT = os.environ.get("GPT_DATA_FAULT", "")
+
+
+def plan_shards(files: list[str], tasks: int) -> list[list[Piece]]:
+    """At most ``tasks`` shards of about equal bytes, in input order; a plain JSONL file is cut at
+    the first line that starts at or after a shard's share ends, other files go whole."""
+    sizes = [os.path.getsize(f) for f in files]
+    share = sum(sizes) / tasks
+    shards: list[list[Piece]] = []
+    current: list[Piece] = []
+    base = 0                               # bytes of the inputs before this file
+    for path, size in zip(files, sizes):
+        start = 0
+        while start < size:
+            boundary = share * (len(shards) + 1)
+            end = size
+            if splittable(path) and len(shards) < tasks - 1 and base + start < boundary < base + size:
+                end = line_start(path, int(boundary - base))
+            whole = start == 0 and end == size
+            current.append(Piece(path) if whole else Piece(path, start, end))
+            start = end
+            while len(shards) < tasks - 1 and current and base + end >= share * (len(shards) + 1):
+                shards.append(current)
+                current = []
+        base += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def line_start(path: str, offset: int) -> int:
+    """Where the first line that starts at or after ``offset`` begins (the file's size if none)."""
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        position = offset - 1
+        while block := f.read(SCAN_BLOCK):
+            found = block.find(b"\n")
+            if found >= 0:
+                return position + found + 1
+            position += len(block)
+    return position
+
+
+def first_lines(path: str, offset: int) -> int:
+    """How many lines lie before byte ``offset`` of ``path`` (read only to place an error)."""
+    lines = 0
+    with open(path, "rb") as f:
+        while offset > 0 and (block := f.read(min(SCAN_BLOCK << 8, offset))):
+            lines += block.count(b"\n")
+            offset -= len(block)
+    return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one array task encodes, and where its outputs and record go."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+    prefix: str
+    tokenizer: TokenizerFiles
+    json_keys: tuple[str, ...]
+    append_eod: bool
+    strict: bool
+
+    @property
+    def prefixes(self) -> dict[str, str]:
+        return output_prefixes(self.prefix, self.json_keys)
+
+    @property
+    def record_path(self) -> Path:
+        return Path(self.prefix + ".json")
+
+    @property
+    def nbytes(self) -> int:
+        return sum((p.end if p.end is not None else os.path.getsize(p.path)) - p.start for p in self.pieces)
+
+    def __call__(self) -> dict[str, Any]:
+        """Encode the shard on this node's cores; bad input under ``strict`` is returned, not raised
+        (running the task again would meet it again)."""
+        cores = len(os.sched_getaffinity(0))
+        started = time.perf_counter()
+        try:
+            encoded = encode(list(self.pieces), self.prefixes, self.tokenizer, append_eod=self.append_eod,
+                             workers=cores, strict=self.strict, on_chunk=self._fault)
+        except BadLine as e:
+            return {"error": str(e), "piece": e.index, "line": e.line, "detail": e.detail}
+        except TokenizeError as e:
+            return {"error": str(e)}
+        record = {"pieces": [dataclasses.asdict(p) for p in self.pieces], "documents": encoded.documents,
+                  "tokens": encoded.tokens, "skipped": encoded.skipped, "problems": encoded.problems,
+                  "lines": encoded.lines, "outputs": self._outputs(), "node": os.environ.get("SLURMD_NODENAME") or os.uname().nodename, "cores": cores,
+                  "seconds": round(time.perf_counter() - started, 3)}
+        write_json(self.record_path, record)
+        return record
+
+    def _fault(self) -> None:
+        marker = Path(self.prefix + ".killed")
+        if FAULT == f"shard={self.index}" and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _outputs(self) -> dict[str, list[Any]]:
+        return {p: [os.path.getsize(p + ".bin"), file_digest(p + ".idx")] for p in self.prefixes.values()}
+
+    def done(self) -> dict[str, Any] | None:
+        """The shard's record when the shard is complete: its record there, for these pieces, and its
+        files as the record describes them."""
+        try:
+            record = json_record(self.record_path)
+            if record["pieces"] != [dataclasses.asdict(p) for p in self.pieces] or record["outputs"] != self._outputs():
+                return None
+        except (OSError, ValueError, KeyError):
+            return None
+        return record
+
+
+def json_record(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

@@ -1,0 +1,170 @@
+"""The tokenize stage as a SLURM job array on the compute nodes (cluster preset ``data_jobs: true``).
+
+The flow's process only plans, follows and joins (what each task took, and the join, are written to
+``<prefix>.jobs/summary.json``):
+
+- **plan**: the inputs are cut into shards of about equal bytes, one per array task: whole files,
+  and plain JSONL files cut at the line that ends a shard's share (compressed streams and Parquet
+  files go whole to one task);
+- **encode**: each task encodes its shard on its node's cores into
+  ``<prefix>.jobs/shards/<plan>/<n>_<key>_document.bin/.idx`` (under temporary names until
+  complete), then writes its record ``<n>.json``;
+- **join**: the shards are copied, in order, into one Megatron prefix per key: the bytes one
+  process writes for the same inputs (tasks.tokenize), since each line or row is one document
+  whichever task encodes it.
+
+A task that fails or is killed runs again alone, up to ARRAY_ATTEMPTS times; a shard whose record
+and files agree is never encoded again (nor by a retried flow run). A task that meets bad input
+under ``strict`` fails the stage with the file and the line; nothing is joined from partial shards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from gpt.data import IndexedDatasetWriter
+from gpt.files import write_json
+from tasks.bpe import TokenizeError
+from tasks.cluster import ClusterConfig
+from tasks.digest import digest, file_digest
+from tasks.jobs import JobError, submit_array
+from tasks.progress import Progress, human_bytes
+from tasks.shards import Shard, first_lines, plan_shards
+from tasks.tokenize import (
+    MAX_MESSAGES_PER_KIND,
+    BadLine,
+    Piece,
+    TokenizeManifest,
+    inputs_and_tokenizer,
+    manifest,
+    output_prefixes,
+    tokenize_cache_key,
+    _nonzero,
+)
+
+ARRAY_ATTEMPTS = 3        # runs of a shard whose task failed or was killed, the first included
+
+
+# ---------------------------------------------------------------------------------- the stage
+
+def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: ClusterConfig, *,
+                        vocab_file: str | None = None, merge_file: str | None = None,
+                        json_keys: tuple[str, ...] | list[str] = ("text",), append_eod: bool = True,
+                        strict: bool = False, train_vocab_size: int = 50257, train_bytes: int = 256 << 20,
+                        tokenizer_model: str | None = None, tasks: int | None = None) -> TokenizeManifest:
+    """``tasks.tokenize.tokenize`` as an array of ``tasks`` (default: the preset's
+    ``data_array_tasks``, or one per node) tasks of ``cluster.data_job()``: the same outputs and
+    manifest. The job records and logs are kept in ``<output_prefix>.jobs/``."""
+    json_keys = tuple(json_keys)
+    files, tokenizer = inputs_and_tokenizer(inputs, output_prefix, json_keys, vocab_file=vocab_file,
+                                            merge_file=merge_file, tokenizer_model=tokenizer_model,
+                                            train_vocab_size=train_vocab_size, train_bytes=train_bytes)
+    shards_planned = plan_shards(files, tasks or cluster.data_tasks)
+    folder = Path(os.path.abspath(output_prefix) + ".jobs")
+    plan = digest({"inputs": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+                   "tokenizer": [file_digest(f) for f in tokenizer.files], "args": [list(json_keys), append_eod, strict],
+                   "shards": [[dataclasses.asdict(p) for p in s] for s in shards_planned]}, length=16)
+    shard_dir = folder / "shards" / plan
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    shards = [Shard(i, tuple(pieces), str(shard_dir / f"{i:05d}"), tokenizer, json_keys, append_eod, strict)
+              for i, pieces in enumerate(shards_planned)]
+    records = run_shards(shards, cluster.data_job(), folder)
+    prefixes = output_prefixes(output_prefix, json_keys)
+    started = time.perf_counter()
+    join(shards, prefixes)
+    joined_s = time.perf_counter() - started
+    print(f"joined {len(shards)} shards into {', '.join(p + '.bin/.idx' for p in prefixes.values())} in "
+          f"{joined_s:.1f} s", flush=True)
+    write_json(folder / "summary.json", {
+        "shards": [{"bytes": s.nbytes, "node": r["node"], "cores": r["cores"], "seconds": r["seconds"],
+                    "mb_s": round(s.nbytes / max(r["seconds"], 1e-9) / 1e6, 1)} for s, r in zip(shards, records)],
+        "join_s": round(joined_s, 3)})
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    skipped = {kind: sum(r["skipped"][kind] for r in records) for kind in records[0]["skipped"]}
+    _say_skipped(shards, records, skipped)
+    return manifest(files, prefixes, tokenizer, append_eod=append_eod, documents=sum(r["documents"] for r in records),
+                    tokens=sum(r["tokens"] for r in records), skipped=skipped)
+
+
+def run_shards(shards: list[Shard], job: ClusterConfig, folder: Path) -> list[dict[str, Any]]:
+    """Every shard complete (the ones not already so as array tasks, a failed one again alone);
+    returns their records in order."""
+    total = sum(s.nbytes for s in shards)
+    progress = Progress("tokenize on the cluster", "shards", items=len(shards), nbytes=total,
+                        artifact_key="tokenize-progress", log_every_s=10.0)
+    seen: set[int] = set()
+
+    def count_done() -> None:
+        for shard in shards:
+            if shard.index not in seen and shard.record_path.exists():
+                seen.add(shard.index)
+                progress.add(shard.nbytes, items=1)
+        progress.show()
+
+    count_done()
+    failures: list[str] = []
+    for attempt in range(ARRAY_ATTEMPTS):
+        todo = [s for s in shards if s.done() is None]
+        if not todo:
+            break
+        seen.difference_update(s.index for s in todo)
+        if attempt:
+            print(f"running {len(todo)} shard(s) again, alone: {', '.join(str(s.index) for s in todo)}", flush=True)
+        else:
+            print(f"tokenize: {len(shards)} shards of {human_bytes(total / len(shards))} on average, "
+                  f"{len(todo)} to encode", flush=True)
+        outcomes = submit_array(todo, job, run_dir=folder, job_name="tokenize", on_poll=count_done)
+        for shard, outcome in zip(todo, outcomes):
+            if isinstance(outcome, dict) and "error" in outcome:
+                raise shard_error(shard, outcome)
+        failures = [f"shard {s.index}: {str(o).splitlines()[0]}" for s, o in zip(todo, outcomes)
+                    if isinstance(o, Exception)]
+    incomplete = [s for s in shards if s.done() is None]
+    if incomplete:
+        raise JobError(f"tokenize: {len(incomplete)} shard(s) still incomplete after {ARRAY_ATTEMPTS} runs: "
+                       + "; ".join(failures or [f"shard {s.index}" for s in incomplete]) + f"; logs in {folder / 'jobs'}")
+    progress.show(final=True)
+    return [s.done() for s in shards]  # type: ignore[misc]
+
+
+def shard_error(shard: Shard, outcome: dict[str, Any]) -> TokenizeError:
+    """A task's bad input, placed in its file: a bad line is named by its line in the whole file."""
+    if "line" not in outcome:
+        return TokenizeError(f"shard {shard.index}: {outcome['error']}")
+    piece = shard.pieces[outcome["piece"]]
+    line = outcome["line"] + (first_lines(piece.path, piece.start) if piece.start else 0)
+    return BadLine(Piece(piece.path), line, outcome["detail"])
+
+
+def join(shards: list[Shard], prefixes: dict[str, str]) -> None:
+    """The shards' outputs, in order, into one prefix per key (under temporary names until complete)."""
+    for key, prefix in prefixes.items():
+        with IndexedDatasetWriter(prefix, shards[0].tokenizer.dtype) as writer:
+            for shard in shards:
+                writer.add_dataset(shard.prefixes[key])
+
+
+def _say_skipped(shards: list[Shard], records: list[dict[str, Any]], skipped: dict[str, int]) -> None:
+    """The first skipped lines of each kind, by their lines in the whole files."""
+    before: dict[str, int] = {}          # lines of each file in the pieces before
+    said: dict[str, int] = {}
+    for shard, record in zip(shards, records):
+        for index, line, kind, detail in record["problems"]:
+            piece = shard.pieces[index]
+            said[kind] = said.get(kind, 0) + 1
+            if said[kind] <= MAX_MESSAGES_PER_KIND:
+                print(f"{Piece(piece.path).where(before.get(piece.path, 0) + line)}: skipped: {detail}", flush=True)
+        for piece, lines in zip(shard.pieces, record["lines"]):
+            before[piece.path] = before.get(piece.path, 0) + lines
+    if any(skipped.values()):
+        print(f"Skipped lines: {_nonzero(skipped)}", flush=True)
+
+
+tokenize_array_task = task(tokenize_on_cluster, name="tokenize", cache_key_fn=tokenize_cache_key, persist_result=True,
+                          log_prints=True)
