@@ -119,18 +119,19 @@ def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout
     they are in S3: a tokenizer_model folder (``s3://.../llama3/``) whole, as HuggingFace saves one."""
     files = [tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_model]
     remote = [f for f in files if f and is_remote(f)]
-    local: dict[str, str] = {}
+    synced: dict[str, str] = {}
+    folder = ""
     if remote:
         manifest = run.stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)),
                                   endpoint_url=data.endpoint_url, profile=data.profile,
                                   no_sign_request=data.no_sign_request)
-        local = {Path(p).name: p for p in synced_files(manifest)}
-        local.update({f: str(Path(manifest.local_dir)) for f in remote if f.endswith("/")})
-    paths = [(local.get(f) or local[Path(f).name]) if f and is_remote(f) else (local_path(f) if f else None)
-             for f in files]
-    if paths[2] is not None:
-        paths[2] = os.path.abspath(tokenizer_file(paths[2]))
-    return paths[0], paths[1], paths[2]
+        synced, folder = {Path(p).name: p for p in synced_files(manifest)}, manifest.local_dir
+    vocab, merges = (synced[Path(f).name] if f and is_remote(f) else (local_path(f) if f else None) for f in files[:2])
+    model = tokenizer.tokenizer_model
+    if model:       # a file, or a folder as HuggingFace saves one (synced whole)
+        model = os.path.abspath(tokenizer_file(synced.get(Path(model).name, folder) if is_remote(model)
+                                               else local_path(model)))
+    return vocab, merges, model
 
 
 def fetch_prefixes(data: DataParams, layout: Layout, run: DataStages) -> list[tuple[float, str]]:

@@ -186,13 +186,16 @@ def _append_file(source: Any, out: Any) -> None:
     """Append the rest of ``source`` to ``out`` (both open files): copied by the kernel where it can,
     file system to file system (a reflink where the file system shares blocks), else read and written."""
     out.flush()
+    expected = out.seek(0, os.SEEK_END) + os.fstat(source.fileno()).st_size - source.tell()
     try:
         while os.copy_file_range(source.fileno(), out.fileno(), COPY_BLOCK):
             pass
     except OSError:
         out.seek(0, os.SEEK_END)
         shutil.copyfileobj(source, out, COPY_BLOCK)
-    out.seek(0, os.SEEK_END)
+    if out.seek(0, os.SEEK_END) != expected:
+        raise OSError(f"{source.name}: {out.tell()} bytes where {expected} were expected after copying it into "
+                      f"{out.name}")
 
 
 class IndexedDatasetWriter:

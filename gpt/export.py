@@ -33,7 +33,14 @@ from gpt.checkpoint import Checkpointer, load_whole_model
 from gpt.config import Config
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
 from gpt.model import GPT, split_qkv
-from gpt.tokenizer import EOD, TokenizerFileError, end_of_text, load_tokenizer_json, vocabulary_size
+from gpt.tokenizer import (
+    EOD,
+    TokenizerFileError,
+    end_of_text,
+    load_tokenizer_json,
+    tokenizer_json_files,
+    vocabulary_size,
+)
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOOL = "python -m gpt.export"
 MARKER = "export.json"
@@ -224,11 +231,9 @@ def _tokenizer_json(path: str, max_length: int) -> tuple[int, int, Callable[[Pat
         raise ExportError(f"--tokenizer-file {e}") from None
 
     def write(folder: Path) -> None:
-        shutil.copyfile(path, folder / "tokenizer.json")
-        config = Path(path).parent / "tokenizer_config.json"
-        if config.is_file():
-            shutil.copyfile(config, folder / "tokenizer_config.json")
-        else:
+        for src, name in zip(tokenizer_json_files(path), ("tokenizer.json", "tokenizer_config.json")):
+            shutil.copyfile(src, folder / name)
+        if not (folder / "tokenizer_config.json").is_file():
             (folder / "tokenizer_config.json").write_text(json.dumps(
                 {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "eos_token": eos},
                 indent=2) + "\n")

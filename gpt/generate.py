@@ -18,17 +18,16 @@ import torch
 
 from gpt.export import find_checkpoint, load_checkpoint, load_hf
 from gpt.model import GPT, KVCache
-from gpt.tokenizer import EOD_TOKENS, load_folder, load_tokenizer_json
+from gpt.tokenizer import load_export, load_folder
 
 
 def load(source: str | Path) -> tuple[GPT, object]:
-    """The model and its tokenizer (a ``tokenizers.Tokenizer``)."""
+    """The model and its tokenizer (a ``tokenizers.Tokenizer`` with its end-of-text id: gpt.tokenizer.Loaded)."""
     source = Path(source)
     if (source / "model.safetensors").is_file():
-        return load_hf(source).eval(), load_tokenizer_json(source / "tokenizer.json")
+        return load_hf(source).eval(), load_export(source)
     checkpoint, config = find_checkpoint(source)
-    tok, _ = load_folder(checkpoint.parent.parent / "tokenizer")
-    return load_checkpoint(checkpoint, config), tok
+    return load_checkpoint(checkpoint, config), load_folder(checkpoint.parent.parent / "tokenizer")
 
 
 @torch.no_grad()
@@ -64,7 +63,7 @@ def complete(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **kwargs) 
     """The continuation of ``prompt`` as text pieces: each piece is what the new token adds to the
     decoded text (a character split over several byte tokens appears once it is whole)."""
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    stop = next((i for i in map(tokenizer.token_to_id, EOD_TOKENS) if i is not None), None)
+    stop = getattr(tokenizer, "eod_id", None)
     new: list[int] = []
     shown = ""
     for token in generate(model, ids, max_new_tokens, stop=stop, **kwargs):

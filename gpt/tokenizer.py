@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,13 @@ EOD_TOKENS = (EOD, "<|end_of_text|>", "</s>", "<eos>")
 
 class TokenizerFileError(ValueError):
     """A tokenizer file that cannot be used; the message names it."""
+
+
+def tokenizer_json_files(path: str | os.PathLike) -> list[str]:
+    """What a tokenizer.json tokenizes with: the file, and the tokenizer_config.json beside it when
+    there is one (it names the end-of-text token)."""
+    config = Path(path).parent / "tokenizer_config.json"
+    return [str(path), *([str(config)] if config.is_file() else [])]
 
 
 def configured_eos(path: str | os.PathLike) -> str | None:
@@ -68,16 +76,38 @@ def load_tokenizer_json(path: str | os.PathLike) -> Any:
         raise TokenizerFileError(f"{path}: not a HuggingFace tokenizer.json ({e})") from e
 
 
-def load_folder(folder: str | os.PathLike) -> tuple[Any, int | None]:
-    """The tokenizer a run folder's ``tokenizer/`` (or an export) holds: its ``tokenizer.json`` when
-    there is no GPT-2 pair, else ``vocab.json`` + ``merges.txt``; and its end-of-text id."""
+@dataclass(frozen=True)
+class Loaded:
+    """A ``tokenizers.Tokenizer`` (its methods are this object's) and its end-of-text id."""
+    tokenizer: Any
+    eod_id: int | None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+
+def load_folder(folder: str | os.PathLike) -> Loaded:
+    """The tokenizer a run folder's ``tokenizer/`` holds: its ``tokenizer.json`` when there is no
+    GPT-2 pair, else ``vocab.json`` + ``merges.txt``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder = Path(folder)
     if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
-        tok = load_tokenizer_json(folder / "tokenizer.json")
-        return tok, end_of_text(tok, folder / "tokenizer.json")[1]
+        return load_export(folder)
     tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return tok, tok.token_to_id(EOD)
+    return Loaded(tok, tok.token_to_id(EOD))
+
+
+def load_export(folder: str | os.PathLike) -> Loaded:
+    """The ``tokenizer.json`` of a folder (an export, as HuggingFace loads it), with the end of text
+    its tokenizer_config.json names (None when none can be told)."""
+    path = Path(folder) / "tokenizer.json"
+    tok = load_tokenizer_json(path)
+    try:
+        return Loaded(tok, end_of_text(tok, path)[1])
+    except TokenizerFileError:
+        return Loaded(tok, None)

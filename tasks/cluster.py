@@ -239,11 +239,13 @@ class ClusterConfig(BaseModel):
 
     def data_job(self) -> "ClusterConfig":
         """The resources of one data job (sync, or one task of the tokenize array): one task on one
-        CPU node of the data partition, in the training job's environment."""
+        CPU node of the data partition, in the training job's environment; none of the training
+        job's GPUs, node list or node features."""
         return self.model_copy(update={
             "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "gres": None, "device": "cpu", "exclusive": False,
-            "nodelist": None, "partition": self.data_partition or self.partition,
+            "nodelist": None, "constraint": None, "partition": self.data_partition or self.partition,
             "sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
+            "srun_extra": [o for o in self.srun_extra if "gpu" not in o],
             "cpus_per_task": self.data_cpus_per_task or self.cpus_per_task, "mem": self.data_mem or self.mem})
 
     @property

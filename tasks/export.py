@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer
 from gpt.files import write_atomic
+from gpt.tokenizer import tokenizer_json_files
 from tasks.digest import Digest
 
 PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
@@ -64,8 +65,7 @@ def tokenizer_files(vocab_file: str | None, merge_file: str | None,
     """(file, name in the run's tokenizer/ folder) for each tokenizer file a run keeps."""
     if tokenizer_file is None:
         return [(vocab_file, "vocab.json"), (merge_file, "merges.txt")]  # type: ignore[list-item]
-    config = Path(tokenizer_file).parent / "tokenizer_config.json"
-    return [(tokenizer_file, "tokenizer.json"), *([(str(config), config.name)] if config.is_file() else [])]
+    return list(zip(tokenizer_json_files(tokenizer_file), ("tokenizer.json", "tokenizer_config.json")))
 
 
 def _export_cache_key(context, parameters: dict) -> str | None:

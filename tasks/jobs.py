@@ -63,6 +63,10 @@ class FlowRunCancelled(JobError):
     """The flow run was cancelled while its job ran; the job has been scancelled."""
 
 
+class SubmitterExiting(JobError):
+    """The process that follows the job is exiting; the job has been cancelled."""
+
+
 class JobHung(JobError):
     """The job stopped advancing (tasks.hang); its stacks were saved and it has been cancelled."""
 
@@ -258,9 +262,10 @@ class _SlurmExecutor(submitit.SlurmExecutor):
         return ["env", *unset, *super()._make_submission_command(submission_file_path)]
 
     def _internal_process_submissions(self, delayed: list[DelayedSubmission]) -> list[submitit.Job]:
-        """An array is submitted by this class too (submitit's own array path submits through its
-        plain executor, whose sbatch would carry the credentials): each task's pickle is written
-        first, one sbatch with ``--array`` follows, then the pickles take the tasks' ids."""
+        """An array is submitted by this class too (submitit's own array path, as of submitit 1.5.4,
+        submits through its plain executor, whose sbatch would carry the credentials): each task's
+        pickle is written first, one sbatch with ``--array`` follows, then the pickles take the
+        tasks' ids, as submitit does it."""
         if len(delayed) == 1:
             return super()._internal_process_submissions(delayed)
         staging = JobPaths.get_first_id_independent_folder(self.folder)
@@ -398,6 +403,11 @@ def submit_array(fns: list[Callable[[], Any]], cluster: ClusterConfig, *, run_di
     or this process exiting, cancels them all."""
     with RunOwner(run_dir):
         record = JobRecord(run_dir)
+        while (earlier := _unfinished(record, job_name, cluster.kind)) is not None:
+            run_logger().warning("task %s of an earlier %s array still runs, followed by no process: cancelling it "
+                                 "before the new array writes where it writes", earlier.job_id, job_name)
+            _kill(earlier, "")
+            record.state(earlier.job_id, "CANCELLED", "an earlier array's task that no process followed", "")
         running = _submit(fns, cluster, run_dir=run_dir, job_name=job_name, python=None, record=record)
         outcomes: list[Any] = []
         try:
@@ -405,7 +415,7 @@ def submit_array(fns: list[Callable[[], Any]], cluster: ClusterConfig, *, run_di
                 try:
                     outcomes.append(_follow(task, cluster, run_dir=run_dir, record=record,
                                             on_poll=on_poll or (lambda: None))[0])
-                except FlowRunCancelled:
+                except (FlowRunCancelled, SubmitterExiting):
                     raise
                 except JobError as e:
                     outcomes.append(e)
@@ -491,7 +501,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 if flow_run_cancelled(followed_run):
                     raise FlowRunCancelled(f"flow run cancelled: job {job_id} cancelled")
             if not threading.main_thread().is_alive():
-                raise JobError(f"the submitting process is exiting: job {job_id} cancelled")
+                raise SubmitterExiting(f"the submitting process is exiting: job {job_id} cancelled")
             time.sleep(POLL_S)
         on_poll()
         finished = True

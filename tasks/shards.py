@@ -24,26 +24,30 @@ FAULT = os.environ.get("GPT_DATA_FAULT", "")
 
 
 def plan_shards(files: list[str], tasks: int) -> list[list[Piece]]:
-    """At most ``tasks`` shards of about equal bytes, in input order; a plain JSONL file is cut at
-    the first line that starts at or after a shard's share ends, other files go whole."""
+    """At most ``tasks`` shards of about equal bytes, in input order, none empty. A shard ends where
+    its share of the bytes ends: inside a plain JSONL file at the first line that starts there or
+    after; after a file that cannot be cut (compressed, Parquet). A piece that runs past several
+    shares leaves fewer shards."""
     sizes = [os.path.getsize(f) for f in files]
-    share = sum(sizes) / tasks
+    total = sum(sizes)
+    ends = [-(-total * k // tasks) for k in range(1, tasks)]     # where each share ends, bytes from the start
     shards: list[list[Piece]] = []
     current: list[Piece] = []
     base = 0                               # bytes of the inputs before this file
+    k = 0                                  # the next share end to reach
     for path, size in zip(files, sizes):
         start = 0
         while start < size:
-            boundary = share * (len(shards) + 1)
+            while k < len(ends) and ends[k] <= base + start:
+                if current:
+                    shards.append(current)
+                    current = []
+                k += 1
             end = size
-            if splittable(path) and len(shards) < tasks - 1 and base + start < boundary < base + size:
-                end = line_start(path, int(boundary - base))
-            whole = start == 0 and end == size
-            current.append(Piece(path) if whole else Piece(path, start, end))
+            if k < len(ends) and ends[k] < base + size and splittable(path):
+                end = line_start(path, ends[k] - base)           # > start: ends[k] > base + start
+            current.append(Piece(path) if start == 0 and end == size else Piece(path, start, end))
             start = end
-            while len(shards) < tasks - 1 and current and base + end >= share * (len(shards) + 1):
-                shards.append(current)
-                current = []
         base += size
     if current:
         shards.append(current)
@@ -51,7 +55,7 @@ def plan_shards(files: list[str], tasks: int) -> list[list[Piece]]:
 
 
 def line_start(path: str, offset: int) -> int:
-    """Where the first line that starts at or after ``offset`` begins (the file's size if none)."""
+    """Where the first line that starts at or after ``offset`` (> 0) begins (the file's size if none)."""
     with open(path, "rb") as f:
         f.seek(offset - 1)
         position = offset - 1
@@ -104,7 +108,7 @@ class Shard:
         started = time.perf_counter()
         try:
             encoded = encode(list(self.pieces), self.prefixes, self.tokenizer, append_eod=self.append_eod,
-                             workers=cores, strict=self.strict, on_chunk=self._fault)
+                             workers=cores, strict=self.strict, on_chunk=self._fault, allow_empty=True)
         except BadLine as e:
             return {"error": str(e), "piece": e.index, "line": e.line, "detail": e.detail}
         except TokenizeError as e:
@@ -129,7 +133,7 @@ class Shard:
         """The shard's record when the shard is complete: its record there, for these pieces, and its
         files as the record describes them."""
         try:
-            record = json_record(self.record_path)
+            record = json.loads(self.record_path.read_text())
             if record["pieces"] != [dataclasses.asdict(p) for p in self.pieces] or record["outputs"] != self._outputs():
                 return None
         except (OSError, ValueError, KeyError):
@@ -137,5 +141,3 @@ class Shard:
         return record
 
 
-def json_record(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())

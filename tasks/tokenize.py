@@ -38,6 +38,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
+from gpt.tokenizer import tokenizer_json_files
 from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
 from tasks.digest import digest, file_digest
 from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
@@ -452,7 +453,7 @@ class TokenizerFiles:
 
     @property
     def files(self) -> list[str]:
-        return [self.tokenizer_file] if self.tokenizer_file else [self.vocab_file, self.merge_file]  # type: ignore[list-item]
+        return tokenizer_json_files(self.tokenizer_file) if self.tokenizer_file else [self.vocab_file, self.merge_file]  # type: ignore[list-item]
 
     def engine_factory(self) -> tuple[Callable[[], Engine], bool]:
         """A maker of fresh engines, and whether the engine runs its own threads (one chunk at a time then)."""
@@ -496,9 +497,11 @@ class Encoded:
 
 
 def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: TokenizerFiles, *, append_eod: bool,
-           workers: int, strict: bool, on_chunk: Callable[[], None] = lambda: None) -> Encoded:
+           workers: int, strict: bool, on_chunk: Callable[[], None] = lambda: None,
+           allow_empty: bool = False) -> Encoded:
     """Encode ``pieces`` in order into one ``.bin/.idx`` pair per key of ``prefixes``, written under
-    temporary names and renamed once complete; ``on_chunk`` runs after each chunk is written."""
+    temporary names and renamed once complete; ``on_chunk`` runs after each chunk is written. No
+    usable document is an error unless ``allow_empty`` (a shard of a larger input)."""
     json_keys = tuple(prefixes)
     new_engine, own_threads = tokenizer.engine_factory()
     workers = 1 if own_threads else workers
@@ -528,9 +531,8 @@ def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: TokenizerFi
             progress.add(result["bytes"], items=result["documents"])
             progress.show()
         progress.show(final=True)
-        if out.documents == 0:
-            raise TokenizeError(f"--input {', '.join(sorted({p.path for p in pieces}))}: no usable document "
-                                f"(skipped: {_nonzero(out.skipped)})")
+        if out.documents == 0 and not allow_empty:
+            raise no_document(sorted({p.path for p in pieces}), out.skipped)
         for w in writers.values():
             w.finalize()
     except OSError as e:
@@ -619,6 +621,10 @@ def manifest(files: list[str], prefixes: dict[str, str], tokenizer: TokenizerFil
     )
 
 
+def no_document(files: list[str], skipped: dict[str, int]) -> TokenizeError:
+    return TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {_nonzero(skipped)})")
+
+
 def _nonzero(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
 
@@ -631,7 +637,8 @@ def tokenize_cache_key(context, parameters: dict) -> str:
         "args": {k: v for k, v in parameters.items() if k not in ("workers", "cluster", "tasks")},
         "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
         "tokenizer": [file_digest(p) for p in (parameters.get("vocab_file"), parameters.get("merge_file"),
-                                               parameters.get("tokenizer_model") and tokenizer_file(parameters["tokenizer_model"]))
+                                               *(tokenizer_json_files(tokenizer_file(parameters["tokenizer_model"]))
+                                                 if parameters.get("tokenizer_model") else []))
                       if p],
     }
     return "tokenize-" + digest(stamp, length=32)

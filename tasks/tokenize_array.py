@@ -43,6 +43,7 @@ from tasks.tokenize import (
     TokenizeManifest,
     inputs_and_tokenizer,
     manifest,
+    no_document,
     output_prefixes,
     tokenize_cache_key,
     _nonzero,
@@ -75,6 +76,9 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
     shards = [Shard(i, tuple(pieces), str(shard_dir / f"{i:05d}"), tokenizer, json_keys, append_eod, strict)
               for i, pieces in enumerate(shards_planned)]
     records = run_shards(shards, cluster.data_job(), folder)
+    skipped = {kind: sum(r["skipped"][kind] for r in records) for kind in records[0]["skipped"]}
+    if not sum(r["documents"] for r in records):
+        raise no_document(files, skipped)
     prefixes = output_prefixes(output_prefix, json_keys)
     started = time.perf_counter()
     join(shards, prefixes)
@@ -85,8 +89,7 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
         "shards": [{"bytes": s.nbytes, "node": r["node"], "cores": r["cores"], "seconds": r["seconds"],
                     "mb_s": round(s.nbytes / max(r["seconds"], 1e-9) / 1e6, 1)} for s, r in zip(shards, records)],
         "join_s": round(joined_s, 3)})
-    shutil.rmtree(shard_dir, ignore_errors=True)
-    skipped = {kind: sum(r["skipped"][kind] for r in records) for kind in records[0]["skipped"]}
+    shutil.rmtree(folder / "shards", ignore_errors=True)      # this plan's, and any an earlier plan left
     _say_skipped(shards, records, skipped)
     return manifest(files, prefixes, tokenizer, append_eod=append_eod, documents=sum(r["documents"] for r in records),
                     tokens=sum(r["tokens"] for r in records), skipped=skipped)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from gpt.data import MMapIndexedDataset
 from tasks.cluster import load_cluster
-from tasks.tokenize import BadLine, Piece, resolve_tokenizer, tokenize
+from tasks.tokenize import BadLine, Piece, TokenizeError, resolve_tokenizer, tokenize
 from tasks.shards import Shard, plan_shards
 from tasks.tokenize_array import join, shard_error, tokenize_on_cluster
 from tests.run_folder import job_records
@@ -73,6 +74,57 @@ def test_shards_cut_at_lines_and_join_into_the_bytes_of_one_process(tmp_path, sh
 
     Path(work[1].prefix + "_text_document.bin").write_bytes(b"\0" * 10)       # a damaged shard is not done
     assert work[1].done() is None and work[0].done() is not None
+
+
+def test_every_plan_covers_each_file_once_in_order_cut_at_line_starts(tmp_path):
+    rng = random.Random(0)
+    for trial in range(200):
+        files = []
+        for i in range(rng.randint(1, 4)):
+            path = tmp_path / f"{trial}-{i}{rng.choice(['.jsonl', '.jsonl', '.jsonl.gz'])}"
+            lines = [b"x" * rng.randint(0, 300) for _ in range(rng.randint(0, 60))]
+            path.write_bytes(b"\n".join(lines) + (b"\n" if rng.random() < 0.8 else b""))
+            files.append(str(path))
+        tasks = rng.randint(1, 300)
+        shards = plan_shards(files, tasks)
+        assert 0 < len(shards) <= tasks and all(shards), (files, tasks)
+        for path in files:
+            data, covered = Path(path).read_bytes(), 0
+            for piece in (p for s in shards for p in s if p.path == path):
+                end = piece.end if piece.end is not None else len(data)
+                assert piece.start == covered < end and (piece.start == 0 or data[piece.start - 1] == ord("\n"))
+                covered = end
+            assert covered == len(data), (path, tasks)
+    long = tmp_path / "long.jsonl"                     # a line across several shares leaves fewer shards
+    long.write_bytes(b"y" * 312 + b"\n" + b"z" * 40 * 9 + b"\n")
+    assert len(plan_shards([str(long)], 8)) == 2
+
+
+def test_a_shard_of_only_bad_lines_is_empty_and_an_input_of_only_bad_lines_is_refused(tmp_path, bpe_vocab):
+    vocab, merges = map(str, bpe_vocab)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "no text key"}\n' * 3)
+    tokenizer = resolve_tokenizer([str(bad)], ("text",), vocab_file=vocab, merge_file=merges, tokenizer_model=None,
+                                  train_vocab_size=0, train_bytes=0, out_dir=str(tmp_path))
+    record = Shard(0, (Piece(str(bad)),), str(tmp_path / "s"), tokenizer, ("text",), True, False)()
+    assert (record["documents"], record["skipped"]["missing_key"]) == (0, 3)
+    with pytest.raises(TokenizeError, match="no usable document"):
+        tokenize_on_cluster([str(bad)], str(tmp_path / "out" / "c"), load_cluster("local"), vocab_file=vocab,
+                            merge_file=merges)
+
+
+def test_the_sync_jobs_cache_key_reads_its_options_as_the_in_process_stages(tmp_path):
+    from prefect.utilities.callables import get_call_parameters
+
+    from tasks.sync.stage import _sync_cache_key, sync_on_cluster
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text('{"text": "a"}\n')
+    args = ([str(tmp_path / "src")], str(tmp_path / "dest"), load_cluster("local"))
+    key = _sync_cache_key(None, get_call_parameters(sync_on_cluster, args, {"allowed_roots": [str(tmp_path)]}))
+    assert key and key.startswith("sync-")
+    checked = get_call_parameters(sync_on_cluster, args, {"allowed_roots": [str(tmp_path)], "verify_content": True})
+    assert _sync_cache_key(None, checked) is None                 # verify_content reads everything again
 
 
 def test_a_bad_line_in_a_later_piece_is_named_by_its_line_in_the_whole_file(tmp_path, bpe_vocab):

@@ -80,13 +80,18 @@ class SyncJob:
             return e
 
 
-def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig, **options: Any) -> SyncManifest:
+def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig, *, endpoint_url: str | None = None,
+                    no_sign_request: bool = False, profile: str | None = None,
+                    allowed_roots: list[str] | None = None, verify_content: bool = False) -> SyncManifest:
     """``sync`` as one job on a node of the data partition (cluster preset ``data_jobs: true``): the
     bytes move over that node's link into shared storage, verified as in this process; this process
     lists, follows and reads the manifest. The job's record and log are in ``<dest>.jobs/``. The
     job gets no credential from this process's environment: it reads the node's own (an instance
-    role, or the profile's files in a shared home)."""
+    role, or the profile's files in a shared home). The options are ``sync``'s, named as there, so
+    that the cache key reads them as it reads the in-process stage's."""
     dest = str(Path(dest).expanduser().absolute())
+    options = dict(endpoint_url=endpoint_url, no_sign_request=no_sign_request, profile=profile,
+                   allowed_roots=allowed_roots, verify_content=verify_content)
     result, _, _ = submit(SyncJob(sources, dest, options), cluster.data_job(), run_dir=Path(dest + ".jobs"),
                           job_name="sync")
     if isinstance(result, SyncError):
