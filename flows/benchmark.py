@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
+from benchmarks.gpu import CASES as GPU_CASES
 from tasks import benchmark_history
 from tasks.report import png_markdown
 
@@ -56,6 +57,9 @@ NIGHTLY = [
     BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 20}),
     BenchmarkSpec(name="train", label="train-gpt3-125m", params={"model": "gpt3-125m", "micro_batch": 4, "steps": 10}),
 ]
+# One GPU's training figures (benchmarks/gpu.py's cases), which benchmarks/reference.jsonl holds for
+# the GPUs they were measured on: a GPU node's run is compared against them.
+GPU = [BenchmarkSpec(name="train", label=case.name, params=case.params) for case in GPU_CASES]
 # A few minutes on two CPU cores: small inputs, one repeat.
 QUICK = [
     BenchmarkSpec(name="tokenize", params={"corpus_mb": 2, "random_words_mb": 2, "repeats": 1, "slow_sample_mb": 0.5}),
@@ -97,7 +101,7 @@ def benchmark(
     if duplicates:
         raise ValueError(f"suite: labels {duplicates} appear more than once; give each entry its own label")
     store = benchmark_history.History(history, endpoint_url=endpoint_url)
-    past = store.read()
+    past = benchmark_history.reference() + store.read()
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
     seconds: dict[str, float] = {}
@@ -123,7 +127,7 @@ def benchmark(
                     f"regressions (worse than {regression_threshold:.0%} vs previous): "
                     f"{', '.join(regressions) or 'none'}; failed: {', '.join(errors) or 'none'}; history {store.uri}",
     )
-    same = [h for h in past if h.get("machine", {}).get("key") == record["machine"]["key"]] + [record]
+    same = [h for h in past if benchmark_history.same_hardware(h.get("machine", {}), record["machine"])] + [record]
     png = benchmark_history.trend_png(same, sorted(record["metrics"]))
     if png:
         create_markdown_artifact(f"## Benchmark trends ({len(same)} runs on this hardware)\n\n"
@@ -137,7 +141,9 @@ def benchmark(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.benchmark", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a small suite that runs in a few minutes")
+    suites = p.add_mutually_exclusive_group()
+    suites.add_argument("--quick", action="store_true", help="a small suite that runs in a few minutes")
+    suites.add_argument("--gpu", action="store_true", help="one GPU's training figures (benchmarks/gpu.py's cases)")
     p.add_argument("--only", nargs="+", choices=sorted(MODULES), help="run only these benchmarks of the suite")
     p.add_argument("--history", default="runs/benchmarks", help="folder or s3://bucket/prefix")
     p.add_argument("--endpoint-url")
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from flows.local_server import ensure_api
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
-    suite = QUICK if a.quick else NIGHTLY
+    suite = QUICK if a.quick else GPU if a.gpu else NIGHTLY
     if a.only:
         suite = [s for s in suite if s.name in a.only]
     out = benchmark(suite=suite, history=a.history, endpoint_url=a.endpoint_url, regression_threshold=a.threshold)

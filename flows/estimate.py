@@ -19,7 +19,7 @@ from gpt.backend import names_device, peak_flops
 from gpt.config import Config
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
-from tasks.benchmark_history import History, machine_facts
+from tasks.benchmark_history import History, machine_facts, reference
 from tasks.cluster import ClusterConfig
 from tasks.progress import human_duration
 
@@ -139,14 +139,15 @@ def _this_machine() -> dict[str, Any]:
 
 
 def read_history(root: Path) -> list[dict[str, Any]]:
-    """The benchmark history the operator names (GPT_BENCHMARK_HISTORY), else the benchmark flow's
-    default beside the runs, <root>/benchmarks; one that cannot be read is a warning and no history."""
+    """The shipped reference figures (measured on GPUs), then the benchmark history the operator names
+    (GPT_BENCHMARK_HISTORY), else the benchmark flow's default beside the runs, <root>/benchmarks;
+    one that cannot be read is a warning, and only the shipped figures count."""
     history = History(os.environ.get(HISTORY_ENV) or str(root / "benchmarks"))
     try:
-        return history.read()
+        return reference() + history.read()
     except Exception as e:  # unreadable file, unreachable store: the estimate says it has no figure
-        print(f"warning: benchmark history {history.uri} not read ({e}); the estimate has no measured figure")
-        return []
+        print(f"warning: benchmark history {history.uri} not read ({e}); the estimate uses the shipped figures only")
+        return reference()
 
 
 def _figure(value: float) -> str:

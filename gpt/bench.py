@@ -173,7 +173,7 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         seq_length: int | None = None, vocab_size: int = 50257, device: str = "auto", precision: str | None = None,
         compile: bool = False, compile_scope: str = "auto", compare_eager: bool = False, peer: bool = False,
         activation_checkpointing: bool = False, activation_checkpointing_scope: str = "block",
-        fp8_recipe: str = "tensorwise", find_micro_batch: bool = False, memory_cap_gib: float | None = None,
+        fp8_recipe: str = "tensorwise", fp8_layers: str = "all", find_micro_batch: bool = False, memory_cap_gib: float | None = None,
         peak_flops: float | None = None, profile_dir: str | None = None, profile_steps: int = 3,
         pipeline_parallel: int = 1, pipeline_schedule: str = "1f1b", virtual_pipeline_stages: int = 1) -> dict[str, Any]:
     """Benchmark ``model``: our row's figures at the top level; with ``compare_eager`` an "eager" row,
@@ -183,7 +183,7 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
     precision = precision or ("fp32" if backend.name == "cpu" else "bf16")
     config = Config(model=model, micro_batch_size=micro_batch, global_batch_size=micro_batch * grad_accum,
                     seq_length=seq_length, vocab_size=vocab_size, device=backend.name, precision=precision,
-                    fp8_recipe=fp8_recipe, compile=compile or compare_eager, compile_scope=compile_scope,
+                    fp8_recipe=fp8_recipe, fp8_layers=fp8_layers, compile=compile or compare_eager, compile_scope=compile_scope,
                     activation_checkpointing=activation_checkpointing,
                     activation_checkpointing_scope=activation_checkpointing_scope, peak_flops=peak_flops, mock_data=True)
     config.validate(1)
@@ -193,6 +193,7 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         check_stages(staged, backend)
     result: dict[str, Any] = {
         "model": model, "params": param_count(config), "device": _device_name(backend.name), "precision": precision,
+        **({"fp8_recipe": fp8_recipe, "fp8_layers": fp8_layers} if precision == "fp8" else {}),
         "grad_accum": grad_accum, "seq_length": config.seq_length, "steps": steps, "warmup": max(1, warmup),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "peak_memory_kind": "cuda_allocated" if backend.name == "cuda" else "process_rss",
@@ -420,6 +421,8 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"],
                    help="default: bf16 on accelerators, fp32 on CPU; fp8: torchao float8 linears (Hopper or later)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    p.add_argument("--fp8-layers", default="all", choices=["all", "large"],
+                   help="float8 for every block linear, or only those large enough to gain (small ones stay bf16)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compile-scope", default="auto", choices=["auto", "blocks", "model"],
                    help="one graph per block, or the whole forward with the loss (auto: model on CUDA, blocks elsewhere)")
@@ -442,6 +445,7 @@ def cli(argv: list[str] | None = None) -> int:
                      compile=a.compile, compile_scope=a.compile_scope, compare_eager=a.compare_eager, peer=a.peer,
                      activation_checkpointing=a.activation_checkpointing is not None,
                      activation_checkpointing_scope=a.activation_checkpointing or "block", fp8_recipe=a.fp8_recipe,
+                     fp8_layers=a.fp8_layers,
                      find_micro_batch=a.find_micro_batch, memory_cap_gib=a.memory_cap_gib, peak_flops=a.peak_flops,
                      profile_dir=a.profile, profile_steps=a.profile_steps, pipeline_parallel=a.pp,
                      pipeline_schedule=a.pipeline_schedule, virtual_pipeline_stages=a.virtual_pipeline_stages)

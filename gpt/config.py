@@ -64,6 +64,7 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda", "neuron"),
     "precision": ("fp32", "bf16", "fp16", "fp8"),
     "fp8_recipe": ("tensorwise", "rowwise"),
+    "fp8_layers": ("all", "large"),
     "compile_scope": ("auto", "blocks", "model"),
     "activation_checkpointing_scope": ("block", "attention", "mlp"),
     "pipeline_schedule": ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"),
@@ -111,6 +112,7 @@ class Config:
     device: str = "auto"
     precision: str = "bf16"                    # fp8: bf16 autocast with torchao float8 linears (Hopper or later)
     fp8_recipe: str = "tensorwise"             # torchao float8 scaling: "tensorwise" or "rowwise"
+    fp8_layers: str = "all"                    # "all" blocks' linears, or only those "large" enough to gain (gpt.parallel.build)
     compile: bool = False
     compile_scope: str = "auto"                # "blocks": each block a graph; "model": the whole forward and loss; "auto": model for one CUDA process
     activation_checkpointing: bool = False

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 HISTORY_FILE = "history.jsonl"
+# Figures measured on hardware CI does not have (GPUs), shipped with the code: the estimate uses them
+# and the benchmark flow compares a run on the same hardware against them.
+REFERENCE = Path(__file__).resolve().parent.parent / "benchmarks" / "reference.jsonl"
 # Metric name fragments that say which direction is better.
 HIGHER = ("per_s", "mfu", "throughput", "speedup", "mb_s", "gb_s", "tflops", "bandwidth")
 LOWER_SUFFIX = ("_s", "_ms", "_mb", "_gb", "_gib", "_mib", "_bytes")
@@ -126,15 +129,8 @@ class History:
             return ""
 
     def read(self) -> list[dict]:
-        records = []
-        for n, line in enumerate(self._read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{self.uri}:{n}: not a JSON line ({e}); fix or delete that line") from e
-        return records
+        return _records(self._read_text(), self.uri)
+
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, sort_keys=True) + "\n"
@@ -148,13 +144,38 @@ class History:
         client.put_object(Bucket=bucket, Key=key, Body=(self._read_text() + line).encode())
 
 
+def reference() -> list[dict]:
+    """The shipped reference records (REFERENCE), oldest first."""
+    return _records(REFERENCE.read_text(), str(REFERENCE))
+
+
+def same_hardware(a: dict, b: dict) -> bool:
+    """Whether two records' machines are the same hardware: the same GPU model and count where they
+    have GPUs (what a GPU benchmark measures), else the same CPU, core count and devices."""
+    if a.get("gpu") or b.get("gpu"):
+        return (a.get("gpu"), a.get("gpu_count")) == (b.get("gpu"), b.get("gpu_count"))
+    return a.get("key") == b.get("key")
+
+
+def _records(text: str, where: str) -> list[dict]:
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}:{n}: not a JSON line ({e}); fix or delete that line") from e
+    return records
+
+
 def compare(record: dict, history: list[dict], threshold: float) -> list[dict]:
     """Rows for each metric of `record`: value, previous, best, changes, and a regression flag.
 
     Only earlier records from the same hardware count. A regression is a change against the
     previous value worse than `threshold` (a fraction) in the metric's known direction.
     """
-    same = [h for h in history if h.get("machine", {}).get("key") == record["machine"]["key"]]
+    same = [h for h in history if same_hardware(h.get("machine", {}), record["machine"])]
     rows = []
     for metric, value in sorted(record["metrics"].items()):
         past = [h["metrics"][metric] for h in same if metric in h.get("metrics", {})]

@@ -30,7 +30,7 @@ from tasks.run_owner import RunOwner
 MARKER = "precompile.json"
 # Fields that change the compiled graphs (global batch size only changes how often they run).
 GRAPH_FIELDS = ("model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                "max_position_embeddings", "micro_batch_size", "precision", "fp8_recipe", "tensor_parallel",
+                "max_position_embeddings", "micro_batch_size", "precision", "fp8_recipe", "fp8_layers", "tensor_parallel",
                 "data_parallel_mode", "activation_checkpointing", "activation_checkpointing_scope", "compile_scope")
 
 

@@ -13,6 +13,7 @@ from flows.params import BudgetParams
 from gpt.config import Config
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
+from tasks import benchmark_history
 from tasks.benchmark_history import machine_facts
 from tasks.cluster import load_cluster
 from tests.fixtures_gpt import ROOT
@@ -136,12 +137,31 @@ def test_the_price_is_the_operators_not_the_forms():
         load_cluster("p4d-8gpu", price_per_node_hour=0.01)
 
 
-def test_an_unreadable_history_is_a_warning_and_no_figure(tmp_path, monkeypatch, capsys):
+def test_an_unreadable_history_is_a_warning_and_only_the_shipped_figures_count(tmp_path, monkeypatch, capsys):
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "history.jsonl").write_text("{not json\n")
     monkeypatch.delenv(estimate.HISTORY_ENV, raising=False)
-    assert estimate.read_history(tmp_path) == []
+    assert estimate.read_history(tmp_path) == benchmark_history.reference()
     assert "history.jsonl:1" in capsys.readouterr().out
+
+
+def test_the_shipped_gpu_figures_are_the_estimate_of_a_cluster_of_that_gpu(tmp_path, monkeypatch):
+    """benchmarks/reference.jsonl: what benchmarks/gpu.py measured on an H200; an H200 cluster's
+    estimate rests on it, and the benchmark flow compares an H200 node's run with it."""
+    monkeypatch.delenv(estimate.HISTORY_ENV, raising=False)
+    history = estimate.read_history(tmp_path)
+    shipped = {label: r for record in history for label, r in record["results"].items()}
+    assert shipped["gpu-1.3b-bf16"]["device"] == "NVIDIA H200" and shipped["gpu-1.3b-bf16"]["tokens_per_s"] > 0
+    config = Config(model="gpt3-1.3b", train_iters=10)
+    e = estimate.estimate(config, load_cluster("p4d-8gpu", accelerator="h200"), 0, history)
+    assert e.tokens_per_s_per_device == pytest.approx(shipped["gpu-1.3b-bf16"]["tokens_per_s"])
+    assert "benchmark gpu-1.3b-bf16 of 2026-11-26" in e.source
+    h200_node = {"gpu": "NVIDIA H200", "gpu_count": 1, "key": "another cpu|64|NVIDIA H200|1|0"}
+    record = {"machine": h200_node, "metrics": {"gpu-1.3b-bf16.tokens_per_s": 30_000.0}}
+    (row,) = benchmark_history.compare(record, history, 0.1)
+    assert row["previous"] == shipped["gpu-1.3b-bf16"]["tokens_per_s"] and row["regression"]
+    (row,) = benchmark_history.compare({**record, "machine": {**h200_node, "gpu_count": 8}}, history, 0.1)
+    assert row["previous"] is None                                   # eight GPUs are other hardware
 
 
 def test_the_run_folder_records_each_start_with_the_commit_and_the_package_versions(tmp_path):

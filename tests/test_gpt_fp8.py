@@ -94,3 +94,20 @@ def test_the_flow_refuses_fp8_unless_the_cluster_has_hopper_gpus_or_later(tmp_pa
             plan(cluster)
         assert any(m.startswith("training.precision: fp8 needs NVIDIA GPUs of the Hopper generation or later") and
                    f"runs on {where}" in m for m in e.value.errors), e.value.errors
+
+
+def test_fp8_layers_large_keeps_the_projections_too_small_to_gain_in_bf16():
+    """At GPT-3 1.3B (hidden 2048) rowwise float8 gains on q/k/v (6144 x 2048) and the MLP's first
+    layer (8192 x 2048), not on the 2048-wide output projections; tensorwise gains on all four."""
+    from gpt.parallel.build import float8_gains
+
+    Float8Linear = torchao_float8.float8_linear.Float8Linear
+    for recipe, kept in (("rowwise", {"attn.qkv", "mlp.c_fc"}),
+                         ("tensorwise", {"attn.qkv", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"})):
+        with torch.device("meta"):
+            model = GPT(Config(model="gpt3-1.3b", mock_data=True))
+        convert_to_float8(model, recipe, "large")
+        converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+        assert converted == {f"h.{i}.{layer}" for i in range(24) for layer in kept}
+    assert not float8_gains("tensorwise", 768, 100)                    # float8 shapes: multiples of 16
+    assert not float8_gains("tensorwise", 1024, 4096) and float8_gains("tensorwise", 1040, 4096)

@@ -36,7 +36,7 @@ def apply_layers(model: GPT, config: Config, env: DistEnv, device: torch.device)
     per-block compilation."""
     if config.precision == "fp8":
         require_float8_device(device)
-        convert_to_float8(model, config.fp8_recipe)
+        convert_to_float8(model, config.fp8_recipe, config.fp8_layers)
     if env.mesh is not None and config.tensor_parallel > 1:
         tensor.apply(model, env.mesh["tp"])
     elif env.tp is not None:
@@ -100,16 +100,37 @@ def compile_backend(device: torch.device) -> str:
         raise ConfigError(f"compile=True: torch.compile does not apply on {device.type} devices, whose graphs come "
                           "from the lazy trace (neuron_parallel_compile on Trainium); set compile=False")
     return backend
-def convert_to_float8(model: GPT, recipe: str, *, emulate: bool = False) -> None:
-    """torchao float8 training for the blocks' Linear layers (the output layer, tied to the embedding,
-    stays in the autocast dtype). ``emulate`` computes float8 numerics with ordinary matmuls, on any
-    device: no speed, for tests."""
+def convert_to_float8(model: GPT, recipe: str, layers: str = "all", *, emulate: bool = False) -> None:
+    """torchao float8 training for the blocks' Linear layers (the output layer stays in the autocast
+    dtype): every one (``layers`` "all") or only those large enough for float8 to gain ("large",
+    float8_gains). ``emulate`` computes float8 numerics with ordinary matmuls, on any device: no
+    speed, for tests."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         raise ConfigError("precision='fp8' needs torchao (pip install -r requirements.txt)") from e
     fp8 = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    convert_to_float8_training(model, config=fp8, module_filter_fn=lambda module, name: name.startswith("h."))
+
+    def converted(module: nn.Module, name: str) -> bool:
+        if not name.startswith("h."):
+            return False
+        return layers == "all" or not isinstance(module, nn.Linear) or float8_gains(recipe, *module.weight.shape)
+
+    convert_to_float8_training(model, config=fp8, module_filter_fn=converted)
+
+
+def float8_gains(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether a Linear of this shape trains faster in float8 than in bf16 on Hopper: below these
+    sizes the scaling and casts cost more than the faster matmul saves (torchao's H100 tables; the
+    rowwise kernels need larger shapes)."""
+    n, k = out_features, in_features
+    if n % 16 or k % 16:
+        return False
+    if recipe == "rowwise":
+        return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+    return not (k <= 4096 and n <= 1024)
+
+
 def require_float8_device(device: torch.device) -> None:
     """Float8 matmuls need an NVIDIA GPU of the Hopper generation (sm90) or later."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
