@@ -32,6 +32,7 @@ import numpy as np
 from gpt.data import DataIndex, MMapIndexedDataset, write_index
 from native import build_sample_idx
 from tasks.index import build_indices
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 MEGATRON_CORE = "megatron-core==0.16.1"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt-pretrain" / "megatron-core"
@@ -107,10 +108,10 @@ args = json.loads(sys.argv[2])
 
 class Vocabulary:
     # the index stage reads only these; no tokenization happens
-    vocab_size = 50257
+    vocab_size = GPT2_VOCAB_SIZE
     eod = 50256
     pad = -1
-    unique_identifiers = {"class": "Vocabulary", "vocab_size": 50257}
+    unique_identifiers = {"class": "Vocabulary", "vocab_size": GPT2_VOCAB_SIZE}
 
 
 config = GPTDatasetConfig(random_seed=args["seed"], sequence_length=args["seq_length"],

@@ -1,7 +1,7 @@
 """Peak memory and time of the output layer + cross-entropy, forward and backward: the chunked
 loss (gpt.model.linear_cross_entropy) against the full-logits path it replaced, in the same run.
 
-    python -m benchmarks.loss [--tokens 4096] [--hidden 768] [--vocab 50257] [--device cpu]
+    python -m benchmarks.loss [--tokens 4096] [--hidden 768] [--vocab N] [--device cpu]
 
 Peak memory is what the loss held above its inputs (CUDA: tensors allocated by torch; CPU: the
 process's resident set, its high-water mark restarted first), the gradients of x and the weight
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from gpt.backend import Backend, get_backend
 from gpt.bench import release_memory
 from gpt.model import default_chunk_tokens, linear_cross_entropy
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 
 def _full_logits(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -44,7 +45,7 @@ def _measure(loss_fn: Callable[..., torch.Tensor], inputs: tuple, backend: Backe
     return peak, elapsed
 
 
-def run(tokens: int = 4096, hidden: int = 768, vocab: int = 50257, padded_vocab: int | None = None,
+def run(tokens: int = 4096, hidden: int = 768, vocab: int = GPT2_VOCAB_SIZE, padded_vocab: int | None = None,
         device: str = "cpu", precision: str = "fp32", repeats: int = 3, chunk_tokens: int | None = None) -> dict[str, Any]:
     """Both paths ``repeats`` times, alternating; the largest peak and the median time of each.
     ``chunk_tokens``: tokens per chunk of the chunked loss (default: its own choice)."""
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.loss", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the micro-batch (batch x sequence)")
     p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--vocab", type=int, default=GPT2_VOCAB_SIZE)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--repeats", type=int, default=3)

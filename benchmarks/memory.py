@@ -24,6 +24,7 @@ from pathlib import Path
 from gpt.config import Config
 from gpt.distributed import free_port
 from gpt.memory import GIB, rank_memory
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = [  # (world size, fields)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     base = {"model": args.model, "seq_length": args.seq_length, "micro_batch_size": args.micro_batch,
             "global_batch_size": 4 * args.micro_batch, "train_iters": args.iters, "lr_warmup_iters": 0,
-            "mock_data": True, "benchmark": True, "device": "cpu", "precision": "fp32", "vocab_size": 50257,
+            "mock_data": True, "benchmark": True, "device": "cpu", "precision": "fp32", "vocab_size": GPT2_VOCAB_SIZE,
             "log_interval": args.iters, "save_interval": 10 ** 6}
     rows = []
     for world, change in LAYOUTS:

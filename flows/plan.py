@@ -31,7 +31,6 @@ from flows.params import (
     ParameterError,
     TokenizerParams,
     TrainingParams,
-    is_remote,
 )
 from flows.sizes import disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
@@ -41,6 +40,7 @@ from tasks.index import parse_split
 from tasks.precompile import cache_key
 from tasks.sync import local_path
 from tasks.sync.reach import inside
+from tasks.common.uri import is_s3
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
@@ -345,7 +345,7 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     are not the output root's own files."""
     for i, src in enumerate(data.sources):
         field = f"data.sources[{i}]"
-        if is_remote(src):
+        if is_s3(src):
             _allowed(field, boundary.s3_uri(src), errors)
             continue
         matches = glob.glob(local_path(src))
@@ -361,7 +361,7 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
                 break
     for i, p in enumerate(data.prefixes):
         field = f"data.prefixes[{i}].prefix"
-        if is_remote(p.prefix):
+        if is_s3(p.prefix):
             _allowed(field, boundary.s3_uri(p.prefix), errors)
             continue
         for ext in (".bin", ".idx"):
@@ -381,7 +381,7 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
         value = getattr(tokenizer, name)
         if not value:
             continue
-        if is_remote(value):
+        if is_s3(value):
             _allowed(f"tokenizer.{name}", boundary.s3_uri(value), errors)
         elif not os.path.isfile(local_path(value)) and not (
                 name == "tokenizer_model" and os.path.isfile(os.path.join(local_path(value), "tokenizer.json"))):
@@ -400,7 +400,7 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
 
 
 def _check_output(output: OutputParams, boundary: Boundary, errors: list[str]) -> None:
-    if output.uri is not None and not is_remote(output.uri):
+    if output.uri is not None and not is_s3(output.uri):
         errors.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")
     elif output.uri is not None:
         _allowed("output.uri", boundary.s3_uri(output.uri), errors)

@@ -47,6 +47,7 @@ from gpt.model import param_count
 from gpt.parallel.build import build_model, compile_scope
 from gpt.parallel.pipeline import Pipeline, bubble_fraction, build_pipeline
 from gpt.train import LossScaler, build_optimizer, train_step
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 
 class _Row:
@@ -170,7 +171,7 @@ class _HuggingFace(_Row):
 
 
 def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int = 3, grad_accum: int = 1,
-        seq_length: int | None = None, vocab_size: int = 50257, device: str = "auto", precision: str | None = None,
+        seq_length: int | None = None, vocab_size: int = GPT2_VOCAB_SIZE, device: str = "auto", precision: str | None = None,
         compile: bool = False, compile_scope: str = "auto", compare_eager: bool = False, peer: bool = False,
         activation_checkpointing: bool = False, activation_checkpointing_scope: str = "block",
         fp8_recipe: str = "tensorwise", fp8_layers: str = "all", find_micro_batch: bool = False, memory_cap_gib: float | None = None,
@@ -416,7 +417,7 @@ def cli(argv: list[str] | None = None) -> int:
                    help="untimed steps first, at least one (compilation and the peak memory happen here)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-length", type=int)
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "neuron"])
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8"],
                    help="default: bf16 on accelerators, fp32 on CPU; fp8: torchao float8 linears (Hopper or later)")

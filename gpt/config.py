@@ -9,9 +9,13 @@ import dataclasses
 import json
 import math
 import os
+import types
+import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # GPT-3 paper schedule in samples of 2048 tokens (as Megatron's GPT-3 examples use it):
 # 300B training tokens, 260B decay tokens, 375M warmup tokens.
@@ -84,7 +88,7 @@ class Config:
     num_attention_heads: int | None = None
     seq_length: int | None = None
     max_position_embeddings: int | None = None  # defaults to seq_length
-    vocab_size: int = 50257                    # tokenizer size; the model pads it (padded_vocab_size)
+    vocab_size: int = GPT2_VOCAB_SIZE          # tokenizer size; the model pads it (padded_vocab_size)
     data_index: str | None = None              # index manifest JSON written by tasks.index
     mock_data: bool = False                    # random tokens instead (gpt.data.MockGPTDataset)
     micro_batch_size: int | None = None
@@ -426,3 +430,71 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config fields at the top level")
     return data
+
+
+# -- KEY=VALUE overrides ----------------------------------------------------------------------------
+_NULL = ("", "null", "none", "~")
+
+
+def parse_overrides(items: Iterable[str], fields: Mapping[str, Any] | None = None,
+                    flag: str = "--set") -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``KEY=VALUE`` texts (``--set lr=3e-4``) as values typed by their field: a number for a numeric
+    field, true or false for a boolean, the text for a text field, JSON for a list or a mapping,
+    ``null`` (or nothing) for an optional one. ``fields`` maps names to types (default: Config's).
+    A name that is no field keeps its text, for the checks that list unknown fields. Returns the
+    values and the problems as (field, message) pairs; the message names ``flag``."""
+    fields = config_field_types() if fields is None else fields
+    values: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(("", f"{flag} {item!r}: expected KEY=VALUE"))
+            continue
+        try:
+            values[key] = typed_value(text, fields[key]) if key in fields else text
+        except ValueError as e:
+            problems.append((key, f"{key}={text!r}: {e}"))
+    return values, problems
+
+
+def typed_value(text: str, kind: Any) -> Any:
+    """``text`` as a value of type ``kind``; ValueError says what was expected."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if type(None) in args and text.strip().lower() in _NULL:
+            return None
+        (kind, *rest) = [a for a in args if a is not type(None)]
+        if rest:
+            return text
+    if kind is bool:
+        try:
+            return {"true": True, "false": False}[text.strip().lower()]
+        except KeyError:
+            raise ValueError("expected true or false") from None
+    if kind in (int, float):
+        try:
+            number = float(text)
+        except ValueError:
+            raise ValueError("expected a whole number" if kind is int else "expected a number") from None
+        if not math.isfinite(number):
+            raise ValueError("must be a finite number")
+        if kind is int and number != int(number):
+            raise ValueError("expected a whole number")
+        return int(number) if kind is int else number
+    if typing.get_origin(kind) in (list, dict):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"expected JSON ({e.msg})") from None
+        if not isinstance(value, typing.get_origin(kind)):
+            raise ValueError(f"expected a JSON {'list' if typing.get_origin(kind) is list else 'object'}")
+        return value
+    return text
+
+
+def config_field_types() -> dict[str, Any]:
+    """Config's fields by name, with their types."""
+    return typing.get_type_hints(Config)
+

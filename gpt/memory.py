@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gpt.config import Config
+from gpt.config import Config, parse_overrides
 
 GIB = 1 << 30
 STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from gpt.train import _parse_value
-
     parser = argparse.ArgumentParser(prog="python -m gpt.memory", description=main.__doc__)
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    fields = {k: _parse_value(v) for k, _, v in (item.partition("=") for item in args.set)}
+    fields, problems = parse_overrides(args.set)
+    if problems:
+        parser.error("; ".join(message for _, message in problems))
     config = Config.from_dict({"mock_data": True, **fields})
     estimate = rank_memory(config, args.world_size)
     print(json.dumps({**dataclasses.asdict(estimate), "total": estimate.total, "arithmetic": estimate.arithmetic()}))

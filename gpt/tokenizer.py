@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 EOD = "<|endoftext|>"
+# Entries of GPT-2's vocabulary (50,000 merges, 256 bytes, the end-of-text token): the size a model
+# has when no tokenizer says otherwise, and of the BPE trained when none is given.
+GPT2_VOCAB_SIZE = 50257
 # The end-of-text tokens of the common tokenizer files (GPT-2 and GPT-NeoX, Llama 3, SentencePiece
 # conversions).
 EOD_TOKENS = (EOD, "<|end_of_text|>", "</s>", "<eos>")

@@ -28,7 +28,7 @@ from gpt.backend import Backend, get_backend
 from gpt import heartbeat
 from gpt.checkpoint import Checkpointer, writer_id
 from gpt.compile_cache import save_compile_cache, use_compile_cache
-from gpt.config import Config, ConfigError, read_config_file
+from gpt.config import Config, ConfigError, parse_overrides, read_config_file
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.data import GPTDataset, MockGPTDataset
@@ -516,26 +516,16 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     return summary
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpt.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="JSON or YAML file of Config fields")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one field (repeatable); the value is parsed as JSON when it can be")
+                        help="override one field (repeatable); the value is typed by its field")
     args = parser.parse_args(argv)
     try:
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-            overrides[key] = _parse_value(value)
+        overrides, problems = parse_overrides(args.set)
+        if problems:
+            raise ConfigError("; ".join(message for _, message in problems))
         base = read_config_file(args.config) if args.config else {}
         config = Config.from_dict({**base, **overrides})
         summary = main(config)

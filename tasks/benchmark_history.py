@@ -17,6 +17,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from tasks.common.uri import bucket_and_key, is_s3
 
 HISTORY_FILE = "history.jsonl"
 # Figures measured on hardware CI does not have (GPUs), shipped with the code: the estimate uses them
@@ -106,7 +107,7 @@ class History:
     def __init__(self, location: str, *, endpoint_url: str | None = None) -> None:
         self.location = location.rstrip("/")
         self.endpoint_url = endpoint_url
-        self.remote = location.startswith("s3://")
+        self.remote = is_s3(location)
 
     @property
     def uri(self) -> str:
@@ -114,7 +115,7 @@ class History:
 
     def _s3(self) -> tuple[Any, str, str]:
         import boto3
-        bucket, _, prefix = self.location[len("s3://"):].partition("/")
+        bucket, prefix = bucket_and_key(self.location)
         key = f"{prefix}/{HISTORY_FILE}" if prefix else HISTORY_FILE
         return boto3.client("s3", endpoint_url=self.endpoint_url), bucket, key
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from gpt.files import WriteError, as_os_error, writing
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 EOD = "<|endoftext|>"
 
@@ -58,7 +59,7 @@ def build_encoder(vocab_file: str, merge_file: str):
     return gigatoken.Tokenizer(build_hf_tokenizer(vocab_file, merge_file))
 
 
-def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = 50257) -> tuple[str, str]:
+def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = GPT2_VOCAB_SIZE) -> tuple[str, str]:
     """Train a byte-level BPE and save it as GPT-2's ``vocab.json``/``merges.txt`` in ``out_dir``.
 
     ``<|endoftext|>`` takes the last id, as in GPT-2.

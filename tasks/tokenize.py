@@ -44,6 +44,7 @@ from tasks.digest import digest, file_digest
 from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.progress import Progress
 from tasks.run_context import log_to_stderr
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # What the stage reads: JSON lines, plain or compressed, and Parquet.
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",
@@ -581,7 +582,7 @@ def inputs_and_tokenizer(inputs: list[str] | str, output_prefix: str, json_keys:
 def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | None = None,
              merge_file: str | None = None, json_keys: tuple[str, ...] | list[str] = ("text",),
              append_eod: bool = True, workers: int | None = None, strict: bool = False,
-             train_vocab_size: int = 50257, train_bytes: int = 256 << 20,
+             train_vocab_size: int = GPT2_VOCAB_SIZE, train_bytes: int = 256 << 20,
              tokenizer_model: str | None = None) -> TokenizeManifest:
     """Tokenize JSONL or Parquet files into one ``.bin/.idx`` pair per JSON key (Parquet: per column).
 
@@ -671,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
     p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
-    p.add_argument("--vocab-size", type=int, default=50257, help="size of the BPE trained when no vocab is given")
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE, help="size of the BPE trained when no vocab is given")
     a = p.parse_args(argv)
     if (a.tokenizer_type == "HuggingFaceTokenizer") != (a.tokenizer_model is not None):
         p.error("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model go together")

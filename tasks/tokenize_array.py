@@ -48,6 +48,7 @@ from tasks.tokenize import (
     tokenize_cache_key,
     _nonzero,
 )
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 ARRAY_ATTEMPTS = 3        # runs of a shard whose task failed or was killed, the first included
 
@@ -57,7 +58,7 @@ ARRAY_ATTEMPTS = 3        # runs of a shard whose task failed or was killed, the
 def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: ClusterConfig, *,
                         vocab_file: str | None = None, merge_file: str | None = None,
                         json_keys: tuple[str, ...] | list[str] = ("text",), append_eod: bool = True,
-                        strict: bool = False, train_vocab_size: int = 50257, train_bytes: int = 256 << 20,
+                        strict: bool = False, train_vocab_size: int = GPT2_VOCAB_SIZE, train_bytes: int = 256 << 20,
                         tokenizer_model: str | None = None, tasks: int | None = None) -> TokenizeManifest:
     """``tasks.tokenize.tokenize`` as an array of ``tasks`` (default: the preset's
     ``data_array_tasks``, or one per node) tasks of ``cluster.data_job()``: the same outputs and

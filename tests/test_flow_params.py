@@ -99,7 +99,7 @@ def test_every_config_problem_at_once_and_numbers_given_as_text():
     assert any(e.startswith("training.overrides.lr_warmup_iters:") for e in errors)
     errors = _errors(training=TrainingParams(overrides={"weight_decay": "lots"}))
     assert errors == ["training.overrides.weight_decay: weight_decay='lots': expected a number"]
-    params = parse_args(["--set", "lr=3e-4", "--set", "adam_eps=1e-8"])     # YAML 1.1 reads both as text
+    params = parse_args(["--set", "lr=3e-4", "--set", "adam_eps=1e-8"])     # typed by their fields: floats
     plan = _check(training=params["training"])
     assert (plan.config.lr, plan.config.adam_eps) == (3e-4, 1e-8)
 

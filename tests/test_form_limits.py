@@ -184,9 +184,10 @@ def test_a_read_only_output_root_is_named(disk):
     (["--train-iters", "0"], "training.train_iters: Input should be greater than or equal to 1 (got 0)"),
     (["--tp", "-1"], "training.tensor_parallel: Input should be greater than or equal to 1"),
     (["--prefix", "abc", "X"], "data.prefixes[0].weight: Input should be a valid number"),
-    (["--set", "lr=[1,2"], "training.overrides.lr: --set 'lr=[1,2': the value is not valid YAML"),
-    (["--set", "micro_batch_size=true"], "training.overrides.micro_batch_size: micro_batch_size=True: expected a whole number"),
-    (["--set", "lr=.nan"], "training.overrides.lr: lr=nan: must be a finite number"),
+    (["--set", "lr=[1,2"], "training.overrides.lr: lr='[1,2': expected a number"),
+    (["--set", "micro_batch_size=true"], "training.overrides.micro_batch_size: micro_batch_size='true': expected a whole number"),
+    (["--set", "lr=nan"], "training.overrides.lr: lr='nan': must be a finite number"),
+    (["--cluster-set", "srun_extra=--x"], "cluster.overrides.srun_extra: srun_extra='--x': expected JSON"),
     (["--run-name", "../../etc"], "output.run_name: '../../etc' is not a name"),
 ])
 def test_the_command_line_answers_one_block_of_lines_and_exit_2(tmp_path, args, says):

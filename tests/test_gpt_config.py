@@ -133,3 +133,22 @@ def test_lr_schedule_by_samples():
     by_iters = Config(mock_data=True, lr=1e-3, min_lr=1e-4, global_batch_size=8, train_iters=120,
                       lr_warmup_iters=10, lr_decay_iters=110)
     assert [lr_at(c, i) for i in range(1, 121)] == pytest.approx([lr_at(by_iters, i) for i in range(1, 121)])
+
+
+def test_one_key_value_rule_types_each_value_by_its_field():
+    """gpt.config.parse_overrides is the one reading of KEY=VALUE: the flow's command line, gpt.train
+    and gpt.memory give one text one value."""
+    from flows.cli import parse_args
+    from gpt.config import parse_overrides
+
+    items = ["lr=3e-4", "compile=False", "lr_decay_iters=null", "train_iters=20", "run_dir=1e3", "model=gpt3-125m"]
+    values, problems = parse_overrides(items)
+    assert problems == []
+    assert values == {"lr": 3e-4, "compile": False, "lr_decay_iters": None, "train_iters": 20, "run_dir": "1e3",
+                      "model": "gpt3-125m"}
+    assert type(values["train_iters"]) is int and type(values["lr"]) is float
+    assert parse_args([arg for item in items for arg in ("--set", item)])["training"].overrides == values
+    _, problems = parse_overrides(["train_iters=1.5", "compile=yes", "seed", "lr=inf"])
+    assert problems == [("train_iters", "train_iters='1.5': expected a whole number"),
+                        ("compile", "compile='yes': expected true or false"),
+                        ("", "--set 'seed': expected KEY=VALUE"), ("lr", "lr='inf': must be a finite number")]

@@ -8,6 +8,7 @@ from tasks.run_context import log_to_stderr
 from tasks.sync.download import sync
 from tasks.sync.remote import SyncError, redact
 from tasks.sync.uploader import upload
+from tasks.common.uri import is_s3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = dict(endpoint_url=args.endpoint_url, no_sign_request=args.no_sign_request, profile=args.profile,
                 workers=args.workers, part_size_mb=args.part_size_mb, concurrency=args.concurrency)
     try:
-        if dest.startswith("s3://"):
+        if is_s3(dest):
             if len(sources) != 1 or args.delete or args.verify_content:
                 p.error("an upload takes exactly one local SRC and no --delete or --verify-content")
             m = upload(sources[0], dest, **opts)

@@ -49,6 +49,7 @@ from tasks.sync.reach import Reach
 from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, TransientSyncError
 from tasks.sync.s5cmd import _raise_first, run_s5cmd
+from tasks.common.uri import is_s3
 
 # Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
 # the more at once the more of them one native call hashes.
@@ -110,7 +111,7 @@ def sync(sources: list[str] | str, dest: str, *, endpoint_url: str | None = None
     folder = Path(dest).expanduser().absolute()
     if folder.exists() and not folder.is_dir():
         raise SyncError(f"destination {dest} is a file: give a folder")
-    client = remote.client() if any(s.startswith("s3://") for s in sources) else None
+    client = remote.client() if any(is_s3(s) for s in sources) else None
     objs = list_sources(sources, remote, client, Reach.make(allowed_roots, folder))
     partial = folder / PARTIAL_DIR
     partial.mkdir(mode=0o700, parents=True, exist_ok=True)

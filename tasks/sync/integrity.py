@@ -18,6 +18,7 @@ from native import md5_lanes, md5_ranges
 from tasks import crc
 from tasks.sync.listing import Source
 from tasks.sync.remote import split_s3
+from tasks.common.uri import is_s3
 
 MIB = 1 << 20
 
@@ -174,7 +175,7 @@ def expected_check(etag: str | None) -> Check:
 
 def _part_size(uri: str, number: int, client: Any) -> int | None:
     """The size of part `number` as the server tells it (HEAD with PartNumber), if it does."""
-    if client is None or not uri.startswith("s3://"):
+    if client is None or not is_s3(uri):
         return None
     bucket, key = split_s3(uri)
     try:
@@ -185,7 +186,7 @@ def _part_size(uri: str, number: int, client: Any) -> int | None:
 
 def server_checksum(o: Source, client: Any) -> crc.ServerChecksum | None:
     """The store's additional checksum of a large S3 object (one HEAD), if it keeps one."""
-    if client is None or o.size < CRC_MIN_BYTES or not o.uri.startswith("s3://"):
+    if client is None or o.size < CRC_MIN_BYTES or not is_s3(o.uri):
         return None
     bucket, key = split_s3(o.uri)
     try:

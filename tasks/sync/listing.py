@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator
 from tasks.digest import Digest
 from tasks.sync.reach import Reach
 from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
+from tasks.common.uri import is_s3
 
 MANIFEST_NAME = ".sync-manifest.json"
 
@@ -161,11 +162,11 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, rea
     sources = list(sources)
     if not sources:
         raise SyncError("no sources given: pass at least one s3:// URI or local path")
-    if client is None and any(s.startswith("s3://") for s in sources):
+    if client is None and any(is_s3(s) for s in sources):
         client = remote.client()
     objs: dict[str, Source] = {}
     for src in sources:
-        for o in (_list_s3(src, client, remote) if src.startswith("s3://") else _list_local(src, reach)):
+        for o in (_list_s3(src, client, remote) if is_s3(src) else _list_local(src, reach)):
             other = objs.setdefault(o.rel, o)
             if other.uri != o.uri:
                 raise SyncError(f"{other.uri} and {o.uri} would both be written to {o.rel}: "

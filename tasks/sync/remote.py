@@ -11,6 +11,7 @@ import botocore.loaders
 import botocore.session
 from botocore import UNSIGNED
 from botocore.config import Config as BotoConfig
+from tasks.common.uri import bucket_and_key, is_s3
 
 _LOADER = botocore.loaders.create_loader()
 
@@ -88,7 +89,7 @@ def redact(text: str, remote: Remote | None = None) -> str:
 
 def _error_for(code: str, message: str, uri: str, remote: Remote) -> SyncError:
     """Map an S3 error code or s5cmd error text to a one-line error."""
-    bucket = uri[5:].split("/", 1)[0] if uri.startswith("s3://") else uri
+    bucket = bucket_and_key(uri)[0] if is_s3(uri) else uri
     text = f"{code} {message}"
     if "NoSuchBucket" in text:
         return SyncError(f"bucket {bucket!r} does not exist at {remote.where} ({uri}): "
@@ -134,7 +135,7 @@ def _s3_call(fn: Callable[[], Any], uri: str, remote: Remote) -> Any:
 
 
 def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[5:].partition("/")
+    bucket, key = bucket_and_key(uri)
     if not bucket:
         raise SyncError(f"{uri!r} names no bucket: write s3://BUCKET/KEY")
     return bucket, key

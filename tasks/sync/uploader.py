@@ -22,6 +22,7 @@ from tasks.sync.reach import Reach
 from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
 from tasks.sync.s5cmd import run_s5cmd
+from tasks.common.uri import is_s3
 
 
 def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
@@ -32,7 +33,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     Objects already there with the same content are left alone. The manifest is written to
     `<dest_uri>/.sync-manifest.json`.
     """
-    if not dest_uri.startswith("s3://"):
+    if not is_s3(dest_uri):
         raise SyncError(f"upload destination {dest_uri!r} is not an s3:// URI: write s3://BUCKET/PREFIX")
     remote = Remote.make(endpoint_url, no_sign_request, profile)
     bucket, prefix = split_s3(dest_uri)
