@@ -9,7 +9,7 @@ Each section runs real code in a temporary folder and reports what it writes, re
   (``gpt.metrics.MetricsWriter``, mean over 1,000 iterations), Megatron's log line, and at each rank
   count one ``ranks`` record (every rank's busy time and node) with the time to parse it and feed it
   to ``tasks.hang.Stragglers`` (median of 5), and how fast a resume reads back 100 such records at
-  the largest rank count (``gpt.metrics._truncate_after``);
+  the largest rank count (``gpt.metrics.truncate_after``);
 - ``index``: the index stage (``tasks.index.build_indices``) on benchmarks.index's synthetic corpus
   (log-normal document lengths, 2,000 tokens per document, a sparse ``.bin``) at each token count:
   the first build, which also reads the whole ``.bin`` once for its largest token id, and a build of
@@ -135,8 +135,8 @@ def _folder_bytes(folder: Path) -> int:
 def metrics(work: Path, ranks: Sequence[int], iterations: int = 1000, reads: int = 5,
             records_for_resume: int = 100) -> dict[str, Any]:
     """Bytes of a train record, TensorBoard bytes per iteration, a ranks record at each rank count,
-    and how fast a resume reads the file back (``gpt.metrics._truncate_after``, fastest of 3)."""
-    from gpt.metrics import MetricsWriter, _truncate_after, train_line
+    and how fast a resume reads the file back (``gpt.metrics.truncate_after``, fastest of 3)."""
+    from gpt.metrics import MetricsWriter, truncate_after, train_line
     from tasks.hang import Stragglers
 
     rng = random.Random(0)
@@ -168,7 +168,7 @@ def metrics(work: Path, ranks: Sequence[int], iterations: int = 1000, reads: int
                      [_node(r) for r in range(max(ranks))])
     writer.close()
     size = (run / "metrics.jsonl").stat().st_size
-    resume_s = min(_timed(lambda: _truncate_after(run / "metrics.jsonl", 10 ** 12)) for _ in range(3))
+    resume_s = min(_timed(lambda: truncate_after(run / "metrics.jsonl", 10 ** 12)) for _ in range(3))
     tensorboard = _folder_bytes(run / "tensorboard") - _folder_bytes(empty / "tensorboard")
     line = train_line(iteration=first, total=146_484, consumed=1536 * first, elapsed_ms=10_034.5, lr=5.87e-5,
                       batch=1536, loss=2.134, loss_scale=1.0, grad_norm=0.231, skipped=0, nan=0,

@@ -14,18 +14,14 @@ that trace (``neuron_parallel_compile`` on Trainium), not from torch.compile.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from gpt.parallel.xla import Group
 
 # Dense peak FLOP/s per device, from the vendors' data sheets, for MFU.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -118,22 +114,6 @@ class Backend:
             return optimizer
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind.fused_adamw or None)
 
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer, tp: Group | None = None,
-                         replicas: dist.ProcessGroup | None = None) -> None:
-        """Average the gradients over the data-parallel replicas where the model does not (DDP and
-        FSDP reduce inside backward). On XLA, and under gpt.parallel.xla's layers, the model is
-        not wrapped, so it happens here: over the whole world, or over the ranks that hold the same
-        part of every parameter. Where data parallel as DDP has no DDP module (pipeline stages,
-        DTensor tensor parallel: gpt.parallel.data.gradient_replicas) it averages over ``replicas``."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if tp is not None:
-            tp.average_over_replicas(grads)
-        elif replicas is not None:
-            average_over_group(grads, replicas)
-        elif self.lazy:
-            import torch_xla.runtime as xr
-            average_on_xla(grads, [list(range(xr.world_size()))])
-
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         """One optimizer step, or none where ``found_inf`` (a 0-dim float tensor) is 1: parameters
         and optimizer state stay as they were. The flag is read on the device, or on the CPU, which
@@ -208,46 +188,6 @@ class Backend:
 
     def _accelerator(self) -> bool:
         return self.kind.device_type not in ("cpu", "xla")
-
-
-def average_over_group(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_elements: int = 2 ** 25) -> None:
-    """Average eager tensors in place over a process group: a few large all-reduces of flattened
-    buckets (of one dtype, up to ``bucket_elements``) rather than one per tensor. A DTensor's local
-    shard is averaged: the replicas hold the same shard of it."""
-    count = dist.get_world_size(group)
-    if count < 2:
-        return
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for grad in grads:
-        if not buckets or size + grad.numel() > bucket_elements or grad.dtype != buckets[-1][0].dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(grad)
-        size += grad.numel()
-    for bucket in buckets:
-        flat = torch._utils._flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        flat.div_(count)
-        for grad, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(averaged)
-
-
-def average_on_xla(grads: list[torch.Tensor], replicas: list[list[int]]) -> None:
-    """Average XLA tensors in place over each group of ``replicas`` (every group of the world, as XLA
-    collectives name them), in buckets of ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB as torch_xla does when it is set."""
-    import torch_xla.core.xla_model as xm
-
-    count = len(replicas[0])
-    if count < 2 or not grads:
-        return
-    bucket_mb = int(os.environ.get("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", "0"))
-    if bucket_mb > 0:  # last layers first, so that their reduction can start during backward
-        xm.all_reduce_bucketized_gradients(grads[::-1], scale=1.0 / count, groups=replicas, pin_layout=True,
-                                           bucket_cap_mb=bucket_mb)
-    else:
-        xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / count, groups=replicas)
 
 
 def _status_bytes(field: str) -> int:

@@ -98,10 +98,10 @@ class MMapIndexedDataset:
                 f"{self.idx_path}: {idx_size} bytes, but the header's {n} sequences and {d} document "
                 f"indices need {expected}: the file is truncated or corrupt"
             )
-        self._idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
-        self.sizes = np.frombuffer(self._idx, dtype=np.int32, count=n, offset=_HEADER.size)
-        self.pointers = np.frombuffer(self._idx, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
-        self.document_indices = np.frombuffer(self._idx, dtype=np.int64, count=d, offset=_HEADER.size + 12 * n)
+        self.idx_bytes = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        self.sizes = np.frombuffer(self.idx_bytes, dtype=np.int32, count=n, offset=_HEADER.size)
+        self.pointers = np.frombuffer(self.idx_bytes, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
+        self.document_indices = np.frombuffer(self.idx_bytes, dtype=np.int64, count=d, offset=_HEADER.size + 12 * n)
         if d == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise IndexFormatError(
                 f"{self.idx_path}: document indices must start at 0 and end at the sequence count {n}; "

@@ -1,5 +1,5 @@
 """The process group and device mesh a job's ranks join, and the collectives the training loop
-calls (gradient norm over every shard and stage, sums and gathers of small values).
+calls (sums and gathers of small values; the gradients' are gpt.parallel.gradients).
 
 The mesh is (pp, dp, tp), tensor-parallel ranks consecutive (within a node), then data parallel,
 then pipeline stages outermost (across nodes): rank = (pp index x dp + dp index) x tp + tp index.
@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from gpt import heartbeat
 from gpt.backend import Backend
@@ -105,43 +103,6 @@ def check_world(rank: int, world_size: int) -> None:
             f"the launcher asked for rank {rank} of WORLD_SIZE={world_size}, but the process group has rank "
             f"{seen[1]} of {seen[0]}. On Trainium start the ranks with torchrun, one launcher per node, so "
             "that torch_xla sets up Neuron's multi-process runtime")
-
-
-def grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of all gradients, over every shard of every rank (and every pipeline stage's
-    parameters, summed over ``pp_group``)."""
-    with_grad = [p for p in parameters if p.grad is not None]
-    sharded = [p.grad for p in with_grad if isinstance(p.grad, DTensor)]
-    split = [p for p in with_grad if hasattr(p, "tp_shard")]  # by gpt.parallel.xla
-    plain = [p.grad for p in with_grad if not isinstance(p.grad, DTensor) and not hasattr(p, "tp_shard")]
-    norms = []
-    if sharded:
-        norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor())
-    if split:
-        squares = torch.nn.utils.get_total_norm([p.grad for p in split]) ** 2
-        norms.append(split[0].tp_shard.group.all_reduce(squares).sqrt())
-    if plain:
-        norms.append(torch.nn.utils.get_total_norm(plain))
-    norm = torch.linalg.vector_norm(torch.stack(norms))
-    if pp_group is not None:
-        squares = norm.float() ** 2
-        dist.all_reduce(squares, group=pp_group)
-        norm = squares.sqrt()
-    return norm
-
-
-
-def scale_grads(parameters: list[nn.Parameter], factor: float | torch.Tensor) -> None:
-    """Multiply every gradient by ``factor`` (a 0-dim tensor applies to sharded gradients too)."""
-    for p in parameters:
-        if p.grad is not None:
-            p.grad.mul_(factor)
-
-
-def clip_grads(parameters: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale the gradients down to ``max_norm`` where their global ``norm`` exceeds it, with the
-    coefficient computed on the device (no host read), in the norm's dtype."""
-    scale_grads(parameters, torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0))
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
             with writing(self._path, [run_dir]):
                 self._path.parent.mkdir(parents=True, exist_ok=True)
-                _truncate_after(self._path, resume_iteration)
+                truncate_after(self._path, resume_iteration)
                 self._file = open(self._path, "ab", buffering=0)
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
@@ -107,7 +107,7 @@ class MetricsWriter:
 _ITERATION = re.compile(rb'\{"kind": "[a-z]+", "iteration": (\d+)[,}]')
 
 
-def _truncate_after(path: Path, iteration: int) -> None:
+def truncate_after(path: Path, iteration: int) -> None:
     """Drop records past the checkpoint a run resumes from (those iterations run again), and a line
     cut short when the previous run was killed. The file is cut in place, never replaced, so that
     nothing that still holds it open writes into an unlinked copy. Only each record's head is read

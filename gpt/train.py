@@ -32,14 +32,12 @@ from gpt.config import Config, ConfigError, parse_overrides, read_config_file
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.data import GPTDataset, MockGPTDataset
-from gpt.distributed import (
-    DistEnv, all_reduce_sum, clip_grads, gather_floats, gather_objects, grad_norm, init_distributed, scale_grads,
-    shutdown,
-)
+from gpt.distributed import DistEnv, all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
 from gpt.parallel.build import build_model
 from gpt.parallel.data import gradient_replicas, gradient_sync
+from gpt.parallel.gradients import clip_grads, grad_norm, reduce_gradients, scale_grads
 from gpt.parallel.pipeline import Pipeline, build_pipeline
 from gpt.parallel.xla import Group, sharded_names
 
@@ -137,7 +135,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             (loss * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach()
     heartbeat.enter("sync")
-    backend.reduce_gradients(optimizer, tp, replicas)
+    reduce_gradients(optimizer, backend.lazy, tp, replicas)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
     norm = grad_norm(pipeline.norm_parameters(params) if pipeline else params,

@@ -124,7 +124,7 @@ def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 
     """Identity of a .bin/.idx pair by content, not by file times (tokenizing the same text again
     gives the same identity): the sizes, the whole .idx (small: 12 bytes a document) and ``blocks``
     blocks spread evenly over the .bin (hashing gigabytes would dominate)."""
-    content = Digest().add_bytes(np.asarray(data._idx).data)
+    content = Digest().add_bytes(np.asarray(data.idx_bytes).data)
     size = os.path.getsize(data.bin_path)
     with open(data.bin_path, "rb") as f:
         for i in range(blocks if size else 0):

@@ -601,7 +601,7 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     encoded = encode([Piece(f) for f in files], prefixes, tokenizer, append_eod=append_eod, workers=workers,
                      strict=strict)
     if any(encoded.skipped.values()):
-        print(f"Skipped lines: {_nonzero(encoded.skipped)}", flush=True)
+        print(f"Skipped lines: {nonzero_counts(encoded.skipped)}", flush=True)
     return manifest(files, prefixes, tokenizer, append_eod=append_eod, documents=encoded.documents,
                     tokens=encoded.tokens, skipped=encoded.skipped)
 
@@ -623,10 +623,10 @@ def manifest(files: list[str], prefixes: dict[str, str], tokenizer: TokenizerFil
 
 
 def no_document(files: list[str], skipped: dict[str, int]) -> TokenizeError:
-    return TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {_nonzero(skipped)})")
+    return TokenizeError(f"--input {', '.join(files)}: no usable document (skipped: {nonzero_counts(skipped)})")
 
 
-def _nonzero(counts: dict[str, int]) -> str:
+def nonzero_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
 
 

@@ -46,7 +46,7 @@ from tasks.tokenize import (
     no_document,
     output_prefixes,
     tokenize_cache_key,
-    _nonzero,
+    nonzero_counts,
 )
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 
@@ -167,7 +167,7 @@ def _say_skipped(shards: list[Shard], records: list[dict[str, Any]], skipped: di
         for piece, lines in zip(shard.pieces, record["lines"]):
             before[piece.path] = before.get(piece.path, 0) + lines
     if any(skipped.values()):
-        print(f"Skipped lines: {_nonzero(skipped)}", flush=True)
+        print(f"Skipped lines: {nonzero_counts(skipped)}", flush=True)
 
 
 tokenize_array_task = task(tokenize_on_cluster, name="tokenize", cache_key_fn=tokenize_cache_key, persist_result=True,

@@ -8,5 +8,7 @@ only the math.
 - ``xla``: the same split with explicit collectives, for XLA's lazy tensors (Trainium);
 - ``data``: FSDP2 or DDP over the data-parallel ranks, and the replicas that average gradients
   where no DDP module applies;
-- ``pipeline``: stages on torch.distributed.pipelining and their schedules.
+- ``pipeline``: stages on torch.distributed.pipelining and their schedules;
+- ``gradients``: averaging the gradients over the replicas where no DDP or FSDP module does, the
+  global gradient norm over every shard and stage, clipping.
 """

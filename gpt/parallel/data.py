@@ -2,7 +2,7 @@
 and optimizer state over the ``dp`` mesh dimension; DDP all-reduces gradients and keeps optimizer
 state on every replica. Where torch's DDP module cannot apply (its model holds DTensors, or a
 pipeline schedule runs it), the replicas average the gradients after the backward instead
-(Backend.reduce_gradients over ``gradient_replicas``)."""
+(gpt.parallel.gradients.reduce_gradients over ``gradient_replicas``)."""
 from __future__ import annotations
 
 import contextlib
@@ -45,7 +45,7 @@ def wrap(parts: list[GPT], config: Config, env: DistEnv, device: torch.device) -
 
 
 def gradient_replicas(config: Config, env: DistEnv) -> dist.ProcessGroup | None:
-    """The data-parallel group over which Backend.reduce_gradients averages the gradients as DDP
+    """The data-parallel group over which gpt.parallel.gradients.reduce_gradients averages the gradients as DDP
     would, where no DDP module wraps the model: pipeline stages (a schedule gives DDP no forward per
     backward) and tensor-parallel layers (DDP takes no DTensor). None where DDP, FSDP or nothing does it."""
     if env.mesh is None or env.dp_size == 1 or config.data_parallel_mode != "ddp":

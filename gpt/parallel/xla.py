@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpt.backend import average_on_xla, average_over_group
+from gpt.parallel.gradients import average_on_xla, average_over_group
 from gpt.model import GPT
 
 

@@ -29,18 +29,18 @@ from tasks.sync.listing import (
     PARTIAL_DIR,
     SETTLE_NS,
     Source,
-    _reserved,
-    _walk,
+    is_reserved,
+    walk_files,
     list_sources,
 )
 from tasks.sync.manifest import (
     FileEntry,
     SyncManifest,
-    _copy_intact,
-    _entry,
-    _manifest,
-    _read_manifest,
-    _up_to_date,
+    copy_intact,
+    file_entry,
+    sync_manifest,
+    read_manifest,
+    up_to_date,
     manifest_mode,
     stamp_fields,
     write_manifest,
@@ -48,7 +48,7 @@ from tasks.sync.manifest import (
 from tasks.sync.reach import Reach
 from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, TransientSyncError
-from tasks.sync.s5cmd import _raise_first, run_s5cmd
+from tasks.sync.s5cmd import raise_first, run_s5cmd
 from tasks.common.uri import is_s3
 
 # Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
@@ -64,14 +64,14 @@ def transfer_progress(label: str, todo: list[Source], artifact_key: str) -> Prog
     return progress
 
 
-def _await_verifications(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
+def await_verifications(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
             remote: Remote, mismatch: str) -> None:
     """Wait for the verifications still running, then raise the transfer's first error, if any."""
     for fut in cf.as_completed(futures):
         fut.result()
         progress.show()
     if errors:
-        _raise_first(errors, remote)
+        raise_first(errors, remote)
     if failures:
         raise TransientSyncError(f"{failures[0]} {mismatch} ({len(failures)} file(s)): run it again")
 
@@ -139,10 +139,10 @@ def sync_work(objs: list[Source], folder: Path, partial: Path, old: dict[str, Fi
     out = SyncWork()
     for o in objs:
         final, staged, prev = folder / o.rel, partial / o.rel, old.get(o.rel)
-        if not verify_content and _up_to_date(o, prev, final):
+        if not verify_content and up_to_date(o, prev, final):
             out.entries[o.rel] = prev  # type: ignore[assignment]
         elif o.etag is None:
-            if prev is not None and prev.content is not None and _copy_intact(o, prev, final):
+            if prev is not None and prev.content is not None and copy_intact(o, prev, final):
                 out.rehash.append((o, prev))
             else:
                 out.todo.append(o)
@@ -266,7 +266,7 @@ class Download:
         o = dataclasses.replace(o, content=digest)
         if not o.stat.settled:  # type: ignore[union-attr]
             self.unsettled.append(o)
-        return o, _entry(o, self.folder, prev.check)
+        return o, file_entry(o, self.folder, prev.check)
 
     def settle(self) -> None:
         """Record the stamps of the local sources listed within SETTLE_NS of their last write: once the
@@ -320,7 +320,7 @@ class Download:
             self.failures.append(o.uri)
             return
         self.promote(o, staged)
-        self.entries[o.rel] = _entry(o, self.folder, check)
+        self.entries[o.rel] = file_entry(o, self.folder, check)
         if o.stat is not None and not o.stat.settled:
             self.unsettled.append(o)
         self.progress.add(o.size)  # type: ignore[union-attr]
@@ -338,7 +338,7 @@ def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: 
                  verify_content: bool) -> SyncManifest:
     manifest_path = folder / MANIFEST_NAME
     mode = manifest_mode(objs)
-    work = sync_work(objs, folder, partial, _read_manifest(manifest_path), verify_content)
+    work = sync_work(objs, folder, partial, read_manifest(manifest_path), verify_content)
     with cf.ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
         run = Download(folder, partial, client, pool, work.entries, verify_content)
         run.ask_checksums(work.todo + [o for o, _ in work.recheck])
@@ -346,7 +346,7 @@ def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: 
             if check is None:
                 work.todo.append(o)
             else:
-                run.entries[o.rel] = _entry(o, folder, check)
+                run.entries[o.rel] = file_entry(o, folder, check)
         for o, entry in pool.map(run.rehash_local, work.rehash):
             if entry is None:
                 work.todo.append(o)
@@ -362,17 +362,17 @@ def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: 
             errors = run_s5cmd([(o.uri, str(partial / o.rel)) for o in run.fetching.values()], remote,
                                workers=workers, part_size_mb=part_size_mb, concurrency=concurrency,
                                on_done=run.downloaded) if run.fetching else []
-            _await_verifications(run.futures, run.progress, errors, run.failures, remote, "does not match its ETag after download")
+            await_verifications(run.futures, run.progress, errors, run.failures, remote, "does not match its ETag after download")
             run.settle()
             ok = True
         finally:
             run.close()
             if not ok:   # record what is verified so far; the next run resumes from it
-                write_manifest(manifest_path, _manifest(sources, objs, run.entries, folder, run.progress, 0, False,
+                write_manifest(manifest_path, sync_manifest(sources, objs, run.entries, folder, run.progress, 0, False,
                                                         sum(run.hashed)), mode)
     progress = run.progress
     deleted = _delete_extra(folder, {o.rel for o in objs}) if delete else 0
-    manifest = _manifest(sources, objs, run.entries, folder, progress, deleted, True, sum(run.hashed))
+    manifest = sync_manifest(sources, objs, run.entries, folder, progress, deleted, True, sum(run.hashed))
     write_manifest(manifest_path, manifest, mode)
     shutil.rmtree(partial, ignore_errors=True)
     methods = collections.Counter(f.check for f in manifest.files)
@@ -401,9 +401,9 @@ def _empty(folder: Path) -> None:
 
 def _delete_extra(folder: Path, keep: set[str]) -> int:
     count = 0
-    for path in list(_walk(str(folder))):
+    for path in list(walk_files(str(folder))):
         rel = os.path.relpath(path, folder).replace(os.sep, "/")
-        if rel not in keep and not _reserved(rel):
+        if rel not in keep and not is_reserved(rel):
             os.unlink(path)
             count += 1
     for inner, _, _ in os.walk(folder, topdown=False):

@@ -12,10 +12,10 @@ from typing import Any
 from tasks.sync.integrity import (
     HASHER,
     Hasher,
-    _etag_of_parts,
-    _part_size,
-    _ranges,
-    _uniform,
+    etag_of_parts,
+    part_size_of,
+    part_ranges,
+    uniform_parts,
 )
 from tasks.sync.listing import Source
 
@@ -121,12 +121,12 @@ class PartFollower:
                 o, staged = self._pending.pop()
                 fut = self._claimed[o.uri] = cf.Future()
             count = int(o.etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
-            part = _part_size(o.uri, 1, self._client)
-            sizes = _uniform(o.size, part) if part is not None else []
+            part = part_size_of(o.uri, 1, self._client)
+            sizes = uniform_parts(o.size, part) if part is not None else []
             if len(sizes) != count:
                 fut.set_result(None)
                 continue
-            ranges = _ranges(sizes)
+            ranges = part_ranges(sizes)
             window.append(FollowedDownload(o, staged, self._done[o.uri], fut, ranges))
 
     def _open(self, window: list[FollowedDownload]) -> None:
@@ -184,7 +184,7 @@ class PartFollower:
         st, final = os.fstat(f.fd), os.stat(f.staged)  # type: ignore[arg-type]
         if b"" in f.states or (st.st_ino, st.st_dev, st.st_size) != (final.st_ino, final.st_dev, f.obj.size):
             return None
-        return _etag_of_parts(f.states)
+        return etag_of_parts(f.states)
 
 
 def _data_end(fd: int, offset: int) -> int:

@@ -141,21 +141,21 @@ def multipart_etag(path: str | os.PathLike, parts: int | list[int]) -> str:
 
     `parts` is the part size in bytes (all parts equal but the last) or the list of part sizes.
     """
-    sizes = _uniform(os.path.getsize(path), parts) if isinstance(parts, int) else parts
-    digests = HASHER.digests(path, _ranges(sizes))
-    return "" if None in digests else _etag_of_parts(digests)  # type: ignore[arg-type]
+    sizes = uniform_parts(os.path.getsize(path), parts) if isinstance(parts, int) else parts
+    digests = HASHER.digests(path, part_ranges(sizes))
+    return "" if None in digests else etag_of_parts(digests)  # type: ignore[arg-type]
 
 
-def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+def part_ranges(sizes: list[int]) -> list[tuple[int, int]]:
     """(offset, length) of each part."""
     return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 
-def _etag_of_parts(digests: list[bytes]) -> str:
+def etag_of_parts(digests: list[bytes]) -> str:
     return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
-def _uniform(size: int, part_size: int) -> list[int]:
+def uniform_parts(size: int, part_size: int) -> list[int]:
     return [min(part_size, size - start) for start in range(0, size, part_size)]
 
 
@@ -173,7 +173,7 @@ def expected_check(etag: str | None) -> Check:
     return "size"
 
 
-def _part_size(uri: str, number: int, client: Any) -> int | None:
+def part_size_of(uri: str, number: int, client: Any) -> int | None:
     """The size of part `number` as the server tells it (HEAD with PartNumber), if it does."""
     if client is None or not is_s3(uri):
         return None
@@ -197,12 +197,12 @@ def server_checksum(o: Source, client: Any) -> crc.ServerChecksum | None:
 
 def _part_sizes(uri: str, size: int, count: int, client: Any) -> list[int] | None:
     """The sizes of the `count` parts an object was uploaded in, as the server tells them."""
-    first = _part_size(uri, 1, client)
+    first = part_size_of(uri, 1, client)
     if first is None or (first >= size and count > 1):
         return None
-    if len(_uniform(size, first)) == count:
-        return _uniform(size, first)
-    sizes = [_part_size(uri, n, client) for n in range(1, count + 1)]
+    if len(uniform_parts(size, first)) == count:
+        return uniform_parts(size, first)
+    sizes = [part_size_of(uri, n, client) for n in range(1, count + 1)]
     return sizes if None not in sizes and sum(sizes) == size else None  # type: ignore[return-value,arg-type]
 
 
@@ -227,9 +227,9 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
     if check != "multipart-etag":
         return "size"
     count = int(etag.rsplit("-", 1)[1])  # type: ignore[union-attr]
-    first = _part_size(uri, 1, client)
+    first = part_size_of(uri, 1, client)
     if first is None or (first >= size and count > 1):           # the server does not say
-        guesses = [m * MIB for m in COMMON_PART_SIZES_MIB if len(_uniform(size, m * MIB)) == count]
+        guesses = [m * MIB for m in COMMON_PART_SIZES_MIB if len(uniform_parts(size, m * MIB)) == count]
         return "multipart-etag" if any(multipart_etag(path, p) == etag for p in guesses) else "size"
     sizes = _part_sizes(uri, size, count, client)
     return "multipart-etag" if sizes is not None and multipart_etag(path, sizes) == etag else None

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator
 
 from tasks.digest import Digest
 from tasks.sync.reach import Reach
-from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
+from tasks.sync.remote import Remote, SyncError, s3_call, split_s3
 from tasks.common.uri import is_s3
 
 MANIFEST_NAME = ".sync-manifest.json"
@@ -81,7 +81,7 @@ def _glob_base(pattern: str) -> str:
     return pattern[: pattern.rfind("/", 0, first) + 1]
 
 
-def _reserved(rel: str) -> bool:
+def is_reserved(rel: str) -> bool:
     parts = rel.split("/")
     return parts[-1] == MANIFEST_NAME or parts[0] == PARTIAL_DIR
 
@@ -92,7 +92,7 @@ def _list_s3(uri: str, client: Any, remote: Remote) -> list[Source]:
     prefix = key[: min(key.find(c) for c in GLOB_CHARS if c in key)] if is_glob else key
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     found = []
-    for page in _s3_call(lambda: list(pages), uri, remote):
+    for page in s3_call(lambda: list(pages), uri, remote):
         for o in page.get("Contents", []):
             k = o["Key"]
             if k.endswith("/"):
@@ -111,7 +111,7 @@ def _list_s3(uri: str, client: Any, remote: Remote) -> list[Source]:
                 continue
             if "\n" in k or "\r" in k:
                 raise SyncError(f"s3://{bucket}/{k!r} has a line break in its key; s5cmd cannot copy it")
-            if not _reserved(rel):
+            if not is_reserved(rel):
                 found.append(Source(f"s3://{bucket}/{k}", rel, o["Size"], o["ETag"].strip('"')))
     if not found:
         what = "no objects match" if is_glob else "no objects at"
@@ -123,32 +123,32 @@ def local_path(src: str) -> str:
     return os.path.abspath(os.path.expanduser(src[7:] if src.startswith("file://") else src))
 
 
-def _walk(root: str) -> Iterator[str]:
+def walk_files(root: str) -> Iterator[str]:
     for folder, dirs, files in os.walk(root):
         dirs.sort()
         for name in sorted(files):
             yield os.path.join(folder, name)
 
 
-def _list_local(src: str, reach: Reach) -> list[Source]:
+def list_local(src: str, reach: Reach) -> list[Source]:
     path = local_path(src)
     if any(c in path for c in GLOB_CHARS):
         base = _glob_base(path)
         reach.folder(base)
-        paths = [p for p in _walk(base) if fnmatch.fnmatchcase(p, path)]
+        paths = [p for p in walk_files(base) if fnmatch.fnmatchcase(p, path)]
         if not paths:
             raise SyncError(f"no files match {src}: check the pattern")
         pairs = [(p, p[len(base):]) for p in paths]
     elif os.path.isdir(path):
         reach.folder(path)
-        pairs = [(p, os.path.relpath(p, path).replace(os.sep, "/")) for p in _walk(path)]
+        pairs = [(p, os.path.relpath(p, path).replace(os.sep, "/")) for p in walk_files(path)]
         if not pairs:
             raise SyncError(f"{src} is an empty folder: check the path")
     else:
         pairs = [(path, os.path.basename(path))]
     out = []
     for p, rel in pairs:
-        if _reserved(rel):
+        if is_reserved(rel):
             continue
         now = time.time_ns()
         st = reach.file(p)
@@ -166,7 +166,7 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, rea
         client = remote.client()
     objs: dict[str, Source] = {}
     for src in sources:
-        for o in (_list_s3(src, client, remote) if is_s3(src) else _list_local(src, reach)):
+        for o in (_list_s3(src, client, remote) if is_s3(src) else list_local(src, reach)):
             other = objs.setdefault(o.rel, o)
             if other.uri != o.uri:
                 raise SyncError(f"{other.uri} and {o.uri} would both be written to {o.rel}: "

@@ -53,7 +53,7 @@ class SyncManifest(BaseModel):
     complete: bool = True     # False on disk while a sync is unfinished
 
 
-def _read_manifest(path: Path) -> dict[str, FileEntry]:
+def read_manifest(path: Path) -> dict[str, FileEntry]:
     try:
         data = json.loads(path.read_text())
         return {f["path"]: FileEntry(**f) for f in data.get("files", [])}
@@ -69,12 +69,12 @@ def stamp_fields(st: LocalStat | None) -> dict[str, int]:
     return dict(source_mtime_ns=st.mtime_ns, source_ctime_ns=st.ctime_ns, source_ino=st.ino)
 
 
-def _entry(o: Source, folder: Path, check: Check) -> FileEntry:
+def file_entry(o: Source, folder: Path, check: Check) -> FileEntry:
     return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, content=o.content, **stamp_fields(o.stat),
                      mtime_ns=os.stat(folder / o.rel).st_mtime_ns, verified=True, check=check)
 
 
-def _copy_intact(o: Source, old: FileEntry | None, path: Path) -> bool:
+def copy_intact(o: Source, old: FileEntry | None, path: Path) -> bool:
     """Whether `path` is still the verified copy `old` records of this source's key, size and ETag."""
     if old is None or not old.verified:
         return False
@@ -86,10 +86,10 @@ def _copy_intact(o: Source, old: FileEntry | None, path: Path) -> bool:
             and old.mtime_ns == st.st_mtime_ns)
 
 
-def _up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
+def up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
     """The copy is intact and its source unchanged: the same ETag, or a local file not written since
     its content digest was taken."""
-    return _copy_intact(o, old, path) and (o.stat is None or (
+    return copy_intact(o, old, path) and (o.stat is None or (
         old.content is not None and old.source_stamp == o.stat.stamp))  # type: ignore[union-attr]
 
 
@@ -102,10 +102,10 @@ def local_copy_matches(dest: str | os.PathLike, objs: list[Source]) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return (bool(data.get("complete")) and entries.keys() == {o.rel for o in objs}
-            and all(_up_to_date(o, entries[o.rel], folder / o.rel) for o in objs))
+            and all(up_to_date(o, entries[o.rel], folder / o.rel) for o in objs))
 
 
-def _manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], folder: Path,
+def sync_manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], folder: Path,
               progress: Progress, deleted: int, complete: bool, hashed: int) -> SyncManifest:
     files = [entries[o.rel] for o in objs if o.rel in entries]
     known = [dataclasses.replace(o, content=entries[o.rel].content) if o.rel in entries and o.etag is None else o

@@ -87,7 +87,7 @@ def redact(text: str, remote: Remote | None = None) -> str:
     return text
 
 
-def _error_for(code: str, message: str, uri: str, remote: Remote) -> SyncError:
+def error_for(code: str, message: str, uri: str, remote: Remote) -> SyncError:
     """Map an S3 error code or s5cmd error text to a one-line error."""
     bucket = bucket_and_key(uri)[0] if is_s3(uri) else uri
     text = f"{code} {message}"
@@ -118,7 +118,7 @@ _NO_CREDENTIALS = ("no AWS credentials found for {uri}: set AWS_PROFILE (or --pr
                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use --no-sign-request for a public bucket")
 
 
-def _s3_call(fn: Callable[[], Any], uri: str, remote: Remote) -> Any:
+def s3_call(fn: Callable[[], Any], uri: str, remote: Remote) -> Any:
     """`fn()`, with boto3's errors turned into one-line SyncErrors about `uri`."""
     try:
         return fn()
@@ -131,7 +131,7 @@ def _s3_call(fn: Callable[[], Any], uri: str, remote: Remote) -> Any:
     except bexc.ClientError as e:
         err = e.response.get("Error", {})
         code = str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-        raise _error_for(code, str(err.get("Message", "")), uri, remote) from None
+        raise error_for(code, str(err.get("Message", "")), uri, remote) from None
 
 
 def split_s3(uri: str) -> tuple[str, str]:

@@ -8,7 +8,7 @@ import threading
 from importlib.metadata import PackageNotFoundError, distribution
 from typing import Callable
 
-from tasks.sync.remote import Remote, SyncError, TransientSyncError, _error_for
+from tasks.sync.remote import Remote, SyncError, TransientSyncError, error_for
 
 
 def s5cmd_binary() -> str:
@@ -84,12 +84,12 @@ def run_s5cmd(copies: list[tuple[str, str]], remote: Remote, *, workers: int, pa
     return errors
 
 
-def _raise_first(errors: list[str], remote: Remote) -> None:
+def raise_first(errors: list[str], remote: Remote) -> None:
     """Raise the most telling of s5cmd's errors as a one-line SyncError."""
     mapped = []
     for e in errors:
         m = re.search(r"(s3://[^\"' ]+)", e)
-        mapped.append(_error_for("", e, m.group(1) if m else "the transfer", remote))
+        mapped.append(error_for("", e, m.group(1) if m else "the transfer", remote))
     err = next((m for m in mapped if not isinstance(m, TransientSyncError)), mapped[0])
     more = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     raise type(err)(f"{err}{more}")

@@ -8,19 +8,19 @@ from typing import Any
 
 import botocore.exceptions as bexc
 
-from tasks.sync.download import VERIFY_THREADS, _await_verifications, transfer_progress
+from tasks.sync.download import VERIFY_THREADS, await_verifications, transfer_progress
 from tasks.sync.integrity import Check, verify
 from tasks.sync.listing import (
     MANIFEST_NAME,
     Source,
-    _list_local,
+    list_local,
     listing_digest,
     local_path,
 )
 from tasks.sync.manifest import FileEntry, SyncManifest, stamp_fields
 from tasks.sync.reach import Reach
 from tasks.progress import Progress, human_bytes
-from tasks.sync.remote import Remote, SyncError, _s3_call, split_s3
+from tasks.sync.remote import Remote, SyncError, s3_call, split_s3
 from tasks.sync.s5cmd import run_s5cmd
 from tasks.common.uri import is_s3
 
@@ -40,12 +40,12 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
     root = local_path(src)
     local_dir = root if os.path.isdir(root) else os.path.dirname(root)
-    objs = _list_local(src, Reach())
+    objs = list_local(src, Reach())
     client = remote.client()
     base = f"s3://{bucket}/{prefix}"
     there: dict[str, tuple[int, str]] = {}
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    for page in _s3_call(lambda: list(pages), base, remote):
+    for page in s3_call(lambda: list(pages), base, remote):
         for o in page.get("Contents", []):
             there[o["Key"]] = (o["Size"], o["ETag"].strip('"'))
     old = _remote_manifest(client, bucket, prefix + MANIFEST_NAME) if prefix + MANIFEST_NAME in there else {}
@@ -71,7 +71,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     progress: Progress | None = None
 
     def finish(o: Source) -> None:
-        head = _s3_call(lambda: client.head_object(Bucket=bucket, Key=prefix + o.rel), base + o.rel, remote)
+        head = s3_call(lambda: client.head_object(Bucket=bucket, Key=prefix + o.rel), base + o.rel, remote)
         etag = head["ETag"].strip('"')
         check = verify(o.uri, o.size, etag, base + o.rel, client)
         if check is None:
@@ -98,7 +98,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
                            part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
         try:
-            _await_verifications(futures, progress, errors, failures, remote, "does not match its local file after upload")
+            await_verifications(futures, progress, errors, failures, remote, "does not match its local file after upload")
         finally:
             progress.show(final=True)
     files = [entries[o.rel] for o in objs]
@@ -108,7 +108,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         manifest_path=base + MANIFEST_NAME, transferred_files=progress.done_items,
         transferred_bytes=progress.done_bytes)
     body = json.dumps(manifest.model_dump(), indent=1).encode()
-    _s3_call(lambda: client.put_object(Bucket=bucket, Key=prefix + MANIFEST_NAME, Body=body),
+    s3_call(lambda: client.put_object(Bucket=bucket, Key=prefix + MANIFEST_NAME, Body=body),
              manifest.manifest_path, remote)
     progress.logger.info(f"uploaded {progress.done_items} of {len(files)} files ({human_bytes(progress.done_bytes)}) "
                          f"to {base}; {len(files) - progress.done_items} were already there")
