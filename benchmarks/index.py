@@ -32,7 +32,6 @@ import numpy as np
 from gpt.data import DataIndex, MMapIndexedDataset, write_index
 from native import build_sample_idx
 from tasks.index import build_indices
-from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 MEGATRON_CORE = "megatron-core==0.16.1"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt-pretrain" / "megatron-core"

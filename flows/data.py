@@ -21,17 +21,17 @@ from flows.params import (
 from flows.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
 from gpt.config import Config
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks import report as reporting
 from tasks.bpe import load_vocab, vocabulary_size
-from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
-from tasks.sample_corpus import sample_corpus_task
 from tasks.cluster import ClusterConfig
-from tasks.sync import local_path, sync_job_task, sync_task
+from tasks.common.uri import is_s3
+from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.index import index_needs
+from tasks.sample_corpus import sample_corpus_task
+from tasks.sync import local_path, sync_job_task, sync_task
 from tasks.tokenize import INPUT_SUFFIXES, tokenize_task
 from tasks.tokenize_array import tokenize_array_task
-from tasks.common.uri import is_s3
-from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).

@@ -8,8 +8,8 @@ from typing import Any, Callable, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpt.config import PRESETS
-from tasks.trackers import Tracker
 from gpt.tokenizer import GPT2_VOCAB_SIZE
+from tasks.trackers import Tracker
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 

@@ -36,11 +36,11 @@ from flows.sizes import disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
 from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError
 from tasks.cluster import FLOAT8_GPUS, ClusterConfig, load_cluster
+from tasks.common.uri import is_s3
 from tasks.index import parse_split
 from tasks.precompile import cache_key
 from tasks.sync import local_path
 from tasks.sync.reach import inside
-from tasks.common.uri import is_s3
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.

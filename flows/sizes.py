@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from gpt.config import Config
-from gpt.memory import GIB, STATE_BYTES, fitting_layout, rank_memory
+from gpt.memory import GIB, fitting_layout, rank_memory
 from tasks.cluster import ClusterConfig
 
 # Memory of one device (GiB), the largest variant of each generation: what a rank may use at most.

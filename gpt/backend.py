@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-
 # Dense peak FLOP/s per device, from the vendors' data sheets, for MFU.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},   # SXM; PCIe is listed separately
@@ -193,7 +192,7 @@ class Backend:
 def _status_bytes(field: str) -> int:
     """A size from /proc/self/status (Linux), else the peak resident size getrusage reports."""
     with contextlib.suppress(OSError, StopIteration):
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+        line = next(row for row in Path("/proc/self/status").read_text().splitlines() if row.startswith(field + ":"))
         return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -46,8 +46,8 @@ from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
 from gpt.parallel.build import build_model, compile_scope
 from gpt.parallel.pipeline import Pipeline, bubble_fraction, build_pipeline
-from gpt.train import LossScaler, build_optimizer, train_step
 from gpt.tokenizer import GPT2_VOCAB_SIZE
+from gpt.train import LossScaler, build_optimizer, train_step
 
 
 class _Row:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # GPT-3 paper schedule in samples of 2048 tokens (as Megatron's GPT-3 examples use it):

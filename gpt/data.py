@@ -20,7 +20,6 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
 import numpy as np

@@ -41,6 +41,7 @@ from gpt.tokenizer import (
     tokenizer_json_files,
     vocabulary_size,
 )
+
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOOL = "python -m gpt.export"
 MARKER = "export.json"

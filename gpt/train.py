@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpt.backend import Backend, get_backend
 from gpt import heartbeat
+from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer, writer_id
 from gpt.compile_cache import save_compile_cache, use_compile_cache
 from gpt.config import Config, ConfigError, parse_overrides, read_config_file
-from gpt.files import WriteError
-from gpt.heartbeat import Heartbeat
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.distributed import DistEnv, all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
+from gpt.files import WriteError
+from gpt.heartbeat import Heartbeat
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
 from gpt.parallel.build import build_model

@@ -17,6 +17,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
 from tasks.common.uri import bucket_and_key, is_s3
 
 HISTORY_FILE = "history.jsonl"
@@ -184,15 +185,16 @@ def compare(record: dict, history: list[dict], threshold: float) -> list[dict]:
         prev = past[-1] if past else None
         best = (max(past) if sign >= 0 else min(past)) if past else None
 
-        def change(ref: float | None) -> float | None:
-            return None if ref in (None, 0) else (value - ref) / abs(ref)
-
-        vs_prev, vs_best = change(prev), change(best)
+        vs_prev, vs_best = _change(value, prev), _change(value, best)
         regression = bool(sign and vs_prev is not None and sign * vs_prev < -threshold)
         rows.append({"metric": metric, "value": value, "previous": prev, "best": best,
                      "change_vs_previous": vs_prev, "change_vs_best": vs_best,
                      "better": {1: "higher", -1: "lower", 0: "?"}[sign], "regression": regression})
     return rows
+
+
+def _change(value: float, ref: float | None) -> float | None:
+    return None if ref in (None, 0) else (value - ref) / abs(ref)
 
 
 def table_rows(rows: list[dict]) -> list[dict[str, str]]:

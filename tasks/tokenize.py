@@ -38,13 +38,12 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
-from gpt.tokenizer import tokenizer_json_files
+from gpt.tokenizer import GPT2_VOCAB_SIZE, tokenizer_json_files
 from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
 from tasks.digest import digest, file_digest
 from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.progress import Progress
 from tasks.run_context import log_to_stderr
-from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # What the stage reads: JSON lines, plain or compressed, and Parquet.
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",

@@ -30,6 +30,7 @@ from prefect import task
 
 from gpt.data import IndexedDatasetWriter
 from gpt.files import write_json
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.bpe import TokenizeError
 from tasks.cluster import ClusterConfig
 from tasks.digest import digest, file_digest
@@ -44,11 +45,10 @@ from tasks.tokenize import (
     inputs_and_tokenizer,
     manifest,
     no_document,
+    nonzero_counts,
     output_prefixes,
     tokenize_cache_key,
-    nonzero_counts,
 )
-from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 ARRAY_ATTEMPTS = 3        # runs of a shard whose task failed or was killed, the first included
 

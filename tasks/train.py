@@ -17,8 +17,8 @@ from gpt.config import Config
 from gpt.data import DataIndex
 from gpt.files import write_json
 from gpt.metrics import train_line, valid_line
-from tasks.cluster import ClusterConfig
 from tasks import report as reporting
+from tasks.cluster import ClusterConfig
 from tasks.hang import Hang, HangWatch, Stragglers
 from tasks.jobs import (
     DistributedTask,
@@ -30,9 +30,9 @@ from tasks.jobs import (
     submit,
 )
 from tasks.progress import Progress, human_duration
-from tasks.trackers import Trackers
 from tasks.run_context import run_logger
 from tasks.run_owner import RunOwner
+from tasks.trackers import Trackers
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest

@@ -3,7 +3,6 @@ notification to a webhook (a local receiver here), naming the run and the stage 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading

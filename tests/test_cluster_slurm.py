@@ -23,8 +23,8 @@ from tasks.cluster import ClusterError, load_cluster
 from tasks.jobs import slurm_state
 from tasks.precompile import cache_key, precompile
 from tasks.train import train, train_task
-from tests.run_folder import job_records, wait_until
 from tests.fixtures_gpt import GPTLauncher
+from tests.run_folder import job_records, wait_until
 from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run, checkpoint_tensors
 
 pytestmark = pytest.mark.slurm

@@ -22,7 +22,6 @@ from flows.params import (
     ParameterError,
     TokenizerParams,
     TrainingParams,
-    WeightedPrefix,
 )
 from flows.plan import make_plan
 from tests.fixtures_disk import read_only

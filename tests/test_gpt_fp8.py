@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gpt.config import Config, ConfigError
-from gpt.parallel.build import convert_to_float8, require_float8_device
 from gpt.model import GPT
+from gpt.parallel.build import convert_to_float8, require_float8_device
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from gpt.config import Config
 from gpt.distributed import DistEnv
+from gpt.model import GPT, linear_cross_entropy, plain_name
 from gpt.parallel.build import build_model
-from gpt.model import GPT, plain_name, linear_cross_entropy
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:

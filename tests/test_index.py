@@ -10,10 +10,10 @@ import sys
 
 import numpy as np
 import pytest
-from native._native import build_sample_idx_int64
 
 from gpt.data import GPTDataset, IndexedDatasetWriter, MMapIndexedDataset
 from native import build_blending_indices, build_sample_idx, sample_idx_dtype
+from native._native import build_sample_idx_int64
 from tasks.index import build_indices, parse_data_path, parse_split, split_bounds
 
 

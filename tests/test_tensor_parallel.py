@@ -6,12 +6,11 @@ import json
 import shutil
 
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-import torch
-
-from gpt.parallel import xla
 from gpt.export import find_checkpoint, load_checkpoint, to_hf_state_dict
+from gpt.parallel import xla
 from tests.fixtures_gpt import SMALL, read_metrics
 
 # Every rank joins the process group as usual, then trains with gpt.parallel.xla's groups and

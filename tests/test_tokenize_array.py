@@ -14,8 +14,8 @@ import pytest
 
 from gpt.data import MMapIndexedDataset
 from tasks.cluster import load_cluster
-from tasks.tokenize import BadLine, Piece, TokenizeError, resolve_tokenizer, tokenize
 from tasks.shards import Shard, plan_shards
+from tasks.tokenize import BadLine, Piece, TokenizeError, resolve_tokenizer, tokenize
 from tasks.tokenize_array import join, shard_error, tokenize_on_cluster
 from tests.run_folder import job_records
 from tests.test_tokenize import _tokenizer_json

@@ -47,7 +47,7 @@ class _MLflowServer:
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise AssertionError("the MLflow server did not start: "
-                                         + (self.folder / "mlflow.log").read_text()[-2000:])
+                                         + (self.folder / "mlflow.log").read_text()[-2000:]) from None
                 time.sleep(1)
 
     def stop(self) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+
 class Replicas(Protocol):
     """A layout that averages its own gradients over the ranks holding the same parts
     (gpt.parallel.xla.Group)."""

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpt.parallel.gradients import average_on_xla, average_over_group
 from gpt.model import GPT
+from gpt.parallel.gradients import average_on_xla, average_over_group
 
 
 @dataclass(frozen=True)

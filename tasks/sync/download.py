@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks import crc
+from tasks.common.uri import is_s3
+from tasks.progress import Progress, human_bytes
 from tasks.sync import content
 from tasks.sync.follower import PartFollower
 from tasks.sync.integrity import (
@@ -30,26 +32,24 @@ from tasks.sync.listing import (
     SETTLE_NS,
     Source,
     is_reserved,
-    walk_files,
     list_sources,
+    walk_files,
 )
 from tasks.sync.manifest import (
     FileEntry,
     SyncManifest,
     copy_intact,
     file_entry,
-    sync_manifest,
-    read_manifest,
-    up_to_date,
     manifest_mode,
+    read_manifest,
     stamp_fields,
+    sync_manifest,
+    up_to_date,
     write_manifest,
 )
 from tasks.sync.reach import Reach
-from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, TransientSyncError
 from tasks.sync.s5cmd import raise_first, run_s5cmd
-from tasks.common.uri import is_s3
 
 # Files verified at once: they wait on the server or on HASHER, which batches what they ask, so
 # the more at once the more of them one native call hashes.

@@ -13,8 +13,8 @@ from tasks.sync.integrity import (
     HASHER,
     Hasher,
     etag_of_parts,
-    part_size_of,
     part_ranges,
+    part_size_of,
     uniform_parts,
 )
 from tasks.sync.listing import Source

@@ -16,9 +16,9 @@ import botocore.exceptions as bexc
 
 from native import md5_lanes, md5_ranges
 from tasks import crc
+from tasks.common.uri import is_s3
 from tasks.sync.listing import Source
 from tasks.sync.remote import split_s3
-from tasks.common.uri import is_s3
 
 MIB = 1 << 20
 

@@ -11,6 +11,7 @@ import botocore.loaders
 import botocore.session
 from botocore import UNSIGNED
 from botocore.config import Config as BotoConfig
+
 from tasks.common.uri import bucket_and_key, is_s3
 
 _LOADER = botocore.loaders.create_loader()

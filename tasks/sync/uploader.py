@@ -8,6 +8,8 @@ from typing import Any
 
 import botocore.exceptions as bexc
 
+from tasks.common.uri import is_s3
+from tasks.progress import Progress, human_bytes
 from tasks.sync.download import VERIFY_THREADS, await_verifications, transfer_progress
 from tasks.sync.integrity import Check, verify
 from tasks.sync.listing import (
@@ -19,10 +21,8 @@ from tasks.sync.listing import (
 )
 from tasks.sync.manifest import FileEntry, SyncManifest, stamp_fields
 from tasks.sync.reach import Reach
-from tasks.progress import Progress, human_bytes
 from tasks.sync.remote import Remote, SyncError, s3_call, split_s3
 from tasks.sync.s5cmd import run_s5cmd
-from tasks.common.uri import is_s3
 
 
 def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,

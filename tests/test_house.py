@@ -1,0 +1,69 @@
+"""The house's rules that a reader can check, checked on the code itself: one owner per fact
+(what an S3 URI is, GPT-2's vocabulary size), interfaces rather than private names, no import
+circle (imports for type checking and inside functions included)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("flows", "tasks", "gpt", "native", "benchmarks", "deployments")
+
+
+def _sources() -> dict[str, Path]:
+    """The project's modules (tests aside) by dotted name."""
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "*.py"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    return {f[:-3].replace("/", ".").removesuffix(".__init__"): ROOT / f for f in files if f.split("/")[0] in PACKAGES}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, name) of every ``from module import name`` of the project's in ``path``; a name
+    that is itself a module is recorded as (that module, "")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((sub, "") if sub in modules else (node.module, alias.name))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+    return [(m, n) for m, n in found if m in modules]
+
+
+def test_one_owner_for_what_an_s3_uri_is_and_for_gpt2s_vocabulary_size():
+    for name, path in _sources().items():
+        text = path.read_text()
+        if name != "tasks.common.uri":
+            assert 'startswith("s3://")' not in text and "[5:]" not in text, f"{path}: use tasks.common.uri"
+        if name != "gpt.tokenizer":
+            assert "50257" not in text, f"{path}: use gpt.tokenizer.GPT2_VOCAB_SIZE"
+
+
+def test_no_module_imports_another_ones_private_names():
+    modules = _sources()
+    private = [f"{path.relative_to(ROOT)}: from {module} import {name}" for path in modules.values()
+               for module, name in _imports(path, modules) if name.startswith("_") and not name.startswith("__")]
+    assert private == []
+
+
+def test_no_import_circle():
+    modules = _sources()
+    graph = {name: {m for m, _ in _imports(path, modules) if m != name} for name, path in modules.items()}
+    circles = []
+    for start in graph:                       # a path from a module back to itself
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module == start:
+                circles.append(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                todo += graph[module]
+    assert circles == []
