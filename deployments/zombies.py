@@ -4,7 +4,7 @@ Flow runs send a heartbeat event every HEARTBEAT_S seconds (PREFECT_FLOWS_HEARTB
 which `deployments/serve.py` sets for the runs it starts; set it for workers too). An automation on
 the server marks a run Crashed when neither a heartbeat nor a final state follows the last heartbeat
 within SILENCE_S. The next run with the same parameters finds the training job that run left
-behind (if it still runs) and follows it instead of submitting another (tasks.jobs).
+behind (if it still runs) and follows it instead of submitting another (tasks.cluster.jobs).
 
     python -m deployments.zombies       # create the automation once, against PREFECT_API_URL
 """

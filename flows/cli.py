@@ -11,7 +11,7 @@ from typing import Any, Callable
 from prefect.exceptions import CancelledRun
 from pydantic import ValidationError
 
-from flows.params import (
+from flows.plan.params import (
     BudgetParams,
     ClusterParams,
     DataParams,
@@ -22,8 +22,8 @@ from flows.params import (
     parameter_errors,
 )
 from gpt.config import parse_overrides
-from tasks import trackers
-from tasks.cluster import ClusterConfig
+from tasks.cluster.config import ClusterConfig
+from tasks.train import trackers
 
 # The cluster fields --cluster-set may name, with their types.
 CLUSTER_FIELDS = {name: field.annotation for name, field in ClusterConfig.model_fields.items()}

@@ -2,7 +2,7 @@
 and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes.
 
 Sync and tokenize run in this process, or, when the cluster preset says ``data_jobs: true``, as
-jobs on its compute nodes: each sync as one job, tokenize as a job array (tasks.tokenize_array)."""
+jobs on its compute nodes: each sync as one job, tokenize as a job array (tasks.tokenize.array)."""
 from __future__ import annotations
 
 import os
@@ -10,28 +10,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.boundary import Boundary
-from flows.layout import Layout
-from flows.params import (
+from flows.plan.boundary import Boundary
+from flows.plan.layout import Layout
+from flows.plan.params import (
     SAMPLE_VOCAB_SIZE,
     DataParams,
     ParameterError,
     TokenizerParams,
 )
-from flows.sizes import GIB, physical_memory
+from flows.plan.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
 from gpt.config import Config
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks import report as reporting
-from tasks.bpe import load_vocab, vocabulary_size
-from tasks.cluster import ClusterConfig
+from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
-from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
 from tasks.index import index_needs
-from tasks.sample_corpus import sample_corpus_task
 from tasks.sync import local_path, sync_job_task, sync_task
-from tasks.tokenize import INPUT_SUFFIXES, tokenize_task
-from tasks.tokenize_array import tokenize_array_task
+from tasks.tokenize.array import tokenize_array_task
+from tasks.tokenize.bpe import load_vocab, vocabulary_size
+from tasks.tokenize.hf_tokenizer import HFTokenizer, tokenizer_file
+from tasks.tokenize.sample_corpus import sample_corpus_task
+from tasks.tokenize.stage import INPUT_SUFFIXES, tokenize_task
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
@@ -45,7 +45,7 @@ class Dataset:
     merge_file: str | None = None
     tokenizer_file: str | None = None                                # a HuggingFace tokenizer.json instead
     vocab_size: int = 0                                              # the vocabulary's, decided here only
-    tokenized: Any = None                                            # tasks.tokenize.TokenizeManifest
+    tokenized: Any = None                                            # tasks.tokenize.stage.TokenizeManifest
 
     @property
     def tokenizer_files(self) -> list[str]:

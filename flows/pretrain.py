@@ -16,10 +16,11 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.states import Cancelled
 
-from flows import approval, estimate, identity, provenance
 from flows import data as data_stages
 from flows.local_server import lasting_api
-from flows.params import (
+from flows.plan import approval, estimate, identity, provenance
+from flows.plan.build import Plan, make_plan, run_folder_problems
+from flows.plan.params import (
     BudgetParams,
     ClusterParams,
     DataParams,
@@ -30,16 +31,15 @@ from flows.params import (
     TrainingParams,
     refused_as_failed_run,
 )
-from flows.plan import Plan, make_plan, run_folder_problems
 from flows.stages import Stages, export_intact, index_intact, trained_intact
 from tasks import report as reporting
+from tasks.cluster.run_owner import RunOwner
 from tasks.export import export_task
 from tasks.index import index_task
 from tasks.precompile import precompile_task
-from tasks.run_owner import RunOwner
 from tasks.sync import upload_task
-from tasks.trackers import Trackers
-from tasks.train import following, train_task
+from tasks.train.stage import following, train_task
+from tasks.train.trackers import Trackers
 
 
 @flow(name="pretrain", persist_result=True, log_prints=True)

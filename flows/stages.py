@@ -32,7 +32,7 @@ class Stages:
         try:
             return state.result()  # raises the stage's error, failing the flow run
         except Exception as e:
-            e.failed_stage = stage  # named in the flow run's final state (flows.params.refused_as_failed_run)
+            e.failed_stage = stage  # named in the flow run's final state (flows.plan.params.refused_as_failed_run)
             raise
 
 

@@ -2,7 +2,7 @@
 backward, sync, eval, save, ...) in memory, and a thread of its own writes that, with the
 iteration and a count of the phases entered, to ``<run_dir>/heartbeats/rank-<r>.json`` every few
 seconds (a small file per rank per interval, never a write per step). The job's follower
-(tasks.hang) decides from these files whether the job still advances.
+(tasks.cluster.hang) decides from these files whether the job still advances.
 
 SIGUSR1 makes a rank write every thread's Python stack to ``stacks-rank-<r>.txt`` beside its
 heartbeat (faulthandler: it works while the main thread waits inside a collective, and needs no

@@ -1,6 +1,6 @@
 """What one rank of a training layout holds at its peak, estimated from the configuration alone:
 its share of the model state, its activations for the micro-batches in flight, and the output
-layer with the chunked loss. The plan (flows.plan) checks it against the device's memory before
+layer with the chunked loss. The plan (flows.plan.build) checks it against the device's memory before
 anything is queued; ``python -m gpt.memory`` prints it beside what gpt.bench measures.
 """
 from __future__ import annotations

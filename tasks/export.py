@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.checkpoint import Checkpointer
 from gpt.files import write_atomic
 from gpt.tokenizer import tokenizer_json_files
-from tasks.digest import Digest
+from tasks.common.digest import Digest
 
 PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
 SAMPLE_TOKENS = 48

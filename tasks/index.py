@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
 from gpt.files import replaced, write_atomic, writing
 from native import build_blending_indices, build_sample_idx
-from tasks.digest import Digest, digest
+from tasks.common.digest import Digest, digest
 
 SPLITS = ("train", "valid", "test")
 ADD_EXTRA_TOKEN = 1

@@ -21,11 +21,11 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.config import Config
 from gpt.files import write_json
-from tasks.cluster import ClusterConfig
-from tasks.digest import digest
-from tasks.jobs import DistributedTask, JobError, job_launch, retryable, submit
-from tasks.run_context import run_logger
-from tasks.run_owner import RunOwner
+from tasks.cluster.config import ClusterConfig
+from tasks.cluster.jobs import DistributedTask, JobError, job_launch, retryable, submit
+from tasks.cluster.run_context import run_logger
+from tasks.cluster.run_owner import RunOwner
+from tasks.common.digest import digest
 
 MARKER = "precompile.json"
 # Fields that change the compiled graphs (global batch size only changes how often they run).

@@ -34,7 +34,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def dataset_rows(manifest: Any) -> list[dict[str, str]]:
-    """One row per output prefix of a tokenize manifest (tasks.tokenize.TokenizeManifest)."""
+    """One row per output prefix of a tokenize manifest (tasks.tokenize.stage.TokenizeManifest)."""
     skipped = sum(manifest.skipped.values()) if manifest.skipped else 0
     rows = []
     for key, prefix in manifest.prefixes.items():
@@ -88,9 +88,9 @@ def data_stages(k: Any) -> str:
 
 def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
               estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
-    """What the run will do, decided before any stage runs (flows.plan.Plan), what its folder says
-    will happen (flows.outlook), what the data stages found worth a warning, and what the run will
-    take (flows.estimate)."""
+    """What the run will do, decided before any stage runs (flows.plan.build.Plan), what its folder says
+    will happen (flows.plan.outlook), what the data stages found worth a warning, and what the run will
+    take (flows.plan.estimate)."""
     c, k = plan.config, plan.cluster
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
     rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
@@ -249,9 +249,9 @@ report_task = task(report, name="report")
 
 
 def hang_report(hang: Any, run_name: str) -> None:
-    """A hung job (tasks.hang.Hang) in the run's log, as a Prefect event and as an artifact naming
+    """A hung job (tasks.cluster.hang.Hang) in the run's log, as a Prefect event and as an artifact naming
     the rank, node, phase and iteration, with every rank's last heartbeat."""
-    from tasks.run_context import run_context, run_logger
+    from tasks.cluster.run_context import run_context, run_logger
 
     run_logger().warning("%s", hang.line())
     if run_context() is None:

@@ -8,10 +8,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-# What the operator allows runs to read and write (flows.boundary): the checkout and the temporary
+# What the operator allows runs to read and write (flows.plan.boundary): the checkout and the temporary
 # folders tests work in. Tests of the boundary itself set their own.
 _ALLOWED = f"{ROOT}:{tempfile.gettempdir()}"
 os.environ.setdefault("GPT_INPUT_ROOTS", _ALLOWED)
 os.environ.setdefault("GPT_OUTPUT_ROOTS", _ALLOWED)
 
 pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtures_*.py"))]
+
+# Tiers: e2e (marked by its modules), integration (real servers: the local SLURM cluster, the S3
+# server, a Prefect server the test starts or shares), unit (everything else).
+SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "s3_server", "own_s3_server", "slurm_cluster"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if item.get_closest_marker("e2e"):
+            continue
+        servers = SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slurm") \
+            or item.get_closest_marker("integration")
+        if not servers:
+            item.add_marker("unit")
+        elif not item.get_closest_marker("integration"):
+            item.add_marker("integration")

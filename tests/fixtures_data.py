@@ -29,8 +29,8 @@ def shakespeare_jsonl(shakespeare_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bpe_vocab(shakespeare_jsonl, tmp_path_factory) -> tuple[Path, Path]:
     """(vocab.json, merges.txt): a 2,000-entry GPT-2-format byte-level BPE trained on the plays."""
-    from tasks.bpe import train_bpe
-    from tasks.tokenize import iter_texts
+    from tasks.tokenize.bpe import train_bpe
+    from tasks.tokenize.stage import iter_texts
 
     out = tmp_path_factory.mktemp("bpe")
     vocab, merges = train_bpe(iter_texts([str(shakespeare_jsonl)], "text", 1 << 20), str(out), vocab_size=2000)
@@ -41,7 +41,7 @@ def bpe_vocab(shakespeare_jsonl, tmp_path_factory) -> tuple[Path, Path]:
 def small_corpus(tmp_path_factory) -> Path:
     """The first 150 documents of the embedded default's sample corpus: real text, small enough to be
     quick through the whole flow (split it 80,10,10 so that every split holds text)."""
-    from tasks.sample_corpus import sample_corpus
+    from tasks.tokenize.sample_corpus import sample_corpus
 
     full = Path(sample_corpus(str(tmp_path_factory.mktemp("sample"))))
     small = full.parent / "small.jsonl"

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from flows.boundary import S3_ENDPOINTS
+from flows.plan.boundary import S3_ENDPOINTS
 
 ACCESS_KEY, SECRET_KEY = "sync-test-admin", "sync-test-admin-secret"
 DENIED_KEY, DENIED_SECRET = "sync-test-denied", "sync-test-denied-secret"
@@ -199,7 +199,7 @@ def _start_once(root: Path) -> S3Server:
 
 
 def allow_endpoint(url: str) -> None:
-    """List the server as an endpoint the operator allows (flows.boundary), for this process and
+    """List the server as an endpoint the operator allows (flows.plan.boundary), for this process and
     the environments handed to subprocesses."""
     listed = [e for e in os.environ.get(S3_ENDPOINTS, "").split(",") if e]
     os.environ[S3_ENDPOINTS] = ",".join([*listed, url])

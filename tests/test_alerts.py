@@ -14,6 +14,8 @@ import pytest
 from tests.fixtures_gpt import ROOT
 from tests.run_folder import wait_until
 
+pytestmark = pytest.mark.integration  # starts servers of its own
+
 
 class _Receiver(BaseHTTPRequestHandler):
     received: list[dict] = []

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from tasks.benchmark_history import machine_facts
-from tasks.sample_corpus import sample_corpus
+from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_gpt import ROOT
 from tests.run_folder import wait_until
+
+pytestmark = pytest.mark.integration  # starts servers of its own
 
 
 def _seed_history(root: Path, tokens_per_s: float) -> None:

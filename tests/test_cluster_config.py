@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpt.config import Config
-from tasks.cluster import PRESET_DIR, ClusterConfig, ClusterError, load_cluster
+from tasks.cluster.config import PRESET_DIR, ClusterConfig, ClusterError, load_cluster
 from tasks.precompile import cache_key, sbatch_script
 
 
@@ -139,8 +139,8 @@ def test_cache_key_follows_model_layout_and_device() -> None:
 def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_off(tmp_path: Path) -> None:
     """Inductor has no code generation for XLA devices: on Trainium the plan turns torch.compile off
     for the compile job and training alike, and still precompiles; CUDA and CPU jobs compile."""
-    from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
-    from flows.plan import make_plan
+    from flows.plan.build import make_plan
+    from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from tasks.precompile import job_config
 
     presets = {"neuron": ("trn1-32xl", {"nodes": 1, "tasks_per_node": 1}),

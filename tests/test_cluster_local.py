@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 from gpt.config import Config
-from tasks.cluster import load_cluster
-from tasks.train import train
+from tasks.cluster.config import load_cluster
+from tasks.train.stage import train
 
 
 def test_local_executor_trains_in_its_run_folder(tmp_path: Path) -> None:

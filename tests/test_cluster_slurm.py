@@ -19,10 +19,10 @@ from prefect import flow
 
 from gpt.checkpoint import saved_layout
 from gpt.config import Config
-from tasks.cluster import ClusterError, load_cluster
-from tasks.jobs import slurm_state
+from tasks.cluster.config import ClusterError, load_cluster
+from tasks.cluster.jobs import slurm_state
 from tasks.precompile import cache_key, precompile
-from tasks.train import train, train_task
+from tasks.train.stage import train, train_task
 from tests.fixtures_gpt import GPTLauncher
 from tests.run_folder import job_records, wait_until
 from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run, checkpoint_tensors
@@ -263,7 +263,7 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) ->
 
 def test_terminated_submitter_leaves_no_job(slurm_cluster: dict, tmp_path: Path) -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.test_cluster_slurm import tiny; "
-            "from tasks.cluster import load_cluster; from tasks.train import train; "
+            "from tasks.cluster.config import load_cluster; from tasks.train.stage import train; "
             "train(tiny(train_iters=100_000, run_dir=sys.argv[3]), load_cluster(sys.argv[2]))")
     root = Path(__file__).resolve().parent.parent
     submitter = subprocess.Popen([sys.executable, "-c", code, str(root), slurm_cluster["preset"], str(tmp_path)])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.jobs import slurm_state
-from tasks.sample_corpus import sample_corpus
+from tasks.cluster.jobs import slurm_state
+from tasks.tokenize.sample_corpus import sample_corpus
 from tests.run_folder import trained_iterations, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]

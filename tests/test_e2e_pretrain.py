@@ -18,8 +18,8 @@ from typing import Iterator
 
 import pytest
 
-from flows.boundary import S3_ENDPOINTS
-from tasks.sample_corpus import sample_corpus
+from flows.plan.boundary import S3_ENDPOINTS
+from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
 from tests.fixtures_s3 import SECRET_KEY
 from tests.run_folder import job_records, wait_until

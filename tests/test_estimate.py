@@ -1,4 +1,4 @@
-"""flows/estimate.py, flows/approval.py and flows/provenance.py on their own: the arithmetic of the
+"""flows/plan/estimate.py, flows/plan/approval.py and flows/plan/provenance.py on their own: the arithmetic of the
 plan's estimate, which figure it rests on, when a budget asks for approval, what a run folder
 records of how it was made."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import subprocess
 
 import pytest
 
-from flows import approval, estimate, provenance
-from flows.params import BudgetParams
+from flows.plan import approval, estimate, provenance
+from flows.plan.params import BudgetParams
 from gpt.config import Config
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
 from tasks import benchmark_history
 from tasks.benchmark_history import machine_facts
-from tasks.cluster import load_cluster
+from tasks.cluster.config import load_cluster
 from tests.fixtures_gpt import ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +107,7 @@ def test_the_operators_caps_bound_every_runs_budget():
     assert approval.with_operator_caps(BudgetParams(node_hours=10, cost=9e9), caps).model_dump() == \
         {"node_hours": 10, "cost": 5000, "wait_hours": 24}
     assert approval.with_operator_caps(BudgetParams(node_hours=10), {}) == BudgetParams(node_hours=10)
-    from flows.params import ParameterError
+    from flows.plan.params import ParameterError
 
     with pytest.raises(ParameterError, match="GPT_BUDGET_COST='lots' where the flow runs is not a positive number"):
         approval.with_operator_caps(BudgetParams(), {"GPT_BUDGET_COST": "lots"})
@@ -131,7 +131,7 @@ def test_a_budget_asks_for_approval_only_above_it_or_when_nothing_can_be_estimat
 
 
 def test_the_price_is_the_operators_not_the_forms():
-    from tasks.cluster import ClusterError
+    from tasks.cluster.config import ClusterError
 
     with pytest.raises(ClusterError, match="price_per_node_hour is set only by the operator"):
         load_cluster("p4d-8gpu", price_per_node_hour=0.01)
@@ -175,7 +175,7 @@ def test_the_run_folder_records_each_start_with_the_commit_and_the_package_versi
 
 
 def test_training_progress_shows_the_time_left_and_the_cost_so_far():
-    from tasks.train import eta_and_cost
+    from tasks.train.stage import eta_and_cost
 
     priced = load_cluster("p4d-8gpu")                       # 16 nodes at 32.77 USD
     assert eta_and_cost(600, 300.0, 1800.0, priced) == "ETA 3 min, 262.16 USD so far"

@@ -19,7 +19,7 @@ from gpt.export import (
 )
 from gpt.generate import complete, generate, load
 from tasks.index import build_indices
-from tasks.tokenize import tokenize
+from tasks.tokenize.stage import tokenize
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent

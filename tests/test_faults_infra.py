@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from benchmarks.tokenize import build_corpus
-from tasks.cluster import load_cluster
-from tasks.jobs import slurm_state
+from tasks.cluster.config import load_cluster
+from tasks.cluster.jobs import slurm_state
 from tasks.sync import MANIFEST_NAME, PARTIAL_DIR
-from tasks.train import TrainResult, train
+from tasks.train.stage import TrainResult, train
 from tests.fixtures_prefect import RestartablePrefectServer
 from tests.fixtures_s3 import S3Server
 from tests.run_folder import job_records, trained_iterations, wait_until
@@ -196,8 +196,8 @@ def test_s3_server_stopped_mid_sync_and_started_again(own_s3_server: S3Server, t
 FLOW = """
 import sys
 from prefect import flow
-from tasks.cluster import load_cluster
-from tasks.train import train_task
+from tasks.cluster.config import load_cluster
+from tasks.train.stage import train_task
 from tests.test_cluster_slurm import tiny
 
 @flow(name="train-through-a-server-restart")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
+from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
 from flows.pretrain import pretrain
 from tests.fixtures_gpt import GPTLauncher, read_metrics
 from tests.run_folder import job_records

@@ -8,7 +8,8 @@ import pytest
 from prefect.utilities.callables import parameter_schema
 
 from flows.cli import parse_args
-from flows.params import (
+from flows.plan.build import make_plan
+from flows.plan.params import (
     ClusterParams,
     DataParams,
     OutputParams,
@@ -17,7 +18,6 @@ from flows.params import (
     TrainingParams,
     WeightedPrefix,
 )
-from flows.plan import make_plan
 from flows.pretrain import pretrain
 from gpt.config import PRESETS
 
@@ -180,10 +180,10 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
     """GPT-3 175B on 16 p4d nodes (128 A100s), tensor parallel 8 with FSDP and micro-batch 4: the plan
     refuses it with the arithmetic and names a change that fits, which then plans; Megatron's layout
     (TP 8 x PP 16) plans with its mesh, schedule and bubble in the plan's rows."""
-    import flows.plan
+    import flows.plan.build
     from tasks.report import plan_rows
 
-    monkeypatch.setattr(flows.plan, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
+    monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
     p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})
     out = OutputParams(root=str(tmp_path))
     tried = dict(tensor_parallel=8, data_parallel_mode="fsdp", micro_batch_size=4)
@@ -204,9 +204,9 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
 
 
 def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run_sets_one(tmp_path, monkeypatch):
-    import flows.plan
+    import flows.plan.build
 
-    monkeypatch.setattr(flows.plan, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
+    monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
     out = OutputParams(root=str(tmp_path))
     p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})
     megatron = _check(model="gpt3-175b", cluster=p4d, output=out)

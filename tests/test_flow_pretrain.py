@@ -10,7 +10,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.params import (
+from flows.plan.params import (
     ClusterParams,
     DataParams,
     OutputParams,
@@ -107,7 +107,7 @@ def test_bad_parameters_fail_the_run_before_any_task(harness, tmp_path):
 
 
 def test_tokenized_prefixes_and_vocabulary_from_s3(harness, small_corpus, tmp_path, s3_server, monkeypatch):
-    from tasks.tokenize import tokenize
+    from tasks.tokenize.stage import tokenize
 
     for k, v in s3_server.env.items():
         if k.startswith("AWS_"):

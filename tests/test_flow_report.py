@@ -5,7 +5,7 @@ import json
 import os
 
 from tasks.report import loss_curve_png, read_metrics, summary_rows
-from tasks.sample_corpus import sample_corpus, split_documents
+from tasks.tokenize.sample_corpus import sample_corpus, split_documents
 
 
 def test_sample_corpus_is_the_plays_cut_into_documents(tmp_path):

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.boundary import AWS_PROFILES, INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS, Boundary
-from flows.params import (
+from flows.plan.boundary import AWS_PROFILES, INPUT_ROOTS, OUTPUT_ROOTS, S3_ALLOWED, S3_ENDPOINTS, Boundary
+from flows.plan.build import make_plan
+from flows.plan.params import (
     ClusterParams,
     DataParams,
     OutputParams,
@@ -23,7 +24,6 @@ from flows.params import (
     TokenizerParams,
     TrainingParams,
 )
-from flows.plan import make_plan
 from tests.fixtures_disk import read_only
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -160,8 +160,8 @@ def test_the_index_stage_on_a_full_disk_names_the_file_and_leaves_no_partial_one
 
 @pytest.mark.timeout(60)
 def test_training_a_bpe_on_a_full_disk_names_the_vocabulary_and_leaves_nothing(shakespeare_jsonl, disk):
-    from tasks.bpe import TokenizeError
-    from tasks.tokenize import tokenize
+    from tasks.tokenize.bpe import TokenizeError
+    from tasks.tokenize.stage import tokenize
 
     d = disk("1m")
     out = d / "data"

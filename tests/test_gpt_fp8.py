@@ -74,8 +74,15 @@ def test_float8_linears_train_like_bf16(recipe):
 
 def test_the_flow_refuses_fp8_unless_the_cluster_has_hopper_gpus_or_later(tmp_path, monkeypatch):
     """Decided from the cluster preset's accelerator, before anything is submitted."""
-    from flows.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams
-    from flows.plan import make_plan
+    from flows.plan.build import make_plan
+    from flows.plan.params import (
+        ClusterParams,
+        DataParams,
+        OutputParams,
+        ParameterError,
+        TokenizerParams,
+        TrainingParams,
+    )
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # the machine that runs the flow: no GPU
 

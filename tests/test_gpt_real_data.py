@@ -11,7 +11,7 @@ from tests.fixtures_gpt import SMALL, read_metrics
 @pytest.fixture(scope="module")
 def shakespeare_index(shakespeare_jsonl, bpe_vocab, tmp_path_factory):
     from tasks.index import build_indices
-    from tasks.tokenize import tokenize
+    from tasks.tokenize.stage import tokenize
     out = tmp_path_factory.mktemp("gpt-index")
     vocab, merges = bpe_vocab
     tok = tokenize([str(shakespeare_jsonl)], str(out / "plays"), vocab_file=str(vocab), merge_file=str(merges), workers=1)

@@ -75,11 +75,11 @@ def test_a_new_run_starts_from_another_runs_weights_with_or_without_its_optimize
 
 
 def test_a_run_saved_in_trainium_parts_is_refused_under_another_tensor_parallel_size(tmp_path):
-    """The plan's check (flows.outlook.cannot_load) from the checkpoint alone: its marker, or for an
+    """The plan's check (flows.plan.outlook.cannot_load) from the checkpoint alone: its marker, or for an
     older checkpoint its tensor names."""
     import torch.distributed.checkpoint as dcp
 
-    from flows.outlook import cannot_load, parts_of
+    from flows.plan.outlook import cannot_load, parts_of
     from gpt.config import Config
 
     path = tmp_path / "iter_0000010"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import load_cluster
-from tasks.hang import STRAGGLER_FACTOR, STRAGGLER_ITERATIONS, Stragglers
-from tasks.train import HungTwice, train
+from tasks.cluster.config import load_cluster
+from tasks.cluster.hang import STRAGGLER_FACTOR, STRAGGLER_ITERATIONS, Stragglers
+from tasks.train.stage import HungTwice, train
 from tests.fixtures_gpt import read_metrics
 from tests.run_folder import job_records
 from tests.test_cluster_slurm import tiny
@@ -70,7 +70,7 @@ def test_a_rank_hung_in_data_loading_is_found_and_the_prefect_run_shows_where(tm
     from prefect.events.filters import EventFilter, EventNameFilter
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.train import train_task
+    from tasks.train.stage import train_task
 
     once = tmp_path / "fired"
     monkeypatch.setenv("GPT_FAULT", f"rank=0,iteration=6,phase=data,seconds=900,once={once}")
@@ -129,7 +129,7 @@ def test_the_same_hang_twice_stops_the_run_with_its_report(tmp_path, monkeypatch
 
 @pytest.mark.timeout(300)
 def test_a_collective_that_cannot_complete_fails_the_job_and_no_rank_holds_it(tmp_path, monkeypatch):
-    from tasks.jobs import JobError
+    from tasks.cluster.jobs import JobError
 
     monkeypatch.setenv("GPT_FAULT", "rank=1,iteration=3,phase=sync,seconds=900")
     started = time.monotonic()
@@ -170,7 +170,7 @@ def _records(run_dir) -> list[dict]:
 
 
 def test_at_thousands_of_ranks_the_follower_reads_the_heartbeats_less_often(tmp_path, monkeypatch):
-    from tasks import hang
+    from tasks.cluster import hang
 
     reads: list[str] = []
     monkeypatch.setattr(hang.heartbeat, "read", lambda run_dir: reads.append(str(run_dir)) or [])

@@ -222,7 +222,7 @@ def test_cli(tmp_path):
 
 def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path, monkeypatch):
     from flows.data import Dataset, check_vocabulary
-    from flows.params import ParameterError
+    from flows.plan.params import ParameterError
 
     prefix = str(tmp_path / "big_text_document")
     with IndexedDatasetWriter(prefix, np.uint16) as w:

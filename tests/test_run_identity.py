@@ -1,6 +1,6 @@
 """A run is what it trains, not where it runs: the plan names the run folder by the fields that
 define the model trained, says what will happen there, and refuses a changed defining field under
-an existing run's name (flows.identity, flows.outlook, flows.plan)."""
+an existing run's name (flows.plan.identity, flows.plan.outlook, flows.plan.build)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.identity import RECORD, record
-from flows.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams
-from flows.plan import make_plan
+from flows.plan.build import make_plan
+from flows.plan.identity import RECORD, record
+from flows.plan.params import ClusterParams, DataParams, OutputParams, ParameterError, TokenizerParams, TrainingParams
 from tests.fixtures_gpt import SMALL
 
 
@@ -47,8 +47,8 @@ def _train_a_little(run_dir: Path, **config) -> None:
     """A real run folder of the tiny preset, trained by the train stage on the local executor: its
     config.json, a checkpoint and the summary of a run trained to its length."""
     from gpt.config import Config
-    from tasks.cluster import load_cluster
-    from tasks.train import train
+    from tasks.cluster.config import load_cluster
+    from tasks.train.stage import train
 
     fields = {**SMALL, "num_layers": 4, "hidden_size": 128, "seq_length": 128, "train_iters": 2, "save_interval": 2,
               "run_dir": str(run_dir), **config}
@@ -99,14 +99,13 @@ def test_init_from_names_a_run_and_starts_from_its_newest_intact_checkpoint(tmp_
 def test_every_config_field_either_defines_the_run_or_may_change_and_the_readme_says_which():
     import dataclasses
 
-    from flows import identity
-    from flows.plan import FLOW_DECIDED
+    from flows.plan.build import FLOW_DECIDED, identity
     from gpt.config import Config
 
     classified = {*identity.DEFINING, *identity.SCHEDULE, *identity.START, *identity.MAY_CHANGE, *FLOW_DECIDED,
                   "num_layers", "hidden_size", "num_attention_heads", "precompile_iters", "compile_cache_dir"}
     assert {f.name for f in dataclasses.fields(Config)} - classified == set()
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme[readme.index("| define the run"):readme.index("The list lives in `flows/identity.py`")]
+    table = readme[readme.index("| define the run"):readme.index("The list lives in `flows/plan/identity.py`")]
     for name in (*identity.DEFINING, *identity.START, *(n for n in identity.MAY_CHANGE if n != "cluster.*")):
         assert f"`{name}`" in table, name

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import load_cluster
-from tasks.jobs import slurm_state
-from tasks.run_owner import RunBusy
-from tasks.train import train
+from tasks.cluster.config import load_cluster
+from tasks.cluster.jobs import slurm_state
+from tasks.cluster.run_owner import RunBusy
+from tasks.train.stage import train
 from tests.run_folder import job_records, trained_iterations, wait_until
 from tests.test_cluster_slurm import tiny
+
+pytestmark = pytest.mark.integration  # starts servers of its own
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERS = 60
@@ -29,7 +31,7 @@ def test_second_run_is_refused_and_a_killed_followers_job_is_followed_again(requ
     cluster = load_cluster(preset, **({"nodes": 1} if preset == "slurm-local" else {}))
     config = tiny(train_iters=ITERS, save_interval=20, log_interval=10, run_dir=str(tmp_path))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.test_cluster_slurm import tiny; "
-            "from tasks.cluster import load_cluster; from tasks.train import train; "
+            "from tasks.cluster.config import load_cluster; from tasks.train.stage import train; "
             f"train(tiny(train_iters={ITERS}, save_interval=20, log_interval=10, run_dir=sys.argv[3]), "
             "load_cluster(sys.argv[2], **eval(sys.argv[4])))")
     overrides = repr({"nodes": 1} if preset == "slurm-local" else {})

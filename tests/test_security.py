@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.params import (
+from flows.plan.build import make_plan
+from flows.plan.params import (
     ClusterParams,
     DataParams,
     OutputParams,
@@ -20,9 +21,8 @@ from flows.params import (
     TokenizerParams,
     TrainingParams,
 )
-from flows.plan import make_plan
-from tasks.cluster import ClusterError, load_cluster
-from tasks.jobs import submit, submit_array
+from tasks.cluster.config import ClusterError, load_cluster
+from tasks.cluster.jobs import submit, submit_array
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "marker-secret-3f9a1c"

@@ -1,4 +1,4 @@
-"""The private parts of submitit that tasks.jobs and tasks.cluster rely on, as they are in the exact
+"""The private parts of submitit that tasks.cluster.jobs and tasks.cluster.config rely on, as they are in the exact
 version pyproject.toml pins: a new submitit that changes any of them fails here, before a job does."""
 import inspect
 import re
@@ -21,10 +21,10 @@ def test_the_pinned_submitit_is_the_one_installed():
 
 
 def test_the_private_methods_keep_their_signatures():
-    # tasks.cluster.ClusterConfig.sbatch_script: the batch script without submitting
+    # tasks.cluster.config.ClusterConfig.sbatch_script: the batch script without submitting
     params = inspect.signature(slurm._make_sbatch_string).parameters
     assert {"command", "folder", "job_name", "map_count", "additional_parameters", "srun_args"} <= set(params)
-    # tasks.jobs._SlurmExecutor: sbatch without credentials, arrays through the same executor
+    # tasks.cluster.jobs._SlurmExecutor: sbatch without credentials, arrays through the same executor
     executor = slurm.SlurmExecutor
     assert list(inspect.signature(executor._make_submission_command).parameters) == ["self", "submission_file_path"]
     assert list(inspect.signature(executor._internal_process_submissions).parameters) == ["self", "delayed_submissions"]

@@ -12,6 +12,8 @@ import pytest
 
 from tests.run_folder import wait_until
 
+pytestmark = pytest.mark.integration  # starts servers of its own
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_MARKS = ("flows.local_server", "prefect.server.api.server")   # ours, or one Prefect started itself
 

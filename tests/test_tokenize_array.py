@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from gpt.data import MMapIndexedDataset
-from tasks.cluster import load_cluster
-from tasks.shards import Shard, plan_shards
-from tasks.tokenize import BadLine, Piece, TokenizeError, resolve_tokenizer, tokenize
-from tasks.tokenize_array import join, shard_error, tokenize_on_cluster
+from tasks.cluster.config import load_cluster
+from tasks.tokenize.array import join, shard_error, tokenize_on_cluster
+from tasks.tokenize.shards import Shard, plan_shards
+from tasks.tokenize.stage import BadLine, Piece, TokenizeError, resolve_tokenizer, tokenize
 from tests.run_folder import job_records
 from tests.test_tokenize import _tokenizer_json
 
@@ -242,7 +242,7 @@ def test_the_sync_job_mirrors_a_bucket_and_verifies_every_file_as_the_flow_proce
 
 def test_the_flow_with_its_data_stages_as_jobs_and_a_tokenizer_json_trains_on_the_bytes_of_the_in_process_stages(
         tmp_path, slurm_cluster, s3_server, harness, shakespeare_jsonl, bpe_vocab):
-    from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
+    from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from flows.pretrain import pretrain
     from tasks.sync import sync
 

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sample_corpus import sample_corpus
+from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_gpt import ROOT
 from tests.fixtures_prefect import free_port
+
+pytestmark = pytest.mark.integration  # starts servers of its own
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -146,7 +148,7 @@ def test_a_tracker_that_cannot_be_reached_is_a_warning_naming_it(tmp_path):
 def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_server, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from tasks import trackers
+    from tasks.train import trackers
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     monkeypatch.setattr(trackers, "RETRY_S", 0.0)

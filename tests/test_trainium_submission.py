@@ -21,10 +21,10 @@ import pytest
 from submitit.core.utils import JobPaths, pickle_load
 
 from gpt.config import Config
-from tasks.cluster import load_cluster
-from tasks.jobs import DistributedTask, job_launch, neuron_launch, submit
+from tasks.cluster.config import load_cluster
+from tasks.cluster.jobs import DistributedTask, job_launch, neuron_launch, submit
 from tasks.precompile import PrecompileManifest, cache_key, sbatch_script
-from tasks.train import on_compiled_nodes
+from tasks.train.stage import on_compiled_nodes
 
 CACHE_ROOT = "/fsx/gpt/data/compile-cache"
 ENV_PROBE = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
@@ -158,9 +158,8 @@ def test_the_launcher_trains_on_two_nodes_with_two_ranks_each(slurm_cluster: dic
 def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: Path, monkeypatch) -> None:
     """GPT-3 6.7B on 16 x trn1.32xlarge with tensor parallel 32 (one node's 32 NeuronCores per
     group, 16 data-parallel replicas): the plan accepts it and the job's checks pass for 512 ranks."""
-    from flows import sizes
-    from flows.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
-    from flows.plan import make_plan
+    from flows.plan.build import make_plan, sizes
+    from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from gpt.parallel import xla
 
     # Its root is shared storage with room for its 72 GiB checkpoints (FSx), unlike this machine's disk.

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tasks.cluster.run_context import log_to_stderr
 from tasks.common.uri import is_s3
-from tasks.run_context import log_to_stderr
 from tasks.sync.download import sync
 from tasks.sync.remote import SyncError, redact
 from tasks.sync.uploader import upload

@@ -6,7 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from tasks.crc import ALGORITHMS
+from tasks.common.crc import ALGORITHMS
 from tasks.sync.listing import Source
 from tasks.sync.remote import SyncError, TransientSyncError
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks import crc
+from tasks.common import crc
+from tasks.common.progress import Progress, human_bytes
 from tasks.common.uri import is_s3
-from tasks.progress import Progress, human_bytes
 from tasks.sync import content
 from tasks.sync.follower import PartFollower
 from tasks.sync.integrity import (

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal
 import botocore.exceptions as bexc
 
 from native import md5_lanes, md5_ranges
-from tasks import crc
+from tasks.common import crc
 from tasks.common.uri import is_s3
 from tasks.sync.listing import Source
 from tasks.sync.remote import split_s3

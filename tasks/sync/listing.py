@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from tasks.common.digest import Digest
 from tasks.common.uri import is_s3
-from tasks.digest import Digest
 from tasks.sync.reach import Reach
 from tasks.sync.remote import Remote, SyncError, s3_call, split_s3
 

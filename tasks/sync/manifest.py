@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from gpt.files import replaced
-from tasks.progress import Progress
+from tasks.common.progress import Progress
 from tasks.sync.integrity import Check
 from tasks.sync.listing import MANIFEST_NAME, LocalStat, Source, listing_digest
 

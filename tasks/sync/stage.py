@@ -9,8 +9,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from tasks.cluster import ClusterConfig
-from tasks.jobs import submit
+from tasks.cluster.config import ClusterConfig
+from tasks.cluster.jobs import submit
 from tasks.sync.download import sync
 from tasks.sync.listing import list_sources, listing_digest
 from tasks.sync.manifest import SyncManifest, local_copy_matches

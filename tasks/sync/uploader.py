@@ -8,8 +8,8 @@ from typing import Any
 
 import botocore.exceptions as bexc
 
+from tasks.common.progress import Progress, human_bytes
 from tasks.common.uri import is_s3
-from tasks.progress import Progress, human_bytes
 from tasks.sync.download import VERIFY_THREADS, await_verifications, transfer_progress
 from tasks.sync.integrity import Check, verify
 from tasks.sync.listing import (

@@ -100,7 +100,7 @@ class ClusterConfig(BaseModel):
     container_mounts: list[str] = Field(default_factory=list)
     signal_delay_s: int = Field(120, ge=10, description="USR2 this long before the time limit")
     max_requeues: int = Field(3, ge=0, description="requeues after time limit / preemption")
-    # What one node costs an hour, for the plan's cost estimate and a run's budget (flows/estimate.py).
+    # What one node costs an hour, for the plan's cost estimate and a run's budget (flows/plan/estimate.py).
     price_per_node_hour: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     currency: str = Field("USD", pattern=r"^[A-Z]{3}$")
     # The data stages (sync, tokenize) as jobs on the compute nodes instead of in the flow's own

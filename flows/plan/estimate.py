@@ -20,8 +20,8 @@ from gpt.config import Config
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
 from tasks.benchmark_history import History, machine_facts, reference
-from tasks.cluster import ClusterConfig
-from tasks.progress import human_duration
+from tasks.cluster.config import ClusterConfig
+from tasks.common.progress import human_duration
 
 ASSUMED_MFU = 0.35
 HISTORY_ENV = "GPT_BENCHMARK_HISTORY"   # the operator's history location (folder or s3:// prefix)

@@ -10,7 +10,7 @@ The flow's process only plans, follows and joins (what each task took, and the j
   ``<prefix>.jobs/shards/<plan>/<n>_<key>_document.bin/.idx`` (under temporary names until
   complete), then writes its record ``<n>.json``;
 - **join**: the shards are copied, in order, into one Megatron prefix per key: the bytes one
-  process writes for the same inputs (tasks.tokenize), since each line or row is one document
+  process writes for the same inputs (tasks.tokenize.stage), since each line or row is one document
   whichever task encodes it.
 
 A task that fails or is killed runs again alone, up to ARRAY_ATTEMPTS times; a shard whose record
@@ -31,13 +31,13 @@ from prefect import task
 from gpt.data import IndexedDatasetWriter
 from gpt.files import write_json
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.bpe import TokenizeError
-from tasks.cluster import ClusterConfig
-from tasks.digest import digest, file_digest
-from tasks.jobs import JobError, submit_array
-from tasks.progress import Progress, human_bytes
-from tasks.shards import Shard, first_lines, plan_shards
-from tasks.tokenize import (
+from tasks.cluster.config import ClusterConfig
+from tasks.cluster.jobs import JobError, submit_array
+from tasks.common.digest import digest, file_digest
+from tasks.common.progress import Progress, human_bytes
+from tasks.tokenize.bpe import TokenizeError
+from tasks.tokenize.shards import Shard, first_lines, plan_shards
+from tasks.tokenize.stage import (
     MAX_MESSAGES_PER_KIND,
     BadLine,
     Piece,
@@ -60,7 +60,7 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
                         json_keys: tuple[str, ...] | list[str] = ("text",), append_eod: bool = True,
                         strict: bool = False, train_vocab_size: int = GPT2_VOCAB_SIZE, train_bytes: int = 256 << 20,
                         tokenizer_model: str | None = None, tasks: int | None = None) -> TokenizeManifest:
-    """``tasks.tokenize.tokenize`` as an array of ``tasks`` (default: the preset's
+    """``tasks.tokenize.stage.tokenize`` as an array of ``tasks`` (default: the preset's
     ``data_array_tasks``, or one per node) tasks of ``cluster.data_job()``: the same outputs and
     manifest. The job records and logs are kept in ``<output_prefix>.jobs/``."""
     json_keys = tuple(json_keys)

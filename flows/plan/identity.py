@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flows.params import DataParams, TokenizerParams
+from flows.plan.params import DataParams, TokenizerParams
 from gpt.config import Config
 from gpt.files import write_json
-from tasks.digest import digest
+from tasks.common.digest import digest
 
 RECORD = "run.json"
 

@@ -1,6 +1,6 @@
 """The train stage, on the orchestration side: submits the training job (gpt.train on every rank)
-to the cluster through tasks.jobs, follows its metrics records, and resumes the run folder's last
-checkpoint when there is one. The run folder's files are listed in flows/layout.py."""
+to the cluster through tasks.cluster.jobs, follows its metrics records, and resumes the run folder's last
+checkpoint when there is one. The run folder's files are listed in flows/plan/layout.py."""
 from __future__ import annotations
 
 import json
@@ -18,9 +18,9 @@ from gpt.data import DataIndex
 from gpt.files import write_json
 from gpt.metrics import train_line, valid_line
 from tasks import report as reporting
-from tasks.cluster import ClusterConfig
-from tasks.hang import Hang, HangWatch, Stragglers
-from tasks.jobs import (
+from tasks.cluster.config import ClusterConfig
+from tasks.cluster.hang import Hang, HangWatch, Stragglers
+from tasks.cluster.jobs import (
     DistributedTask,
     JobError,
     JobHung,
@@ -29,10 +29,10 @@ from tasks.jobs import (
     retryable,
     submit,
 )
-from tasks.progress import Progress, human_duration
-from tasks.run_context import run_logger
-from tasks.run_owner import RunOwner
-from tasks.trackers import Trackers
+from tasks.cluster.run_context import run_logger
+from tasks.cluster.run_owner import RunOwner
+from tasks.common.progress import Progress, human_duration
+from tasks.train.trackers import Trackers
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
@@ -133,7 +133,7 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
           trackers: tuple[str, ...] = (), tracker_project: str = "gpt-pretrain") -> TrainResult:
     """Run (or resume, or extend) training in ``config.run_dir`` on the cluster; a second call
     resumes from the last checkpoint there, and a run trained to this length already submits
-    nothing. The run folder has one owner while this runs (tasks.run_owner.RunOwner)."""
+    nothing. The run folder has one owner while this runs (tasks.cluster.run_owner.RunOwner)."""
     run_dir = Path(config.run_dir)
     if not run_dir.is_absolute():
         raise ValueError(f"run_dir={config.run_dir!r}: give an absolute path on storage every node sees")

@@ -2,7 +2,7 @@
 
 GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, encoded by gigatoken (the fastest engine
 measured here; ids equal HuggingFace ``tokenizers``' byte-level BPE built from the same files), or
-any HuggingFace ``tokenizer.json`` (tasks.hf_tokenizer), encoded by the ``tokenizers`` library.
+any HuggingFace ``tokenizer.json`` (tasks.tokenize.hf_tokenizer), encoded by the ``tokenizers`` library.
 A literal ``<|endoftext|>`` inside a document is encoded as text: only ``--append-eod`` adds the
 end-of-document id, so no document is ever cut by its own content.
 
@@ -39,11 +39,11 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
 from gpt.tokenizer import GPT2_VOCAB_SIZE, tokenizer_json_files
-from tasks.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
-from tasks.digest import digest, file_digest
-from tasks.hf_tokenizer import HFTokenizer, tokenizer_file
-from tasks.progress import Progress
-from tasks.run_context import log_to_stderr
+from tasks.cluster.run_context import log_to_stderr
+from tasks.common.digest import digest, file_digest
+from tasks.common.progress import Progress
+from tasks.tokenize.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
+from tasks.tokenize.hf_tokenizer import HFTokenizer, tokenizer_file
 
 # What the stage reads: JSON lines, plain or compressed, and Parquet.
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",

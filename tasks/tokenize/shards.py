@@ -1,6 +1,6 @@
-"""One task of the tokenize array (tasks.tokenize_array) and the plan that cuts the inputs into shards.
+"""One task of the tokenize array (tasks.tokenize.array) and the plan that cuts the inputs into shards.
 
-What an array task imports on its node: the encoder (tasks.tokenize), never Prefect.
+What an array task imports on its node: the encoder (tasks.tokenize.stage), never Prefect.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from gpt.files import write_json
-from tasks.bpe import TokenizeError
-from tasks.digest import file_digest
-from tasks.tokenize import BadLine, Piece, TokenizerFiles, encode, output_prefixes, splittable
+from tasks.common.digest import file_digest
+from tasks.tokenize.bpe import TokenizeError
+from tasks.tokenize.stage import BadLine, Piece, TokenizerFiles, encode, output_prefixes, splittable
 
 SCAN_BLOCK = 1 << 16      # bytes read at a time to find where a line starts
 # A fault injected for tests, from GPT_DATA_FAULT (inert when unset): "shard=N" kills shard N's task after its first

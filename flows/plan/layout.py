@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.digest import digest
+from tasks.common.digest import digest
 
 
 @dataclass(frozen=True)

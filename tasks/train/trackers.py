@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 from gpt.files import write_json
-from tasks.run_context import run_logger
+from tasks.cluster.run_context import run_logger
 
 RECORD = "trackers.json"
 Tracker = Literal["wandb", "mlflow"]

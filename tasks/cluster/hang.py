@@ -1,5 +1,5 @@
 """Whether a job still advances, decided where the run is owned: from its ranks' heartbeats
-(gpt.heartbeat, in the run folder), on the machine that follows the job (tasks.jobs).
+(gpt.heartbeat, in the run folder), on the machine that follows the job (tasks.cluster.jobs).
 
 A job is hung when no rank has entered a new phase for longer than its limit: ``hang_timeout_s``
 when the run sets it, else ``STEP_FACTOR`` step times with a floor of ``FLOOR_S``. Phases that are

@@ -1,5 +1,5 @@
 """Parameters of the pretrain flow: typed models the Prefect UI renders as a form. What they mean
-for the run is decided once, by `flows.plan.make_plan`."""
+for the run is decided once, by `flows.plan.build.make_plan`."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpt.config import PRESETS
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.trackers import Tracker
+from tasks.train.trackers import Tracker
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 

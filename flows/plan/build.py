@@ -3,8 +3,8 @@ configuration, the cluster it runs on and where its files live, before any stage
 
 `make_plan(...)` is the one place the parameters are validated: it raises `ParameterError`
 listing every problem, one line per field (`training.micro_batch_size: ...`): values and their
-cost (memory, disk), what the operator allows the form to reach (flows.boundary), and whether the
-run folder's own run can go on under these parameters (flows.identity, flows.outlook). What only
+cost (memory, disk), what the operator allows the form to reach (flows.plan.boundary), and whether the
+run folder's own run can go on under these parameters (flows.plan.identity, flows.plan.outlook). What only
 the data stages can know (the vocabulary's size, the index) is added by `Plan.with_data`, the one
 place the job's configuration is completed. Every stage receives its part of the plan; none changes it.
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows import identity as run_identity
-from flows.boundary import Boundary
-from flows.layout import Layout
-from flows.outlook import Outlook, cannot_load, outlook
-from flows.params import (
+from flows.plan import identity as run_identity
+from flows.plan.boundary import Boundary
+from flows.plan.layout import Layout
+from flows.plan.outlook import Outlook, cannot_load, outlook
+from flows.plan.params import (
     ClusterParams,
     DataParams,
     OutputParams,
@@ -32,10 +32,10 @@ from flows.params import (
     TokenizerParams,
     TrainingParams,
 )
-from flows.sizes import disk_problem, existing_parent, memory_problem
+from flows.plan.sizes import disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
 from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError
-from tasks.cluster import FLOAT8_GPUS, ClusterConfig, load_cluster
+from tasks.cluster.config import FLOAT8_GPUS, ClusterConfig, load_cluster
 from tasks.common.uri import is_s3
 from tasks.index import parse_split
 from tasks.precompile import cache_key
@@ -49,13 +49,13 @@ FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "compile_cache_dir",
 # The preset is the model's shape: the run folder, the plan and the export all name it.
 SHAPE = ("num_layers", "hidden_size", "num_attention_heads")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.layout)
+RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.plan.layout)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What a run does: the training job's configuration, the cluster, the folders, and what
-    defines the run (flows.identity)."""
+    defines the run (flows.plan.identity)."""
     config: Config
     cluster: ClusterConfig
     layout: Layout
@@ -87,7 +87,7 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
               cluster: ClusterParams, output: OutputParams, boundary: Boundary | None = None) -> Plan:
     """Check every parameter (values, paths, endpoints, tokenizer, gpt Config, cluster, what the run
     costs, the run folder's own run) and decide the plan. ``boundary``: what the operator allows
-    (default: from the environment, flows.boundary).
+    (default: from the environment, flows.plan.boundary).
 
     Raises ParameterError with one message per problem; nothing is submitted before this passes.
     """

@@ -8,8 +8,8 @@ import os
 from prefect.input import RunInput
 from pydantic import Field
 
-from flows.estimate import Estimate
-from flows.params import BudgetParams, ParameterError
+from flows.plan.estimate import Estimate
+from flows.plan.params import BudgetParams, ParameterError
 
 # The operator's caps, set where the flow runs: a run's own budget may only be lower.
 CAPS = {"node_hours": "GPT_BUDGET_NODE_HOURS", "cost": "GPT_BUDGET_COST"}

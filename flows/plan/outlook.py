@@ -12,8 +12,8 @@ from typing import Literal
 
 from gpt.checkpoint import iteration_of, newest_intact, saved_layout
 from gpt.config import Config
-from tasks.cluster import ClusterConfig
-from tasks.train import trained_summary
+from tasks.cluster.config import ClusterConfig
+from tasks.train.stage import trained_summary
 
 _PART = re.compile(r"\.tp\d+of(\d+)$")
 

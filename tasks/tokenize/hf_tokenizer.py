@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from gpt.tokenizer import TokenizerFileError, end_of_text, load_tokenizer_json, vocabulary_size
-from tasks.bpe import TokenizeError
+from tasks.tokenize.bpe import TokenizeError
 
 
 def tokenizer_file(model: str) -> str:

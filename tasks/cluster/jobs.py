@@ -35,10 +35,10 @@ from submitit.slurm.slurm import SlurmJob
 from gpt import heartbeat
 from gpt.config import Config
 from gpt.files import write_json
-from tasks.cluster import ClusterConfig, ClusterError, credential_variables
-from tasks.hang import Hang, HangWatch
-from tasks.run_context import flow_run_cancelled, flow_run_id, run_logger
-from tasks.run_owner import RunBusy, RunOwner
+from tasks.cluster.config import ClusterConfig, ClusterError, credential_variables
+from tasks.cluster.hang import Hang, HangWatch
+from tasks.cluster.run_context import flow_run_cancelled, flow_run_id, run_logger
+from tasks.cluster.run_owner import RunBusy, RunOwner
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class SubmitterExiting(JobError):
 
 
 class JobHung(JobError):
-    """The job stopped advancing (tasks.hang); its stacks were saved and it has been cancelled."""
+    """The job stopped advancing (tasks.cluster.hang); its stacks were saved and it has been cancelled."""
 
     def __init__(self, hang: Hang) -> None:
         super().__init__(hang.line())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gpt.config import Config
 from gpt.memory import GIB, fitting_layout, rank_memory
-from tasks.cluster import ClusterConfig
+from tasks.cluster.config import ClusterConfig
 
 # Memory of one device (GiB), the largest variant of each generation: what a rank may use at most.
 DEVICE_MEMORY_GIB = {"a100": 80, "a10g": 24, "l4": 24, "l40s": 48, "t4": 16, "v100": 32, "h100": 94, "h800": 80,
