@@ -17,7 +17,7 @@ from tasks.benchmark_history import git_state, now
 RECORD = "provenance.json"
 PACKAGES = ("gpt-pretrain", "gpt-core", "torch", "numpy", "prefect", "pydantic", "submitit", "boto3",
             "transformers", "torchao", "torch-xla", "torch-neuronx")
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def record(run_dir: Path, flow_run_id: str | None, parameters: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "deployments" / "clusters"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "deployments" / "clusters"
 PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
