@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpt.faults import FAULT
 from gpt.files import write_json
 
 FOLDER = "heartbeats"
@@ -108,50 +109,13 @@ def enter(phase: str, iteration: int | None = None) -> None:
     """Mark the phase this rank enters (nothing without a running heartbeat)."""
     if _CURRENT is not None:
         _CURRENT.enter(phase, iteration)
-    fault.at(phase, _CURRENT.iteration if _CURRENT is not None else 0)
+    FAULT.sleep_at(phase, _CURRENT.iteration if _CURRENT is not None else 0)
 
 
 def spent() -> dict[str, float]:
     return dict(_CURRENT.spent) if _CURRENT is not None else {}
 
 
-class Fault:
-    """A fault injected for tests, from ``GPT_FAULT`` (inert when it is unset): ``rank=1,iteration=5,
-    phase=sync,seconds=600`` makes rank 1 sleep 600 s when it enters phase ``sync`` at iteration 5
-    (from then on every iteration with ``every=1``); ``node=node1`` limits it to one SLURM node,
-    ``once=PATH`` to the first time (PATH is created when it fires)."""
-
-    def __init__(self, spec: str | None) -> None:
-        fields = dict(item.split("=", 1) for item in (spec or "").split(",") if "=" in item)
-        self.active = bool(fields)
-        self.rank = int(fields.get("rank", -1))
-        self.iteration = int(fields.get("iteration", 0))
-        self.phase = fields.get("phase", "")
-        self.seconds = float(fields.get("seconds", 0))
-        self.every = fields.get("every") == "1"
-        self.node = fields.get("node")
-        self.once = fields.get("once")
-
-    def at(self, phase: str, iteration: int) -> None:
-        if not self.active or phase != self.phase:
-            return
-        if int(os.environ.get("RANK", "0")) != self.rank and self.rank != -1:
-            return
-        if iteration != self.iteration and not (self.every and iteration >= self.iteration):
-            return
-        if self.node and os.environ.get("SLURMD_NODENAME") != self.node:
-            return
-        if self.once:
-            try:
-                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-        print(f"fault injected: rank {os.environ.get('RANK', '0')} sleeps {self.seconds:g} s in {phase} at "
-              f"iteration {iteration}", flush=True)
-        time.sleep(self.seconds)
-
-
-fault = Fault(os.environ.get("GPT_FAULT"))
 
 
 def read(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

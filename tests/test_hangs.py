@@ -2,7 +2,7 @@
 from its ranks' heartbeats, saves every rank's stack, cancels it and resubmits it without the node
 that hung; a run that hangs twice at one iteration stops with the report; a slow rank is named.
 
-Faults come from GPT_FAULT (gpt.heartbeat.Fault), which these tests set for the jobs they submit:
+Faults come from GPT_FAULT (gpt.faults), which these tests set for the jobs they submit:
 a chosen rank sleeps when it enters a phase at an iteration.
 """
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_a_huggingface_tokenizer_json_on_parquet_shards_and_a_killed_task_reruns
         pq.write_table(pa.table({"text": docs[i::4]}), files[-1], row_group_size=40)
     model = str(_tokenizer_json(tmp_path, bpe_vocab))
     one = tokenize(files, str(tmp_path / "one" / "corpus"), tokenizer_model=model)
-    monkeypatch.setenv("GPT_DATA_FAULT", "shard=2")
+    monkeypatch.setenv("GPT_FAULT", "shard=2")
     array = tokenize_on_cluster(files, str(tmp_path / "array" / "corpus"), _cluster(slurm_cluster),
                                 tokenizer_model=model, tasks=4)
     _same_bytes(array.prefixes["text"], one.prefixes["text"])

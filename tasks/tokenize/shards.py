@@ -7,20 +7,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
+from gpt.faults import FAULT
 from gpt.files import write_json
 from tasks.common.digest import file_digest
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.stage import BadLine, Piece, TokenizerFiles, encode, output_prefixes, splittable
 
 SCAN_BLOCK = 1 << 16      # bytes read at a time to find where a line starts
-# A fault injected for tests, from GPT_DATA_FAULT (inert when unset): "shard=N" kills shard N's task after its first
-# chunk is written, on its first run only.
-FAULT = os.environ.get("GPT_DATA_FAULT", "")
 
 
 def plan_shards(files: list[str], tasks: int) -> list[list[Piece]]:
@@ -121,10 +118,7 @@ class Shard:
         return record
 
     def _fault(self) -> None:
-        marker = Path(self.prefix + ".killed")
-        if FAULT == f"shard={self.index}" and not marker.exists():
-            marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        FAULT.kill_shard(self.index, Path(self.prefix + ".killed"))
 
     def _outputs(self) -> dict[str, list[Any]]:
         return {p: [os.path.getsize(p + ".bin"), file_digest(p + ".idx")] for p in self.prefixes.values()}

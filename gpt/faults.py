@@ -1,0 +1,64 @@
+"""Faults injected for tests, from one variable: ``GPT_FAULT``, read once per process, inert when it
+is unset. Production code calls the hooks below at the places a fault can strike; without the
+variable each hook returns at once.
+
+``GPT_FAULT`` is ``key=value`` pairs separated by commas:
+
+- ``rank=1,iteration=5,phase=sync,seconds=600``: rank 1 sleeps 600 s when it enters phase ``sync``
+  (gpt.heartbeat's phases) at iteration 5; ``every=1`` from then on at every iteration;
+  ``node=node1`` only on that SLURM node; ``once=PATH`` only the first time (PATH is created when
+  it fires). A hang or a straggler, exactly where a test wants one.
+- ``shard=2``: the tokenize array's task 2 kills itself (SIGKILL) after its first chunk is written,
+  on its first run only (a marker beside its outputs remembers it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+VARIABLE = "GPT_FAULT"
+
+
+class Fault:
+    def __init__(self, spec: str | None) -> None:
+        fields = dict(item.split("=", 1) for item in (spec or "").split(",") if "=" in item)
+        self.active = bool(fields)
+        self.rank = int(fields.get("rank", -1))
+        self.iteration = int(fields.get("iteration", 0))
+        self.phase = fields.get("phase", "")
+        self.seconds = float(fields.get("seconds", 0))
+        self.every = fields.get("every") == "1"
+        self.node = fields.get("node")
+        self.once = fields.get("once")
+        self.shard = int(fields["shard"]) if "shard" in fields else None
+
+    def sleep_at(self, phase: str, iteration: int) -> None:
+        """The rank's sleep, where the spec puts it."""
+        if not self.active or phase != self.phase:
+            return
+        if int(os.environ.get("RANK", "0")) != self.rank and self.rank != -1:
+            return
+        if iteration != self.iteration and not (self.every and iteration >= self.iteration):
+            return
+        if self.node and os.environ.get("SLURMD_NODENAME") != self.node:
+            return
+        if self.once:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+        print(f"fault injected: rank {os.environ.get('RANK', '0')} sleeps {self.seconds:g} s in {phase} at "
+              f"iteration {iteration}", flush=True)
+        time.sleep(self.seconds)
+
+    def kill_shard(self, index: int, marker: Path) -> None:
+        """The tokenize array task ``index`` killed, once (``marker`` remembers it)."""
+        if self.shard != index or marker.exists():
+            return
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+FAULT = Fault(os.environ.get(VARIABLE))
