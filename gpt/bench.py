@@ -44,10 +44,11 @@ from gpt.config import Config
 from gpt.distributed import DistEnv, free_port, gather_objects, init_distributed, shutdown
 from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
+from gpt.optim import LossScaler, build_optimizer
 from gpt.parallel.build import build_model, compile_scope
 from gpt.parallel.pipeline import Pipeline, bubble_fraction, build_pipeline
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from gpt.train import LossScaler, build_optimizer, train_step
+from gpt.train import train_step
 
 
 class _Row:

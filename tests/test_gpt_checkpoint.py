@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from gpt.config import Config
-from gpt.train import EXIT_INTERRUPTED, lr_at
+from gpt.optim import lr_at
+from gpt.train import EXIT_INTERRUPTED
 from tests.fixtures_gpt import SMALL, read_metrics
 
 SIGNAL_AT = """

@@ -7,7 +7,7 @@ import pytest
 
 from gpt.config import PRESETS, Config, ConfigError
 from gpt.model import param_count
-from gpt.train import lr_at
+from gpt.optim import lr_at
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n != "tiny"])

@@ -88,7 +88,8 @@ def test_data_order_is_the_same_for_any_rank_count():
 
 def test_non_finite_step_is_skipped_and_fp16_scale_backs_off():
     from gpt.backend import get_backend
-    from gpt.train import LossScaler, build_optimizer, train_step
+    from gpt.optim import LossScaler, build_optimizer
+    from gpt.train import train_step
     config = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64, mock_data=True)
     backend = get_backend("cpu")
     model = GPT(config)

@@ -24,9 +24,10 @@ from gpt.checkpoint import Checkpointer
 from gpt.config import Config, ConfigError
 from gpt.data import MockGPTDataset
 from gpt.distributed import DistEnv
+from gpt.optim import LossScaler, build_optimizer, lr_at
 from gpt.parallel import xla
 from gpt.parallel.build import build_model
-from gpt.train import LossScaler, build_optimizer, lr_at, main, micro_batches, train_step
+from gpt.train import main, micro_batches, train_step
 
 SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
          "vocab_size": 256, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8,
