@@ -77,8 +77,17 @@ _CHOICES = {
 _INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")
 
 
+# A problem of a configuration: the field it is about ("" for the whole) and what to change.
+Problem = tuple[str, str]
+
+
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field and what to change."""
+    """A configuration that cannot run; the message names the field and what to change, ``field``
+    is that field ("" for the configuration as a whole)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class Config:
         (``dataclasses.replace`` makes another)."""
         self._coerce_numbers()
         if self.model not in PRESETS:
-            raise ConfigError(f"model={self.model!r} is not a preset; choose one of {', '.join(PRESETS)}")
+            raise ConfigError(f"model={self.model!r} is not a preset; choose one of {', '.join(PRESETS)}", "model")
         preset = PRESETS[self.model]
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "micro_batch_size", "global_batch_size", "lr", "min_lr"):
@@ -167,12 +176,13 @@ class Config:
             try:
                 number = {"true": True, "false": False}[value.strip().lower()] if kind is bool else float(value)
             except (KeyError, ValueError):
-                raise ConfigError(f"{f.name}={value!r}: expected {'true or false' if kind is bool else 'a number'}") from None
+                raise ConfigError(f"{f.name}={value!r}: expected {'true or false' if kind is bool else 'a number'}",
+                                  f.name) from None
             if kind is not bool and not math.isfinite(number):
-                raise ConfigError(f"{f.name}={value!r}: must be a finite number")
+                raise ConfigError(f"{f.name}={value!r}: must be a finite number", f.name)
             if kind is int:
                 if number != int(number):
-                    raise ConfigError(f"{f.name}={value!r}: expected a whole number")
+                    raise ConfigError(f"{f.name}={value!r}: expected a whole number", f.name)
                 number = int(number)
             self._set(f.name, number)
 
@@ -253,156 +263,157 @@ class Config:
         """Raise ConfigError naming every problem that keeps this from running on ``world_size`` ranks."""
         found = self.problems(world_size)
         if found:
-            raise ConfigError("; ".join(found))
+            raise ConfigError("; ".join(message for _, message in found), found[0][0] if len(found) == 1 else "")
 
-    def problems(self, world_size: int = 1) -> list[str]:
-        """Every problem of this configuration on ``world_size`` ranks, one message each."""
+    def problems(self, world_size: int = 1) -> list[Problem]:
+        """Every problem of this configuration on ``world_size`` ranks: the field it is about ("" for
+        the configuration as a whole) and a message naming it."""
         found = self._type_problems()
         if found:
             return found            # the checks below compare and compute with these values
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
-                found.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+                found.append((name, f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}"))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                      "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel",
                      "virtual_pipeline_stages", "log_interval",
                      "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
-            if any(f.startswith(f"{name}=") for f in found):
+            if any(field == name for field, _ in found):
                 continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                found.append(f"{name}={getattr(self, name)!r}: must be a positive integer")
+                found.append((name, f"{name}={getattr(self, name)!r}: must be a positive integer"))
         if world_size < 1:
-            found.append(f"world size {world_size} must be at least 1")
+            found.append(("", f"world size {world_size} must be at least 1"))
         if found:
             return found            # the checks below do arithmetic on these
         if self.hidden_size % self.num_attention_heads:
-            found.append(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                         f"{self.num_attention_heads}; change one so that heads divide the hidden size")
+            found.append(("hidden_size", f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                         f"{self.num_attention_heads}; change one so that heads divide the hidden size"))
         if self.num_attention_heads % self.tensor_parallel:
-            found.append(f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
-                         f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count")
+            found.append(("num_attention_heads", f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
+                         f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count"))
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         if world_size % model_parallel:
-            found.append(f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel} x "
+            found.append(("", f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel} x "
                          f"pipeline_parallel={self.pipeline_parallel}; use a number of ranks that is a multiple "
-                         f"of {model_parallel} (world = pipeline x data x tensor parallel)")
+                         f"of {model_parallel} (world = pipeline x data x tensor parallel)"))
             return found + self._schedule_problems()
         dp = world_size // model_parallel
         found += self._pipeline_problems(dp)
         if self.global_batch_size % (self.micro_batch_size * dp):
-            found.append(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+            found.append(("global_batch_size", f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
                          f"{self.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
-                         f"of {self.micro_batch_size * dp}")
+                         f"of {self.micro_batch_size * dp}"))
         if self.seq_length > self.max_position_embeddings:
-            found.append(f"seq_length={self.seq_length} is longer than max_position_embeddings="
-                         f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
+            found.append(("seq_length", f"seq_length={self.seq_length} is longer than max_position_embeddings="
+                         f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"))
         found += self._schedule_problems()
         found += self._other_problems(dp)
         return found
 
-    def _pipeline_problems(self, dp: int) -> list[str]:
+    def _pipeline_problems(self, dp: int) -> list[Problem]:
         pp, virtual = self.pipeline_parallel, self.virtual_pipeline_stages
-        found: list[str] = []
+        found: list[Problem] = []
         if pp == 1 and virtual == 1:
             return found
         stages = pp * virtual
         if self.num_layers % stages:
-            found.append(f"num_layers={self.num_layers} does not split evenly into pipeline_parallel={pp} x "
-                         f"virtual_pipeline_stages={virtual} = {stages} stages; pick stages that divide the layers")
+            found.append(("num_layers", f"num_layers={self.num_layers} does not split evenly into pipeline_parallel={pp} x "
+                         f"virtual_pipeline_stages={virtual} = {stages} stages; pick stages that divide the layers"))
         interleaved = self.pipeline_schedule in _INTERLEAVED
         if interleaved and virtual < 2:
-            found.append(f"pipeline_schedule={self.pipeline_schedule!r} runs several stages per rank: set "
-                         "virtual_pipeline_stages to 2 or more, or use pipeline_schedule='1f1b'")
+            found.append(("pipeline_schedule", f"pipeline_schedule={self.pipeline_schedule!r} runs several stages per rank: set "
+                         "virtual_pipeline_stages to 2 or more, or use pipeline_schedule='1f1b'"))
         if not interleaved and virtual > 1:
-            found.append(f"virtual_pipeline_stages={virtual} needs an interleaved schedule: set "
-                         "pipeline_schedule='interleaved-1f1b' (or 'interleaved-zb')")
+            found.append(("virtual_pipeline_stages", f"virtual_pipeline_stages={virtual} needs an interleaved schedule: set "
+                         "pipeline_schedule='interleaved-1f1b' (or 'interleaved-zb')"))
         per_step = self.global_batch_size // (self.micro_batch_size * dp)
         if pp > 1 and per_step < pp:
-            found.append(f"global_batch_size={self.global_batch_size} gives {per_step} micro-batch(es) per step "
+            found.append(("global_batch_size", f"global_batch_size={self.global_batch_size} gives {per_step} micro-batch(es) per step "
                          f"(/ micro_batch_size={self.micro_batch_size} / data-parallel size {dp}), which cannot fill "
                          f"pipeline_parallel={pp} stages: raise global_batch_size or lower micro_batch_size to "
-                         f"give at least {pp}")
+                         f"give at least {pp}"))
         elif pp > 1 and interleaved and per_step % pp:
-            found.append(f"global_batch_size={self.global_batch_size} gives {per_step} micro-batches per step, "
+            found.append(("global_batch_size", f"global_batch_size={self.global_batch_size} gives {per_step} micro-batches per step, "
                          f"not a multiple of pipeline_parallel={pp} as the interleaved schedules need: make "
-                         f"global_batch_size a multiple of {self.micro_batch_size * dp * pp}")
+                         f"global_batch_size a multiple of {self.micro_batch_size * dp * pp}"))
         if pp > 1 and self.device == "neuron":
-            found.append("pipeline_parallel > 1 is not available on device='neuron': the torch_xla path trains "
-                         "with tensor and data parallel only; set pipeline_parallel=1 and raise tensor_parallel")
+            found.append(("pipeline_parallel", "pipeline_parallel > 1 is not available on device='neuron': the torch_xla path trains "
+                         "with tensor and data parallel only; set pipeline_parallel=1 and raise tensor_parallel"))
         return found
 
-    def _type_problems(self) -> list[str]:
+    def _type_problems(self) -> list[Problem]:
         """Booleans where booleans are meant; finite numbers, never booleans, where numbers are."""
-        found: list[str] = []
+        found: list[Problem] = []
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _kind(f)
             if value is None and "None" not in str(f.type):
-                found.append(f"{f.name} must be set (it has no empty value)")
+                found.append((f.name, f"{f.name} must be set (it has no empty value)"))
                 continue
             if value is None or kind is None:
                 continue
             if kind is bool:
                 if not isinstance(value, bool):
-                    found.append(f"{f.name}={value!r}: expected true or false")
+                    found.append((f.name, f"{f.name}={value!r}: expected true or false"))
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                found.append(f"{f.name}={value!r}: expected {'a whole number' if kind is int else 'a number'}")
+                found.append((f.name, f"{f.name}={value!r}: expected {'a whole number' if kind is int else 'a number'}"))
             elif not math.isfinite(value):
-                found.append(f"{f.name}={value!r}: must be a finite number")
+                found.append((f.name, f"{f.name}={value!r}: must be a finite number"))
         return found
 
-    def _schedule_problems(self) -> list[str]:
+    def _schedule_problems(self) -> list[Problem]:
         if (self.train_iters is None) == (self.train_samples is None):
-            return ["set exactly one of train_iters and train_samples "
-                    f"(got train_iters={self.train_iters}, train_samples={self.train_samples})"]
-        found: list[str] = []
+            return [("", "set exactly one of train_iters and train_samples "
+                    f"(got train_iters={self.train_iters}, train_samples={self.train_samples})")]
+        found: list[Problem] = []
         own, other = (_SCHEDULE_ITERS, _SCHEDULE_SAMPLES) if self.train_iters is not None else (_SCHEDULE_SAMPLES, _SCHEDULE_ITERS)
         for name in other[1:]:
             if getattr(self, name) is not None:
-                found.append(f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
-                                  f"or schedule by {other[0]}")
+                found.append((name, f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
+                                  f"or schedule by {other[0]}"))
         total, warmup, decay = (getattr(self, n) for n in own)
         if total < 1:
-            found.append(f"{own[0]}={total}: must be at least 1" +
-                         (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is _SCHEDULE_SAMPLES else ""))
+            found.append((own[0], f"{own[0]}={total}: must be at least 1" +
+                         (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is _SCHEDULE_SAMPLES else "")))
         if self.train_samples is not None and self.train_samples < self.global_batch_size:
-            found.append(f"train_samples={self.train_samples} is less than one global batch ({self.global_batch_size}); raise it")
+            found.append(("train_samples", f"train_samples={self.train_samples} is less than one global batch ({self.global_batch_size}); raise it"))
         if warmup < 0 or decay < 1:
-            found.append(f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1")
+            found.append((own[1], f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1"))
         if warmup > decay:
-            found.append(f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup")
+            found.append((own[1], f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup"))
         return found
 
-    def _other_problems(self, dp: int) -> list[str]:
-        found: list[str] = []
+    def _other_problems(self, dp: int) -> list[Problem]:
+        found: list[Problem] = []
         if not 0 <= self.min_lr <= self.lr:
-            found.append(f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}")
+            found.append(("min_lr", f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}"))
         if self.data_index is None and not self.mock_data:
-            found.append("no training data: set data_index to an index manifest (tasks.index) or mock_data=True")
+            found.append(("", "no training data: set data_index to an index manifest (tasks.index) or mock_data=True"))
         if self.data_index is not None and self.mock_data:
-            found.append("both data_index and mock_data are set; keep one")
+            found.append(("", "both data_index and mock_data are set; keep one"))
         if self.data_index is not None and not Path(self.data_index).is_file():
-            found.append(f"data_index={self.data_index!r}: no such file; build it with tasks.index")
+            found.append(("data_index", f"data_index={self.data_index!r}: no such file; build it with tasks.index"))
         if self.device == "neuron" and self.data_parallel_mode == "fsdp":
-            found.append("device='neuron' trains data parallel as data_parallel_mode='ddp' (gradients all-reduced, "
-                         "optimizer state on every replica); set data_parallel_mode='ddp'")
+            found.append(("device", "device='neuron' trains data parallel as data_parallel_mode='ddp' (gradients all-reduced, "
+                         "optimizer state on every replica); set data_parallel_mode='ddp'"))
         if self.precompile and not self.compile_cache_dir:
-            found.append("precompile=True needs compile_cache_dir, where the compiled graphs are stored")
+            found.append(("precompile", "precompile=True needs compile_cache_dir, where the compiled graphs are stored"))
         if self.clip_grad < 0 or self.weight_decay < 0:
-            found.append("clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)")
+            found.append(("clip_grad", "clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)"))
         if self.precision == "fp8" and self.device in ("cpu", "neuron"):
-            found.append(f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (float8 matmuls), "
-                         f"not device={self.device!r}; use bf16 there")
+            found.append(("precision", f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (float8 matmuls), "
+                         f"not device={self.device!r}; use bf16 there"))
         if self.precision == "fp8" and self.hidden_size % 16:
-            found.append(f"precision='fp8' needs hidden_size divisible by 16 (float8 matmul shapes), not "
-                         f"{self.hidden_size}; use bf16 or another hidden_size")
+            found.append(("precision", f"precision='fp8' needs hidden_size divisible by 16 (float8 matmul shapes), not "
+                         f"{self.hidden_size}; use bf16 or another hidden_size"))
         if not 0 <= self.seed < 2 ** 32:
-            found.append(f"seed={self.seed}: must lie between 0 and 2**32 - 1 (numpy's generators take no other)")
+            found.append(("seed", f"seed={self.seed}: must lie between 0 and 2**32 - 1 (numpy's generators take no other)"))
         if self.init_from and self.init_from_hf:
-            found.append("init_from and init_from_hf are both set: a new run starts from one of them")
+            found.append(("init_from", "init_from and init_from_hf are both set: a new run starts from one of them"))
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0 or self.collective_timeout_s <= 0:
-            found.append("hang_timeout_s and collective_timeout_s must be positive (seconds)")
+            found.append(("hang_timeout_s", "hang_timeout_s and collective_timeout_s must be positive (seconds)"))
         if self.peak_flops is not None and self.peak_flops <= 0:
-            found.append(f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)")
+            found.append(("peak_flops", f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)"))
         return found
 
 

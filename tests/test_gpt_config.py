@@ -152,3 +152,14 @@ def test_one_key_value_rule_types_each_value_by_its_field():
     assert problems == [("train_iters", "train_iters='1.5': expected a whole number"),
                         ("compile", "compile='yes': expected true or false"),
                         ("", "--set 'seed': expected KEY=VALUE"), ("lr", "lr='inf': must be a finite number")]
+
+
+def test_problems_name_their_field_so_the_plan_never_parses_a_message():
+    from gpt.config import Config
+
+    found = Config(model="tiny", lr=1e-3, min_lr=1.0, train_iters=10, train_samples=100, mock_data=True).problems()
+    assert ("min_lr", "min_lr=1.0 must lie between 0 and lr=0.001") in found
+    assert any(field == "" and message.startswith("set exactly one of train_iters") for field, message in found)
+    with pytest.raises(ConfigError) as e:
+        Config(model="tiny", micro_batch_size="lots")
+    assert e.value.field == "micro_batch_size"

@@ -280,15 +280,15 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     try:
         config = Config.from_preset(model, **{k: v for k, v in fields.items() if k not in FLOW_DECIDED})
     except ConfigError as e:
-        errors.append(f"{_config_field(str(e), training)}: {e}")
+        errors.append(f"{_config_field(e.field, training)}: {e}")
         return None
     except TypeError as e:
         errors.append(f"training.overrides: {e}; see gpt/config.py for the field names")
         return None
     # The data index is built later; stand mock data in for it while checking the rest.
     problems = dataclasses.replace(config, mock_data=True).problems(world_size=world_size)
-    for problem in problems:
-        errors.append(f"{_config_field(problem, training)}: {problem}")
+    for field, problem in problems:
+        errors.append(f"{_config_field(field, training)}: {problem}")
     return None if problems else config
 
 
@@ -415,9 +415,8 @@ def _allowed(field: str, problem: str | None, errors: list[str]) -> bool:
     return problem is not None
 
 
-def _config_field(message: str, training: TrainingParams) -> str:
-    """The parameter a gpt ConfigError message is about, from the field name it starts with."""
-    name = message.split("=")[0].split()[0] if message else ""
+def _config_field(name: str, training: TrainingParams) -> str:
+    """The parameter that sets the Config field ``name`` ("" for the configuration as a whole)."""
     if name in training.overrides:
         return f"training.overrides.{name}"
     if name in TrainingParams.model_fields:
