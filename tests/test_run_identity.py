@@ -99,7 +99,8 @@ def test_init_from_names_a_run_and_starts_from_its_newest_intact_checkpoint(tmp_
 def test_every_config_field_either_defines_the_run_or_may_change_and_the_readme_says_which():
     import dataclasses
 
-    from flows.plan.build import FLOW_DECIDED, identity
+    from flows.plan import identity
+    from flows.plan.build import FLOW_DECIDED
     from gpt.config import Config
 
     classified = {*identity.DEFINING, *identity.SCHEDULE, *identity.START, *identity.MAY_CHANGE, *FLOW_DECIDED,

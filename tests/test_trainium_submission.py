@@ -158,7 +158,8 @@ def test_the_launcher_trains_on_two_nodes_with_two_ranks_each(slurm_cluster: dic
 def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: Path, monkeypatch) -> None:
     """GPT-3 6.7B on 16 x trn1.32xlarge with tensor parallel 32 (one node's 32 NeuronCores per
     group, 16 data-parallel replicas): the plan accepts it and the job's checks pass for 512 ranks."""
-    from flows.plan.build import make_plan, sizes
+    from flows.plan import sizes
+    from flows.plan.build import make_plan
     from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from gpt.parallel import xla
 
