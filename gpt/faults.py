@@ -34,8 +34,8 @@ class Fault:
         self.once = fields.get("once")
         self.shard = int(fields["shard"]) if "shard" in fields else None
 
-    def sleep_at(self, phase: str, iteration: int) -> None:
-        """The rank's sleep, where the spec puts it."""
+    def at(self, phase: str, iteration: int) -> None:
+        """The rank's sleep, where the spec puts it (the phase it enters, at the iteration)."""
         if not self.active or phase != self.phase:
             return
         if int(os.environ.get("RANK", "0")) != self.rank and self.rank != -1:

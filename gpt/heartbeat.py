@@ -109,7 +109,7 @@ def enter(phase: str, iteration: int | None = None) -> None:
     """Mark the phase this rank enters (nothing without a running heartbeat)."""
     if _CURRENT is not None:
         _CURRENT.enter(phase, iteration)
-    FAULT.sleep_at(phase, _CURRENT.iteration if _CURRENT is not None else 0)
+    FAULT.at(phase, _CURRENT.iteration if _CURRENT is not None else 0)
 
 
 def spent() -> dict[str, float]:
