@@ -18,21 +18,29 @@ import signal
 import time
 from pathlib import Path
 
+from gpt.config import parse_overrides
+
 VARIABLE = "GPT_FAULT"
+FIELDS = {"rank": int, "iteration": int, "phase": str, "seconds": float, "every": int, "node": str, "once": str,
+          "shard": int}
 
 
 class Fault:
     def __init__(self, spec: str | None) -> None:
-        fields = dict(item.split("=", 1) for item in (spec or "").split(",") if "=" in item)
+        fields, problems = parse_overrides([item for item in (spec or "").split(",") if item], FIELDS, VARIABLE)
+        unknown = sorted(set(fields) - set(FIELDS))
+        if problems or unknown:
+            raise ValueError(f"{VARIABLE}={spec!r}: " + "; ".join([m for _, m in problems] +
+                                                                  [f"{name} is not a fault field" for name in unknown]))
         self.active = bool(fields)
-        self.rank = int(fields.get("rank", -1))
-        self.iteration = int(fields.get("iteration", 0))
+        self.rank = fields.get("rank", -1)
+        self.iteration = fields.get("iteration", 0)
         self.phase = fields.get("phase", "")
-        self.seconds = float(fields.get("seconds", 0))
-        self.every = fields.get("every") == "1"
+        self.seconds = fields.get("seconds", 0.0)
+        self.every = fields.get("every") == 1
         self.node = fields.get("node")
         self.once = fields.get("once")
-        self.shard = int(fields["shard"]) if "shard" in fields else None
+        self.shard = fields.get("shard")
 
     def at(self, phase: str, iteration: int) -> None:
         """The rank's sleep, where the spec puts it (the phase it enters, at the iteration)."""
