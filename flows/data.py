@@ -6,7 +6,7 @@ jobs on its compute nodes: each sync as one job, tokenize as a job array (tasks.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,35 +21,29 @@ from flows.plan.params import (
 from flows.plan.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
 from gpt.config import Config
-from gpt.tokenizer import GPT2_VOCAB_SIZE
+from gpt.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
-from tasks.index import index_needs
-from tasks.sync import local_path, sync_job_task, sync_task
+from tasks.index import IndexManifest, index_needs
+from tasks.sync import SyncManifest, local_path, sync_job_task, sync_task
 from tasks.tokenize.array import tokenize_array_task
-from tasks.tokenize.bpe import load_vocab, vocabulary_size
-from tasks.tokenize.hf_tokenizer import HFTokenizer, tokenizer_file
+from tasks.tokenize.hf_encoder import tokenizer_file
 from tasks.tokenize.sample_corpus import sample_corpus_task
-from tasks.tokenize.stage import INPUT_SUFFIXES, tokenize_task
+from tasks.tokenize.stage import INPUT_SUFFIXES, TokenizeManifest, named_tokenizer, tokenize_task
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
 REPEAT_WARNING_EPOCHS = 4
 
 
-@dataclass
+@dataclass(frozen=True)
 class Dataset:
-    blend: list[tuple[float, str]] = field(default_factory=list)   # (weight, local prefix) for the index stage
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_file: str | None = None                                # a HuggingFace tokenizer.json instead
-    vocab_size: int = 0                                              # the vocabulary's, decided here only
-    tokenized: Any = None                                            # tasks.tokenize.stage.TokenizeManifest
-
-    @property
-    def tokenizer_files(self) -> list[str]:
-        return [self.tokenizer_file] if self.tokenizer_file else [self.vocab_file, self.merge_file]  # type: ignore[list-item]
+    """What the index stage and the run take: the blend of (weight, local prefix), the tokenizer
+    the prefixes were made with, and the tokenize stage's manifest when this run tokenized."""
+    blend: list[tuple[float, str]]
+    tokenizer: Tokenizer
+    tokenized: TokenizeManifest | None = None
 
 
 @dataclass(frozen=True)
@@ -58,12 +52,12 @@ class DataStages:
     stages: Stages
     cluster: ClusterConfig
 
-    def sync(self, stage: str, sources: list[str], dest: str, **options: Any) -> Any:
+    def sync(self, stage: str, sources: list[str], dest: str, **options: Any) -> SyncManifest:
         if self.cluster.data_jobs:
             return self.stages.run(stage, sync_job_task, sources, dest, cluster=self.cluster, **options)
         return self.stages.run(stage, sync_task, sources, dest, **options)
 
-    def tokenize(self, inputs: list[str], output_prefix: str, **options: Any) -> Any:
+    def tokenize(self, inputs: list[str], output_prefix: str, **options: Any) -> TokenizeManifest:
         if self.cluster.data_jobs:
             return self.stages.run("tokenize", tokenize_array_task, inputs, output_prefix, cluster=self.cluster,
                                    intact=tokenized_intact, **options)
@@ -73,25 +67,21 @@ class DataStages:
 def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages,
             cluster: ClusterConfig) -> Dataset:
     """Everything the index stage needs, each piece by a cached stage."""
-    out = Dataset()
     run = DataStages(stages, cluster)
-    out.vocab_file, out.merge_file, out.tokenizer_file = fetch_tokenizer(tokenizer, data, layout, run)
-    out.blend = fetch_prefixes(data, layout, run)
+    files = fetch_tokenizer(tokenizer, data, layout, run)
+    blend = fetch_prefixes(data, layout, run)
     sources = list(data.sources)
-    if not sources and not out.blend:
+    if not sources and not blend:
         sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
-    if sources:
-        out.tokenized = sync_and_tokenize(sources, data, tokenizer, out, layout, run)
-        t = out.tokenized
-        out.vocab_file, out.merge_file, out.tokenizer_file = t.vocab_file, t.merge_file, t.tokenizer_file
-        out.blend += [(data.weight, p) for p in out.tokenized.prefixes.values()]
-    out.vocab_size = HFTokenizer(out.tokenizer_file).vocab_size if out.tokenizer_file else \
-        vocabulary_size(load_vocab(out.vocab_file, out.merge_file)[0])
-    return out
+    if not sources:
+        return Dataset(blend, named_tokenizer(*files))  # type: ignore[arg-type]   # the plan asked for one
+    tokenized = sync_and_tokenize(sources, data, tokenizer, files, layout, run)
+    return Dataset(blend + [(data.weight, p) for p in tokenized.prefixes.values()], tokenized.tokenizer, tokenized)
 
 
-def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams, dataset: Dataset,
-                      layout: Layout, run: DataStages) -> Any:
+def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams,
+                      files: tuple[str | None, str | None, str | None], layout: Layout,
+                      run: DataStages) -> TokenizeManifest:
     raw = run.sync("sync", sources, str(layout.raw(sources, data.endpoint_url)),
                    endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request,
                    allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
@@ -100,17 +90,18 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
     if not inputs:
         raise ParameterError([f"data.sources: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
-    out_prefix = layout.tokenized(raw.digest, dataset.vocab_file, dataset.merge_file, data.json_keys,
-                                  tokenizer.train_vocab_size, *filter(None, [dataset.tokenizer_file]))
+    vocab_file, merge_file, tokenizer_file = files
+    out_prefix = layout.tokenized(raw.digest, vocab_file, merge_file, data.json_keys,
+                                  tokenizer.train_vocab_size, *filter(None, [tokenizer_file]))
     train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
-    tokenized = run.tokenize(inputs, str(out_prefix), vocab_file=dataset.vocab_file, merge_file=dataset.merge_file,
-                             tokenizer_model=dataset.tokenizer_file, json_keys=list(data.json_keys),
+    tokenized = run.tokenize(inputs, str(out_prefix), vocab_file=vocab_file, merge_file=merge_file,
+                             tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
                              train_vocab_size=train_vocab)
     reporting.dataset_table(tokenized)
     return tokenized
 
 
-def synced_files(manifest: Any) -> list[str]:
+def synced_files(manifest: SyncManifest) -> list[str]:
     return sorted(str(Path(manifest.local_dir) / f.path) for f in manifest.files)
 
 
@@ -176,11 +167,12 @@ def check_repetition(dataset: Dataset, split: str, config: Config) -> list[str]:
     return warnings
 
 
-def check_vocabulary(index: Any, dataset: Dataset) -> None:
+def check_vocabulary(index: IndexManifest, dataset: Dataset) -> None:
     """Token ids beyond the vocabulary would crash the embedding mid-training: say so now."""
-    bad = {p: m for p, m in index.max_token_ids.items() if m >= dataset.vocab_size}
+    size = dataset.tokenizer.vocab_size
+    bad = {p: m for p, m in index.max_token_ids.items() if m >= size}
     if bad:
         raise ParameterError([f"data: {p}.bin holds token id {m}, but the vocabulary "
-                              f"{dataset.tokenizer_files[0]} has only {dataset.vocab_size} entries: the data "
+                              f"{dataset.tokenizer.files[0]} has only {size} entries: the data "
                               "was tokenized with another vocabulary; give that vocabulary or tokenize again"
                               for p, m in sorted(bad.items())])

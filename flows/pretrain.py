@@ -93,7 +93,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
                        seed=plan.config.seed, num_samples=plan.config.num_samples(), out_dir=str(plan.layout.index()),
                        intact=index_intact)
     data_stages.check_vocabulary(index, dataset)
-    plan = plan.with_data(dataset.vocab_size, index.path)
+    plan = plan.with_data(dataset.tokenizer.vocab_size, index.path)
 
     cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
@@ -114,8 +114,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     result = stages.run("train", train_task, plan.config, plan.cluster, precompiled=compiled,
                         trackers=tuple(output.trackers), tracker_project=output.tracker_project, intact=trained_intact)
 
-    exported = stages.run("export", export_task, result.run_dir, dataset.vocab_file, dataset.merge_file,
-                          tokenizer_file=dataset.tokenizer_file, intact=export_intact)
+    exported = stages.run("export", export_task, result.run_dir, dataset.tokenizer, intact=export_intact)
     url = flow_run.get_flow_run_ui_url() if lasting_api() else None  # None: a temporary server
     figures = reporting.report_task(
         model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
@@ -131,7 +130,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     return {
         **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,
-        "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": dataset.tokenizer_files,
+        "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": dataset.tokenizer.files,
         "export": exported.path, "uploaded_to": output.uri, "flow_run": url,
         "job_ids": result.job_ids, "stages": stages.records,
     }

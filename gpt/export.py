@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -33,14 +33,7 @@ from gpt.checkpoint import Checkpointer, load_whole_model
 from gpt.config import Config
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
 from gpt.model import GPT, split_qkv
-from gpt.tokenizer import (
-    EOD,
-    TokenizerFileError,
-    end_of_text,
-    load_tokenizer_json,
-    tokenizer_json_files,
-    vocabulary_size,
-)
+from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOOL = "python -m gpt.export"
@@ -157,18 +150,11 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file:
 
     checkpoint, config = find_checkpoint(source)
     run_dir = checkpoint.parent.parent
-    folder = run_dir / "tokenizer"
-    if tokenizer_file is None and vocab_file is None and not (folder / "vocab.json").is_file() \
-            and (folder / "tokenizer.json").is_file():
-        tokenizer_file = str(folder / "tokenizer.json")
-    if tokenizer_file is not None:
-        size, eod, write = _tokenizer_json(tokenizer_file, config.max_position_embeddings)
-    else:
-        size, eod, write = _gpt2_files(vocab_file or str(folder / "vocab.json"), merge_file or str(folder / "merges.txt"),
-                                       config.max_position_embeddings)
-    if size != config.vocab_size:
-        raise ExportError(f"the tokenizer has {size} entries but the run's vocab_size is {config.vocab_size}: give "
-                          "the tokenizer the run was tokenized with")
+    tokenizer = _tokenizer(run_dir / "tokenizer", vocab_file, merge_file, tokenizer_file)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ExportError(f"the tokenizer has {tokenizer.vocab_size} entries but the run's vocab_size is "
+                          f"{config.vocab_size}: give the tokenizer the run was tokenized with")
+    eod = tokenizer.eod_id
     out = Path(out_dir).resolve()
     check_out_dir(out, run_dir, checkpoint)
     try:
@@ -179,7 +165,7 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file:
             (tmp / "config.json").write_text(json.dumps(hf_config(config, eod), indent=2) + "\n")
             (tmp / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": eod, "eos_token_id": eod, "max_length": config.max_position_embeddings}, indent=2) + "\n")
-            write(tmp)
+            write_tokenizer(tmp, tokenizer, config.max_position_embeddings)
             (tmp / MARKER).write_text(json.dumps(
                 {"tool": TOOL, "checkpoint": str(checkpoint), "model": config.model}, indent=2) + "\n")
     except NotReplaceable as e:
@@ -212,49 +198,45 @@ def foreign_to_export(folder: Path) -> Iterable[str]:
     return [n for n in names if n not in EXPORT_FILES]
 
 
-def _gpt2_files(vocab_file: str, merge_file: str, max_length: int) -> tuple[int, int | None, Callable[[Path], None]]:
-    """GPT-2's pair: its size, its end-of-text id, and what writes it into an export."""
-    for flag, f in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-        if not Path(f).is_file():
-            raise ExportError(f"{flag} {f}: not found; give the vocabulary the run was tokenized with")
-    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-    return max(vocab.values()) + 1, vocab.get(EOD), lambda folder: write_tokenizer(folder, vocab_file, merge_file,
-                                                                                   max_length)
-
-
-def _tokenizer_json(path: str, max_length: int) -> tuple[int, int, Callable[[Path], None]]:
-    """A HuggingFace tokenizer.json: its size, its end-of-text id, and what copies it (with the
-    tokenizer_config.json beside it, else one naming its end-of-text token) into an export."""
+def _tokenizer(folder: Path, vocab_file: str | None, merge_file: str | None, tokenizer_file: str | None) -> Tokenizer:
+    """The tokenizer named, else the one in the run's ``tokenizer/`` folder."""
     try:
-        tok = load_tokenizer_json(path)
-        eos, eod = end_of_text(tok, path)
+        if tokenizer_file is not None:
+            return Tokenizer.from_json(tokenizer_file)
+        if vocab_file is None and not (folder / "vocab.json").is_file() and (folder / "tokenizer.json").is_file():
+            return Tokenizer.from_json(folder / "tokenizer.json")
+        return Tokenizer.gpt2(vocab_file or str(folder / "vocab.json"), merge_file or str(folder / "merges.txt"),
+                              eod_required=False)
     except TokenizerFileError as e:
-        raise ExportError(f"--tokenizer-file {e}") from None
-
-    def write(folder: Path) -> None:
-        for src, name in zip(tokenizer_json_files(path), ("tokenizer.json", "tokenizer_config.json")):
-            shutil.copyfile(src, folder / name)
-        if not (folder / "tokenizer_config.json").is_file():
-            (folder / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "eos_token": eos},
-                indent=2) + "\n")
-
-    return vocabulary_size(tok), eod, write
+        raise ExportError(f"{e}; give the tokenizer the run was tokenized with") from None
 
 
-def write_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_length: int) -> None:
+def write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
+    """The tokenizer as transformers loads it: a tokenizer.json copied with the tokenizer_config.json
+    beside it (else one naming its end-of-text token); GPT-2's pair with a tokenizer.json made from it."""
+    if tokenizer.tokenizer_file is None:
+        write_gpt2_tokenizer(folder, tokenizer.vocab_file, tokenizer.merge_file, max_length)  # type: ignore[arg-type]
+        return
+    for src, name in tokenizer.named_files():
+        shutil.copyfile(src, folder / name)
+    if not (folder / "tokenizer_config.json").is_file():
+        eos = tokenizer.load().id_to_token(tokenizer.eod_id)
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "eos_token": eos},
+            indent=2) + "\n")
+
+
+def write_gpt2_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_length: int) -> None:
     """GPT-2's byte-level BPE as transformers loads it: the two files plus tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import processors
 
     shutil.copyfile(vocab_file, folder / "vocab.json")
     shutil.copyfile(merge_file, folder / "merges.txt")
     try:
-        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
-    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception for a bad file
-        raise ExportError(f"{vocab_file} / {merge_file}: not a byte-level BPE vocabulary and its merges ({e}); "
-                          "give the files the run was tokenized with") from None
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+        tok = byte_level_bpe(vocab_file, merge_file)
+    except TokenizerFileError as e:
+        raise ExportError(f"{e}: not a byte-level BPE vocabulary and its merges; give the files the run was "
+                          "tokenized with") from None
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([EOD])
     with as_os_error(folder / "tokenizer.json"):

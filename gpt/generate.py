@@ -18,16 +18,16 @@ import torch
 
 from gpt.export import find_checkpoint, load_checkpoint, load_hf
 from gpt.model import GPT, KVCache
-from gpt.tokenizer import load_export, load_folder
+from gpt.tokenizer import Tokenizer
 
 
-def load(source: str | Path) -> tuple[GPT, object]:
-    """The model and its tokenizer (a ``tokenizers.Tokenizer`` with its end-of-text id: gpt.tokenizer.Loaded)."""
+def load(source: str | Path) -> tuple[GPT, Tokenizer]:
+    """The model and its tokenizer, from an export or from a run folder or checkpoint."""
     source = Path(source)
     if (source / "model.safetensors").is_file():
-        return load_hf(source).eval(), load_export(source)
+        return load_hf(source).eval(), Tokenizer.in_folder(source)
     checkpoint, config = find_checkpoint(source)
-    return load_checkpoint(checkpoint, config), load_folder(checkpoint.parent.parent / "tokenizer")
+    return load_checkpoint(checkpoint, config), Tokenizer.in_folder(checkpoint.parent.parent / "tokenizer")
 
 
 @torch.no_grad()
@@ -59,11 +59,12 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature:
         logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
 
 
-def complete(model: GPT, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> Iterator[str]:
+def complete(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> Iterator[str]:
     """The continuation of ``prompt`` as text pieces: each piece is what the new token adds to the
     decoded text (a character split over several byte tokens appears once it is whole)."""
+    stop = tokenizer.eod_id
+    tokenizer = tokenizer.load()
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    stop = getattr(tokenizer, "eod_id", None)
     new: list[int] = []
     shown = ""
     for token in generate(model, ids, max_new_tokens, stop=stop, **kwargs):

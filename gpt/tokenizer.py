@@ -79,38 +79,86 @@ def load_tokenizer_json(path: str | os.PathLike) -> Any:
         raise TokenizerFileError(f"{path}: not a HuggingFace tokenizer.json ({e})") from e
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """A ``tokenizers.Tokenizer`` (its methods are this object's) and its end-of-text id."""
-    tokenizer: Any
-    eod_id: int | None
+def _gpt2_vocabulary(vocab_file: str, merge_file: str, eod_required: bool) -> dict[str, int]:
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not os.path.isfile(path):
+            raise TokenizerFileError(f"{flag} {path}: file not found")
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizerFileError(f"{vocab_file}: not a GPT-2 vocab.json ({e})") from e
+    if not isinstance(vocab, dict) or not vocab:
+        raise TokenizerFileError(f"{vocab_file}: expected a JSON object mapping tokens to ids")
+    if eod_required and EOD not in vocab:
+        raise TokenizerFileError(f"{vocab_file}: no {EOD} entry; add it as the end-of-document token")
+    return vocab
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.tokenizer, name)
 
+def byte_level_bpe(vocab_file: str, merge_file: str) -> Any:
+    """GPT-2's byte-level BPE as a ``tokenizers.Tokenizer``, with no special tokens (the end-of-text
+    token in a text stays text)."""
+    from tokenizers import Tokenizer as Library
+    from tokenizers import decoders, models, pre_tokenizers
 
-def load_folder(folder: str | os.PathLike) -> Loaded:
-    """The tokenizer a run folder's ``tokenizer/`` holds: its ``tokenizer.json`` when there is no
-    GPT-2 pair, else ``vocab.json`` + ``merges.txt``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    folder = Path(folder)
-    if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
-        return load_export(folder)
-    tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+    try:
+        tok = Library(models.BPE.from_file(vocab_file, merge_file))
+    except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions for unreadable files
+        raise TokenizerFileError(f"{vocab_file} / {merge_file}: cannot build a BPE tokenizer ({e})") from e
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return Loaded(tok, tok.token_to_id(EOD))
+    return tok
 
 
-def load_export(folder: str | os.PathLike) -> Loaded:
-    """The ``tokenizer.json`` of a folder (an export, as HuggingFace loads it), with the end of text
-    its tokenizer_config.json names (None when none can be told)."""
-    path = Path(folder) / "tokenizer.json"
-    tok = load_tokenizer_json(path)
-    try:
-        return Loaded(tok, end_of_text(tok, path)[1])
-    except TokenizerFileError:
-        return Loaded(tok, None)
+@dataclass(frozen=True)
+class Tokenizer:
+    """A run's tokenizer: GPT-2's pair or a tokenizer.json, with its end-of-document id and the
+    vocabulary size a model needs, both decided here. Small enough to hand to a job on another node;
+    ``load()`` gives the ``tokenizers.Tokenizer`` that encodes and decodes."""
+    vocab_file: str | None
+    merge_file: str | None
+    tokenizer_file: str | None
+    eod_id: int | None
+    vocab_size: int
+
+    @classmethod
+    def gpt2(cls, vocab_file: str, merge_file: str, *, eod_required: bool = True) -> Tokenizer:
+        """GPT-2's pair; without ``eod_required`` one with no end-of-text entry has none."""
+        vocab = _gpt2_vocabulary(vocab_file, merge_file, eod_required)
+        eod_id = int(vocab[EOD]) if EOD in vocab else None
+        return cls(os.path.abspath(vocab_file), os.path.abspath(merge_file), None, eod_id, max(vocab.values()) + 1)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, *, eod_required: bool = True) -> Tokenizer:
+        """A tokenizer.json; without ``eod_required`` one whose end of text cannot be told has none."""
+        tok = load_tokenizer_json(path)
+        try:
+            eod_id: int | None = end_of_text(tok, path)[1]
+        except TokenizerFileError:
+            if eod_required:
+                raise
+            eod_id = None
+        return cls(None, None, os.path.abspath(path), eod_id, vocabulary_size(tok))
+
+    @classmethod
+    def in_folder(cls, folder: str | os.PathLike) -> Tokenizer:
+        """What a run's ``tokenizer/`` folder or an export holds: its tokenizer.json (an export's end
+        of text is the one its tokenizer_config.json names, None when it names none), else GPT-2's pair."""
+        folder = Path(folder)
+        if (folder / "tokenizer.json").is_file():
+            return cls.from_json(folder / "tokenizer.json", eod_required=False)
+        return cls.gpt2(str(folder / "vocab.json"), str(folder / "merges.txt"), eod_required=False)
+
+    @property
+    def files(self) -> list[str]:
+        return [name for name, _ in self.named_files()]
+
+    def named_files(self) -> list[tuple[str, str]]:
+        """(file, its name in a tokenizer folder) for each file this tokenizer is made of."""
+        if self.tokenizer_file is None:
+            return [(self.vocab_file, "vocab.json"), (self.merge_file, "merges.txt")]  # type: ignore[list-item]
+        return list(zip(tokenizer_json_files(self.tokenizer_file), ("tokenizer.json", "tokenizer_config.json")))
+
+    def load(self) -> Any:
+        if self.tokenizer_file is not None:
+            return load_tokenizer_json(self.tokenizer_file)
+        return byte_level_bpe(self.vocab_file, self.merge_file)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer
 from gpt.files import write_atomic
-from gpt.tokenizer import tokenizer_json_files
+from gpt.tokenizer import Tokenizer
 from tasks.common.digest import Digest
 
 PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
@@ -33,9 +33,7 @@ class ExportManifest(BaseModel):
     seconds: float
 
 
-def export_run(run_dir: str, vocab_file: str | None, merge_file: str | None, prompts: tuple[str, ...] = PROMPTS,
-               tokenizer_file: str | None = None) -> ExportManifest:
-    """``tokenizer_file``: a HuggingFace tokenizer.json, in place of GPT-2's vocab_file and merge_file."""
+def export_run(run_dir: str, tokenizer: Tokenizer, prompts: tuple[str, ...] = PROMPTS) -> ExportManifest:
     from gpt.export import export
     from gpt.generate import complete, load
     from gpt.model import param_count
@@ -44,7 +42,7 @@ def export_run(run_dir: str, vocab_file: str | None, merge_file: str | None, pro
     run = Path(run_dir)
     tokenizer_dir = run / "tokenizer"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    for src, name in tokenizer_files(vocab_file, merge_file, tokenizer_file):
+    for src, name in tokenizer.named_files():
         write_atomic(tokenizer_dir / name, Path(src).read_bytes())
     out = export(run, run / "hf")
     model, tokenizer = load(out)
@@ -60,14 +58,6 @@ def export_run(run_dir: str, vocab_file: str | None, merge_file: str | None, pro
                           seconds=round(time.perf_counter() - started, 3))
 
 
-def tokenizer_files(vocab_file: str | None, merge_file: str | None,
-                    tokenizer_file: str | None) -> list[tuple[str, str]]:
-    """(file, name in the run's tokenizer/ folder) for each tokenizer file a run keeps."""
-    if tokenizer_file is None:
-        return [(vocab_file, "vocab.json"), (merge_file, "merges.txt")]  # type: ignore[list-item]
-    return list(zip(tokenizer_json_files(tokenizer_file), ("tokenizer.json", "tokenizer_config.json")))
-
-
 def _export_cache_key(context, parameters: dict) -> str | None:
     """The newest checkpoint (its name and marker time) and the tokenizer files' contents."""
     run = Path(parameters["run_dir"])
@@ -75,7 +65,7 @@ def _export_cache_key(context, parameters: dict) -> str | None:
     if checkpoint is None:
         return None
     key = Digest(str(checkpoint), (checkpoint / "COMPLETE").stat().st_mtime_ns)
-    for f, _ in tokenizer_files(parameters["vocab_file"], parameters["merge_file"], parameters.get("tokenizer_file")):
+    for f in parameters["tokenizer"].files:
         key.add_file(f)
     return "export-" + key.hex(32)
 

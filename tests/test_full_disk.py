@@ -129,14 +129,15 @@ def test_an_export_into_a_read_only_folder_names_it(small_run, disk):
 
 @pytest.mark.timeout(60)
 def test_the_export_stage_in_a_read_only_run_folder_names_it(small_run, disk):
+    from gpt.tokenizer import Tokenizer
     from tasks.export import export_run
 
     d = disk("8m")
     run = Path(shutil.copytree(small_run, d / "run"))
-    tokenizer = [str(small_run / "tokenizer" / n) for n in ("vocab.json", "merges.txt")]
+    tokenizer = Tokenizer.in_folder(small_run / "tokenizer")
     read_only(d)
     with pytest.raises(WriteError, match=rf"cannot write {run}/tokenizer/vocab.json: {run}/tokenizer is on a read-only"):
-        export_run(str(run), *tokenizer)
+        export_run(str(run), tokenizer)
     assert not (run / "hf").exists()
 
 

@@ -67,3 +67,16 @@ def test_no_import_circle():
                 seen.add(module)
                 todo += graph[module]
     assert circles == []
+
+
+def test_one_tokenizer_type_and_one_reader_of_tokenizer_files():
+    """gpt.tokenizer.Tokenizer is the only type that stands for a run's tokenizer, and only
+    gpt/tokenizer.py reads a vocab.json or builds a tokenizers.Tokenizer from files."""
+    for name, path in _sources().items():
+        if name == "gpt.tokenizer":
+            continue
+        tree = ast.parse(path.read_text())
+        classes = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Tokenizer")]
+        assert classes == [], f"{path}: use gpt.tokenizer.Tokenizer"
+        text = path.read_text()
+        assert "BPE.from_file" not in text and "Tokenizer.from_file" not in text, f"{path}: use gpt.tokenizer"

@@ -223,6 +223,7 @@ def test_cli(tmp_path):
 def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path, monkeypatch):
     from flows.data import Dataset, check_vocabulary
     from flows.plan.params import ParameterError
+    from gpt.tokenizer import Tokenizer
 
     prefix = str(tmp_path / "big_text_document")
     with IndexedDatasetWriter(prefix, np.uint16) as w:
@@ -236,9 +237,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path,
     assert again.max_token_ids == {prefix: 6800} and len(reads) == 1   # the .bin is read once per content
     monkeypatch.undo()
     assert MMapIndexedDataset(prefix).max_token_id() == 6800
-    check_vocabulary(index, Dataset(vocab_file="vocab.json", vocab_size=6801))
+    check_vocabulary(index, Dataset([], Tokenizer("vocab.json", "merges.txt", None, 0, vocab_size=6801)))
     with pytest.raises(ParameterError) as e:
-        check_vocabulary(index, Dataset(vocab_file="/data/gpt2/vocab.json", vocab_size=4096))
+        check_vocabulary(index, Dataset([], Tokenizer("/data/gpt2/vocab.json", "merges.txt", None, 0, vocab_size=4096)))
     assert e.value.errors == [f"data: {prefix}.bin holds token id 6800, but the vocabulary /data/gpt2/vocab.json has "
                               "only 4096 entries: the data was tokenized with another vocabulary; give that vocabulary "
                               "or tokenize again"]

@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from gpt.data import MMapIndexedDataset
-from tasks.tokenize.bpe import EOD, build_hf_tokenizer
+from gpt.tokenizer import EOD, byte_level_bpe
 from tasks.tokenize.stage import TokenizeError, tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def test_ids_equal_hf_byte_level_bpe(tmp_path, shakespeare_jsonl, bpe_vocab):
     docs = [json.loads(line)["text"] for line in open(shakespeare_jsonl, encoding="utf-8")][:150] + TRICKY
     src = write_jsonl(tmp_path / "in.jsonl", docs)
     m = tokenize([src], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, append_eod=True, workers=1)
-    ref = build_hf_tokenizer(vocab, merges)
+    ref = byte_level_bpe(vocab, merges)
     got = read_docs(m.prefixes["text"])
     assert m.documents == len(docs) and m.dtype == "uint16" and m.eod_id == json.load(open(vocab))[EOD]
     for doc, ids in zip(docs, got):
@@ -135,7 +135,7 @@ def test_several_keys_and_files(tmp_path, bpe_vocab):
                  json_keys=["text", "title"], append_eod=False)
     assert set(m.prefixes) == {"text", "title"} and m.documents == 3
     assert m.prefixes["title"].endswith("c_title_document")
-    ref = build_hf_tokenizer(vocab, merges)
+    ref = byte_level_bpe(vocab, merges)
     assert read_docs(m.prefixes["title"]) == [ref.encode(t).ids for t in ("T1", "T2", "T3")]
 
 
@@ -145,7 +145,7 @@ def test_trains_a_bpe_when_no_vocab_is_given(tmp_path, shakespeare_jsonl):
     assert open(m.merge_file, encoding="utf-8").readline().startswith("#version")
     vocab = json.load(open(m.vocab_file, encoding="utf-8"))
     assert len(vocab) == 600 and vocab[EOD] == 599 == m.eod_id and m.vocab_size == 600
-    ref = build_hf_tokenizer(m.vocab_file, m.merge_file)
+    ref = byte_level_bpe(m.vocab_file, m.merge_file)
     first = json.loads(open(shakespeare_jsonl, encoding="utf-8").readline())["text"]
     assert read_docs(m.prefixes["text"])[0] == ref.encode(first).ids + [599]
 
@@ -337,7 +337,7 @@ def _tokenizer_json(tmp_path, bpe_vocab, eod="<|end_of_text|>"):
     """A tokenizer.json as HuggingFace saves one: a byte-level BPE with an added end-of-text token."""
     from tokenizers import AddedToken
 
-    tok = build_hf_tokenizer(*map(str, bpe_vocab))
+    tok = byte_level_bpe(*map(str, bpe_vocab))
     tok.add_special_tokens([AddedToken(eod, special=True)])
     path = tmp_path / "hf" / "tokenizer.json"
     path.parent.mkdir(exist_ok=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 from prefect import task
 
-from gpt.data import IndexedDatasetWriter
+from gpt.data import IndexedDatasetWriter, best_dtype
 from gpt.files import write_json
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.cluster.config import ClusterConfig
@@ -149,7 +149,7 @@ def shard_error(shard: Shard, outcome: dict[str, Any]) -> TokenizeError:
 def join(shards: list[Shard], prefixes: dict[str, str]) -> None:
     """The shards' outputs, in order, into one prefix per key (under temporary names until complete)."""
     for key, prefix in prefixes.items():
-        with IndexedDatasetWriter(prefix, shards[0].tokenizer.dtype) as writer:
+        with IndexedDatasetWriter(prefix, best_dtype(shards[0].tokenizer.vocab_size)) as writer:
             for shard in shards:
                 writer.add_dataset(shard.prefixes[key])
 

@@ -1,5 +1,5 @@
-"""GPT-2's byte-level BPE: a vocab.json/merges.txt pair loaded and checked, the encoding engine
-built from it, or a new one trained on text. ``<|endoftext|>`` is the end-of-document token."""
+"""GPT-2's byte-level BPE in the tokenize stage: the encoding engine built from a vocab.json/merges.txt
+pair, or a new pair trained on text. ``<|endoftext|>`` is the end-of-document token."""
 from __future__ import annotations
 
 import json
@@ -9,54 +9,21 @@ from pathlib import Path
 from typing import Iterator
 
 from gpt.files import WriteError, as_os_error, writing
-from gpt.tokenizer import GPT2_VOCAB_SIZE
-
-EOD = "<|endoftext|>"
+from gpt.tokenizer import EOD, GPT2_VOCAB_SIZE, TokenizerFileError, byte_level_bpe
 
 
 class TokenizeError(ValueError):
     """Bad input or arguments; the message names the file, line or flag."""
 
 
-
-def load_vocab(vocab_file: str, merge_file: str) -> tuple[dict[str, int], int]:
-    """The GPT-2 vocabulary and its end-of-document id; a clear error for unusable files."""
-    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-        if not os.path.isfile(path):
-            raise TokenizeError(f"{flag} {path}: file not found")
-    try:
-        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise TokenizeError(f"{vocab_file}: not a GPT-2 vocab.json ({e})") from e
-    if not isinstance(vocab, dict) or not vocab:
-        raise TokenizeError(f"{vocab_file}: expected a JSON object mapping tokens to ids")
-    if EOD not in vocab:
-        raise TokenizeError(f"{vocab_file}: no {EOD} entry; add it as the end-of-document token")
-    return vocab, int(vocab[EOD])
-
-
-def vocabulary_size(vocab: dict[str, int]) -> int:
-    """Entries the model's embedding must hold for this vocabulary: its largest id plus one."""
-    return max(vocab.values()) + 1
-
-
-def build_hf_tokenizer(vocab_file: str, merge_file: str):
-    """HuggingFace byte-level BPE from GPT-2 files, with no special tokens (EOD text stays text)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    try:
-        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
-    except Exception as e:
-        raise TokenizeError(f"{vocab_file} / {merge_file}: cannot build a BPE tokenizer ({e})") from e
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
 def build_encoder(vocab_file: str, merge_file: str):
+    """The fast GPT-2 encoder of the stage (gigatoken) over the pair's byte-level BPE."""
     import gigatoken
 
-    return gigatoken.Tokenizer(build_hf_tokenizer(vocab_file, merge_file))
+    try:
+        return gigatoken.Tokenizer(byte_level_bpe(vocab_file, merge_file))
+    except TokenizerFileError as e:
+        raise TokenizeError(str(e)) from e
 
 
 def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = GPT2_VOCAB_SIZE) -> tuple[str, str]:

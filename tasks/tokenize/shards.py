@@ -13,9 +13,10 @@ from typing import Any
 
 from gpt.faults import FAULT
 from gpt.files import write_json
+from gpt.tokenizer import Tokenizer
 from tasks.common.digest import file_digest
 from tasks.tokenize.bpe import TokenizeError
-from tasks.tokenize.stage import BadLine, Piece, TokenizerFiles, encode, output_prefixes, splittable
+from tasks.tokenize.stage import BadLine, Piece, encode, output_prefixes, splittable
 
 SCAN_BLOCK = 1 << 16      # bytes read at a time to find where a line starts
 
@@ -81,7 +82,7 @@ class Shard:
     index: int
     pieces: tuple[Piece, ...]
     prefix: str
-    tokenizer: TokenizerFiles
+    tokenizer: Tokenizer
     json_keys: tuple[str, ...]
     append_eod: bool
     strict: bool

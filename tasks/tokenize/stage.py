@@ -2,7 +2,7 @@
 
 GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, encoded by gigatoken (the fastest engine
 measured here; ids equal HuggingFace ``tokenizers``' byte-level BPE built from the same files), or
-any HuggingFace ``tokenizer.json`` (tasks.tokenize.hf_tokenizer), encoded by the ``tokenizers`` library.
+any HuggingFace ``tokenizer.json`` (tasks.tokenize.hf_encoder), encoded by the ``tokenizers`` library.
 A literal ``<|endoftext|>`` inside a document is encoded as text: only ``--append-eod`` adds the
 end-of-document id, so no document is ever cut by its own content.
 
@@ -38,12 +38,12 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from gpt.data import IndexedDatasetWriter, best_dtype
-from gpt.tokenizer import GPT2_VOCAB_SIZE, tokenizer_json_files
+from gpt.tokenizer import GPT2_VOCAB_SIZE, Tokenizer, TokenizerFileError, tokenizer_json_files
 from tasks.cluster.run_context import log_to_stderr
 from tasks.common.digest import digest, file_digest
 from tasks.common.progress import Progress
-from tasks.tokenize.bpe import TokenizeError, build_encoder, load_vocab, train_bpe, vocabulary_size
-from tasks.tokenize.hf_tokenizer import HFTokenizer, tokenizer_file
+from tasks.tokenize.bpe import TokenizeError, build_encoder, train_bpe
+from tasks.tokenize.hf_encoder import HFEncoder, json_tokenizer, tokenizer_file
 
 # What the stage reads: JSON lines, plain or compressed, and Parquet.
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz", ".jsonl.zst", ".json.zst",
@@ -79,6 +79,10 @@ class TokenizeManifest(BaseModel):
     eod_id: int
     digest: str
     tokenizer_file: str | None = None       # a HuggingFace tokenizer.json, in place of vocab and merges
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.vocab_file, self.merge_file, self.tokenizer_file, self.eod_id, self.vocab_size)
 
 
 # ---------------------------------------------------------------------------------- input
@@ -437,52 +441,43 @@ class BadLine(TokenizeError):
         self.piece, self.line, self.detail, self.index = piece, line, detail, index
 
 
-@dataclass(frozen=True)
-class TokenizerFiles:
-    """The tokenizer a stage encodes with: GPT-2's vocab.json and merges.txt, or a HuggingFace
-    tokenizer.json; small enough to hand to an array task on another node."""
-    vocab_file: str | None
-    merge_file: str | None
-    tokenizer_file: str | None
-    eod_id: int
-    vocab_size: int
-
-    @property
-    def dtype(self) -> np.dtype:
-        return best_dtype(self.vocab_size)
-
-    @property
-    def files(self) -> list[str]:
-        return tokenizer_json_files(self.tokenizer_file) if self.tokenizer_file else [self.vocab_file, self.merge_file]  # type: ignore[list-item]
-
-    def engine_factory(self) -> tuple[Callable[[], Engine], bool]:
-        """A maker of fresh engines, and whether the engine runs its own threads (one chunk at a time then)."""
-        if self.tokenizer_file:
-            hf = HFTokenizer(self.tokenizer_file)
-            return (lambda: hf), True
-        vocab_file, merge_file = self.vocab_file, self.merge_file
-        return (lambda: _Gigatoken(vocab_file, merge_file)), False  # type: ignore[arg-type]
+def engine_factory(tokenizer: Tokenizer) -> tuple[Callable[[], Engine], bool]:
+    """A maker of fresh engines for ``tokenizer``, and whether the engine runs its own threads (one
+    chunk at a time then)."""
+    if tokenizer.tokenizer_file:
+        hf = HFEncoder(tokenizer)
+        return (lambda: hf), True
+    vocab_file, merge_file = tokenizer.vocab_file, tokenizer.merge_file
+    return (lambda: _Gigatoken(vocab_file, merge_file)), False  # type: ignore[arg-type]
 
 
 def resolve_tokenizer(files: list[str], json_keys: tuple[str, ...], *, vocab_file: str | None, merge_file: str | None,
                       tokenizer_model: str | None, train_vocab_size: int, train_bytes: int,
-                      out_dir: str) -> TokenizerFiles:
+                      out_dir: str) -> Tokenizer:
     """The tokenizer files, a BPE trained on the inputs and saved in ``out_dir`` when none is given."""
+    named = named_tokenizer(vocab_file, merge_file, tokenizer_model)
+    if named is not None:
+        return named
+    print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}", flush=True)
+    vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
+    return named_tokenizer(vocab_file, merge_file, None)  # type: ignore[return-value]
+
+
+def named_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_model: str | None) -> Tokenizer | None:
+    """The tokenizer the flags name, checked; None when they name none."""
     if (vocab_file is None) != (merge_file is None):
         raise TokenizeError("--vocab-file and --merge-file go together: give both, or neither to train a BPE")
     if tokenizer_model is not None and vocab_file is not None:
         raise TokenizeError("--tokenizer-model (HuggingFaceTokenizer) replaces --vocab-file and --merge-file: "
                             "give one or the other")
     if tokenizer_model is not None:
-        hf = HFTokenizer(tokenizer_file(tokenizer_model))
-        return TokenizerFiles(None, None, os.path.abspath(hf.path), hf.eod_id, hf.vocab_size)
+        return json_tokenizer(tokenizer_model)
     if vocab_file is None:
-        print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}",
-              flush=True)
-        vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
-    vocab, eod_id = load_vocab(vocab_file, merge_file)
-    return TokenizerFiles(os.path.abspath(vocab_file), os.path.abspath(merge_file), None,  # type: ignore[arg-type]
-                          eod_id, vocabulary_size(vocab))
+        return None
+    try:
+        return Tokenizer.gpt2(vocab_file, merge_file)  # type: ignore[arg-type]
+    except TokenizerFileError as e:
+        raise TokenizeError(str(e)) from e
 
 
 @dataclass
@@ -496,21 +491,21 @@ class Encoded:
     lines: list[int]
 
 
-def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: TokenizerFiles, *, append_eod: bool,
+def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: Tokenizer, *, append_eod: bool,
            workers: int, strict: bool, on_chunk: Callable[[], None] = lambda: None,
            allow_empty: bool = False) -> Encoded:
     """Encode ``pieces`` in order into one ``.bin/.idx`` pair per key of ``prefixes``, written under
     temporary names and renamed once complete; ``on_chunk`` runs after each chunk is written. No
     usable document is an error unless ``allow_empty`` (a shard of a larger input)."""
     json_keys = tuple(prefixes)
-    new_engine, own_threads = tokenizer.engine_factory()
+    new_engine, own_threads = engine_factory(tokenizer)
     workers = 1 if own_threads else workers
-    writers = {k: IndexedDatasetWriter(prefixes[k], tokenizer.dtype) for k in json_keys}
+    writers = {k: IndexedDatasetWriter(prefixes[k], best_dtype(tokenizer.vocab_size)) for k in json_keys}
     out = Encoded(0, 0, {kind: 0 for kind in SKIP_KINDS}, [], [0] * len(pieces))
     progress = Progress("tokenize", "documents", log_every_s=2.0)
     try:
         items = ((i, chunk) for i, piece in enumerate(pieces) for chunk in read_pieces(piece, json_keys))
-        encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, tokenizer.dtype)
+        encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, best_dtype(tokenizer.vocab_size))
         for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
             encoder.renew_if_grown()
             piece = pieces[result["file"]]
@@ -566,7 +561,7 @@ def check_output_folder(output_prefix: str) -> str:
 
 
 def inputs_and_tokenizer(inputs: list[str] | str, output_prefix: str, json_keys: tuple[str, ...],
-                         **tokenizer: Any) -> tuple[list[str], TokenizerFiles]:
+                         **tokenizer: Any) -> tuple[list[str], Tokenizer]:
     """The input files and the tokenizer (``resolve_tokenizer``'s arguments), each checked, and the
     output folder made: what any way of running the stage starts from."""
     files = expand_inputs(inputs)
@@ -605,7 +600,7 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
                     tokens=encoded.tokens, skipped=encoded.skipped)
 
 
-def manifest(files: list[str], prefixes: dict[str, str], tokenizer: TokenizerFiles, *, append_eod: bool,
+def manifest(files: list[str], prefixes: dict[str, str], tokenizer: Tokenizer, *, append_eod: bool,
              documents: int, tokens: int, skipped: dict[str, int]) -> TokenizeManifest:
     """The manifest of a complete output, however it was written (in this process or joined from shards)."""
     stamp = {
@@ -614,7 +609,8 @@ def manifest(files: list[str], prefixes: dict[str, str], tokenizer: TokenizerFil
         "args": [list(prefixes), append_eod], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
     }
     return TokenizeManifest(
-        prefixes=prefixes, documents=documents, tokens=tokens, dtype=tokenizer.dtype.name, skipped=skipped,
+        prefixes=prefixes, documents=documents, tokens=tokens, dtype=best_dtype(tokenizer.vocab_size).name,
+        skipped=skipped,
         files=[os.path.abspath(f) for f in files], vocab_file=tokenizer.vocab_file, merge_file=tokenizer.merge_file,
         vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id, digest=digest(stamp, length=32),
         tokenizer_file=tokenizer.tokenizer_file,

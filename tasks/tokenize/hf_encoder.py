@@ -1,15 +1,14 @@
 """A HuggingFace ``tokenizer.json`` (a Llama 3 or GPT-NeoX tokenizer file, for example) as the
-tokenizer of the tokenize stage: the file checked, its end-of-text token found, its vocabulary size
-read, and batches of documents encoded by the ``tokenizers`` library's batch encoder, which runs on
-its own threads. Special tokens are not added to a document: the end-of-document id (gpt.tokenizer's
-end-of-text token) is appended by the stage, as for GPT-2's files."""
+tokenize stage's engine: batches of documents encoded by the ``tokenizers`` library's batch encoder,
+which runs on its own threads. Special tokens are not added to a document: the end-of-document id
+(gpt.tokenizer.Tokenizer's) is appended by the stage, as for GPT-2's files."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
 
-from gpt.tokenizer import TokenizerFileError, end_of_text, load_tokenizer_json, vocabulary_size
+from gpt.tokenizer import Tokenizer, TokenizerFileError
 from tasks.tokenize.bpe import TokenizeError
 
 
@@ -22,17 +21,19 @@ def tokenizer_file(model: str) -> str:
     return path
 
 
-class HFTokenizer:
-    """A tokenizer.json, loaded: its end-of-document id and vocabulary size, and a batch encoder."""
+def json_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer ``--tokenizer-model`` names, checked: its end of text must be known."""
+    try:
+        return Tokenizer.from_json(tokenizer_file(model))
+    except TokenizerFileError as e:
+        raise TokenizeError(str(e)) from e
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self.tokenizer = load_tokenizer_json(path)
-            self.eod_token, self.eod_id = end_of_text(self.tokenizer, path)
-        except TokenizerFileError as e:
-            raise TokenizeError(str(e)) from e
-        self.vocab_size = vocabulary_size(self.tokenizer)
+
+class HFEncoder:
+    """Encodes batches of documents with a tokenizer.json."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer.load()
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The documents' ids, flat, and each one's length."""
