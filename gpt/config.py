@@ -91,16 +91,27 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Config:
-    model: str = "tiny"                        # preset name: fills every field below left as None
+class ModelSection:
+    """The architecture."""
+    model: str = "tiny"                        # preset name: fills every field left as None
     num_layers: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
     seq_length: int | None = None
     max_position_embeddings: int | None = None  # defaults to seq_length
     vocab_size: int = GPT2_VOCAB_SIZE          # tokenizer size; the model pads it (padded_vocab_size)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """What the run reads."""
     data_index: str | None = None              # index manifest JSON written by tasks.index
     mock_data: bool = False                    # random tokens instead (gpt.data.MockGPTDataset)
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """Batches, length, learning rate and the optimizer."""
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     train_iters: int | None = None             # exactly one of these two; the lr_* schedule
@@ -117,7 +128,11 @@ class Config:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """How the work is laid out over ranks and run on each device."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1                 # pipeline stages (ranks along the pipeline)
     virtual_pipeline_stages: int = 1           # stages per pipeline rank (interleaved schedules)
@@ -134,6 +149,13 @@ class Config:
     compile_cache_dir: str | None = None       # torch.compile caches: loaded at start, filled by precompile
     precompile: bool = False                   # compile-only run: precompile_iters steps, no checkpoints/metrics
     precompile_iters: int = 3
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """Where the run keeps its files, how often it logs, evaluates and saves, where it starts from
+    and when it counts as hung."""
+    seed: int = 1234
     run_dir: str = "runs/default"              # config.json, metrics.jsonl, tensorboard/, checkpoints/
     log_interval: int = 10
     eval_interval: int = 100
@@ -147,6 +169,19 @@ class Config:
     init_from_optimizer: bool = False          # with init_from: its optimizer state too, not only the weights
     hang_timeout_s: float | None = None        # no rank advancing this long: hung (None: from the step time)
     collective_timeout_s: float = 1800.0       # a collective waiting this long fails the job
+
+
+SECTIONS = {"model": ModelSection, "data": DataSection, "schedule": ScheduleSection, "parallel": ParallelSection,
+            "run": RunSection}
+
+
+@dataclass(frozen=True)
+class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSection):
+    """Every field of every section, by its own name (``config.lr``, ``config.tensor_parallel``);
+    ``section(name)`` gives one section's fields."""
+
+    def section(self, name: str) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SECTIONS[name])}
 
     def __post_init__(self) -> None:
         """Completes the fields left empty from the preset; once built, a Config does not change

@@ -163,3 +163,15 @@ def test_problems_name_their_field_so_the_plan_never_parses_a_message():
     with pytest.raises(ConfigError) as e:
         Config(model="tiny", micro_batch_size="lots")
     assert e.value.field == "micro_batch_size"
+
+
+def test_every_field_is_in_one_section_under_its_own_name():
+    import dataclasses
+
+    from gpt.config import SECTIONS
+
+    c = Config.from_preset("gpt3-1.3b", tensor_parallel=2, lr=1e-4)
+    owned = [f.name for section in SECTIONS.values() for f in dataclasses.fields(section)]
+    assert sorted(owned) == sorted(f.name for f in dataclasses.fields(Config)) and len(owned) == len(set(owned))
+    assert c.section("model")["hidden_size"] == 2048 and c.section("parallel")["tensor_parallel"] == 2
+    assert c.section("schedule")["lr"] == c.lr == 1e-4 and "lr" not in c.section("run")
