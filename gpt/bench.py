@@ -41,11 +41,12 @@ from torch import nn
 
 from gpt.backend import Backend, get_backend
 from gpt.config import Config
-from gpt.distributed import DistEnv, free_port, gather_objects, init_distributed, shutdown
+from gpt.distributed import free_port, gather_objects, init_distributed, shutdown
 from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
 from gpt.optim import LossScaler, build_optimizer
 from gpt.parallel.build import build_model, compile_scope
+from gpt.parallel.dims import ParallelDims
 from gpt.parallel.pipeline import Pipeline, bubble_fraction, build_pipeline
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from gpt.train import train_step
@@ -102,8 +103,8 @@ class _Row:
 
 
 class _Ours(_Row):
-    def __init__(self, config: Config, backend: Backend, env: DistEnv | None = None) -> None:
-        self.env = env or DistEnv(0, 1, 0, None)
+    def __init__(self, config: Config, backend: Backend, env: ParallelDims | None = None) -> None:
+        self.env = env or ParallelDims(0, 1, 0, None)
         self.pipeline: Pipeline | None = None
         self.scaler = LossScaler(config.precision == "fp16", backend.device(self.env.local_rank))
         super().__init__(config, backend, self.env.local_rank)
@@ -125,7 +126,7 @@ class _Ours(_Row):
 class _Pipelined(_Ours):
     """This rank's stages of the model in ``config.pipeline_parallel`` stages, and its schedule."""
 
-    def __init__(self, config: Config, backend: Backend, env: DistEnv) -> None:
+    def __init__(self, config: Config, backend: Backend, env: ParallelDims) -> None:
         self.devices = config.pipeline_parallel
         super().__init__(config, backend, env)
 

@@ -1,59 +1,24 @@
-"""The process group and device mesh a job's ranks join, and the collectives the training loop
-calls (sums and gathers of small values; the gradients' are gpt.parallel.gradients).
-
-The mesh is (pp, dp, tp), tensor-parallel ranks consecutive (within a node), then data parallel,
-then pipeline stages outermost (across nodes): rank = (pp index x dp + dp index) x tp + tp index.
-What each parallelism does to the model is gpt.parallel's.
+"""The process group a job's ranks join, and the collectives the training loop calls (sums and
+gathers of small values). Where each rank sits in the layout is gpt.parallel.dims; what each
+parallelism does to the model is gpt.parallel's.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gpt import heartbeat
 from gpt.backend import Backend
-from gpt.parallel import xla
+from gpt.parallel.dims import ParallelDims
 
 
-@dataclass
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    mesh: DeviceMesh | None  # None when running as one process, and on XLA devices
-    tp: xla.Group | None = None  # this rank's tensor-parallel group on XLA devices
-    tp_size: int = 1
-    pp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tp is not None:
-            self.tp_size = self.tp.size
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.pp_size)
-
-    @property
-    def dp_rank(self) -> int:
-        return (self.rank // self.tp_size) % self.dp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.dp_size)
-
-
-def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, pp_size: int = 1) -> DistEnv:
+def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, pp_size: int = 1,
+                     data_parallel_mode: str = "ddp") -> ParallelDims:
     """Join the process group described by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
     A collective that cannot complete within ``timeout_s`` fails the rank (and so the job) rather
     than waiting forever.
@@ -64,7 +29,8 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size == 1:
-        return DistEnv(rank, 1, local_rank, None, tp_size=tp_size, pp_size=pp_size)
+        return ParallelDims(rank, 1, local_rank, None, tp_size=tp_size, pp_size=pp_size,
+                            data_parallel_mode=data_parallel_mode)
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; the launcher must export it")
@@ -76,15 +42,8 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, 
         dist.init_process_group(kind.dist_backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     check_world(rank, world_size)
-    if backend.lazy:  # a DTensor there would mean GSPMD: tensor parallel with explicit collectives
-        tp = xla.new_group(rank, world_size, tp_size, lazy=True) if tp_size > 1 else None
-        return DistEnv(rank, world_size, local_rank, None, tp, tp_size=tp_size)
-    dp_size = world_size // (tp_size * pp_size)
-    if pp_size > 1:
-        mesh = init_device_mesh(backend.kind.device_type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
-    else:
-        mesh = init_device_mesh(backend.kind.device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
-    return DistEnv(rank, world_size, local_rank, mesh, tp_size=tp_size, pp_size=pp_size)
+    return ParallelDims.build(backend.kind.device_type, backend.lazy, rank, world_size, local_rank, tp_size, pp_size,
+                              data_parallel_mode)
 
 
 def free_port() -> int:

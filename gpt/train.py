@@ -30,36 +30,37 @@ from gpt.checkpoint import Checkpointer, writer_id
 from gpt.compile_cache import save_compile_cache, use_compile_cache
 from gpt.config import Config, ConfigError, parse_overrides, read_config_file
 from gpt.data import GPTDataset, MockGPTDataset
-from gpt.distributed import DistEnv, all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
+from gpt.distributed import all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
 from gpt.model import param_count, plain_name
 from gpt.optim import LossScaler, build_optimizer, lr_at
 from gpt.parallel.build import build_model
-from gpt.parallel.data import gradient_replicas, gradient_sync
-from gpt.parallel.gradients import clip_grads, grad_norm, reduce_gradients, scale_grads
+from gpt.parallel.data import gradient_sync
+from gpt.parallel.dims import ParallelDims
+from gpt.parallel.gradients import clip_grads, scale_grads
 from gpt.parallel.pipeline import Pipeline, build_pipeline
-from gpt.parallel.xla import Group, sharded_names
+from gpt.parallel.xla import sharded_names
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
 
 
 # -- one optimizer step ----------------------------------------------------------------------
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler, tp: Group | None = None,
-               pipeline: Pipeline | None = None, replicas: dist.ProcessGroup | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler,
+               dims: ParallelDims | None = None,
+               pipeline: Pipeline | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate gradients over the micro-batches, reduce them over the ranks, clip, step.
 
     Returns device scalars, read by nobody here: the loss averaged over all ranks, the global
     gradient norm, and whether the optimizer stepped. Every decision is taken on the device from
     the reduced gradients, so all ranks take the same one: the clip coefficient, and skipping the
     step (on every rank) when the norm is not finite. On XLA the whole step is one graph. With
-    pipeline stages, their schedule runs the micro-batches' forward and backward passes.
-    ``replicas``: the data-parallel group to average the gradients over where no DDP module does
-    (gpt.parallel.data.gradient_replicas).
+    pipeline stages, their schedule runs the micro-batches' forward and backward passes. ``dims``
+    averages the gradients where no DDP or FSDP module did, and sums their norm (one process when None).
     """
+    dims = dims or ParallelDims(0, 1, 0, None)
     params = [p for p in model.parameters() if p.requires_grad]
     if pipeline is not None:
         heartbeat.enter("forward")
@@ -75,11 +76,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             (loss * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach()
     heartbeat.enter("sync")
-    reduce_gradients(optimizer, backend.lazy, tp, replicas)
+    dims.average_gradients(optimizer, backend.lazy)
     if scaler.enabled:
         scale_grads(params, 1.0 / scaler.scale)
-    norm = grad_norm(pipeline.norm_parameters(params) if pipeline else params,
-                     pipeline.pp_group if pipeline else None)
+    norm = dims.grad_norm(pipeline.norm_parameters(params) if pipeline else params,
+                          pipeline.pp_group if pipeline else None)
     finite = torch.isfinite(norm)
     if clip_grad > 0:
         clip_grads(params, clip_grad, norm.to(backend.kind.scalar_dtype))
@@ -95,7 +96,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
 
 
 # -- data ------------------------------------------------------------------------------------
-def micro_batches(dataset, start: int, count: int, config: Config, env: DistEnv,
+def micro_batches(dataset, start: int, count: int, config: Config, env: ParallelDims,
                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of the global batch of ``count`` samples beginning at ``start``.
 
@@ -131,7 +132,7 @@ def load_datasets(config: Config) -> tuple[Any, Any, Any]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, config: Config, env: DistEnv, device: torch.device,
+def evaluate(model: nn.Module, dataset, config: Config, env: ParallelDims, device: torch.device,
              backend: Backend, iters: int, pipeline: Pipeline | None = None) -> float | None:
     """Mean loss over the first ``iters`` global batches of the split (the same ones every time)."""
     if len(dataset) == 0:
@@ -315,7 +316,7 @@ class StepLog:
         return tokens / self.first_iter_s if self.first_iter_s else None
 
 
-def job_layout(config: Config, env: DistEnv, model: nn.Module) -> dict[str, Any]:
+def job_layout(config: Config, env: ParallelDims, model: nn.Module) -> dict[str, Any]:
     """How this job is laid out, as each checkpoint's marker keeps it (gpt.checkpoint.saved_layout)."""
     return {"world_size": env.world_size, "nodes": int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
             "tensor_parallel": config.tensor_parallel, "pipeline_parallel": config.pipeline_parallel,
@@ -336,7 +337,7 @@ def main(config: Config) -> dict[str, Any]:
     start = time.time()
     backend = get_backend(config.device)
     env = init_distributed(backend, config.tensor_parallel, config.collective_timeout_s,
-                           pp_size=config.pipeline_parallel)
+                           pp_size=config.pipeline_parallel, data_parallel_mode=config.data_parallel_mode)
     finished = False
     try:
         config.validate(env.world_size)
@@ -349,7 +350,7 @@ def main(config: Config) -> dict[str, Any]:
         shutdown(finished)
 
 
-def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[str, Any]:
+def _run(config: Config, backend: Backend, env: ParallelDims, start: float) -> dict[str, Any]:
     device = backend.device(env.local_rank)
     random.seed(config.seed)
     np.random.seed(config.seed)
@@ -358,7 +359,6 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
     train_data, valid_data, test_data = load_datasets(config)
     pipeline = build_pipeline(config, env, device) if config.pipeline_parallel > 1 else None
     model = pipeline.model if pipeline else build_model(config, env, device)
-    replicas = gradient_replicas(config, env)
     optimizer = build_optimizer(model, config, backend)
     scaler = LossScaler(config.precision == "fp16", device)
     state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
@@ -403,7 +403,7 @@ def _run(config: Config, backend: Backend, env: DistEnv, start: float) -> dict[s
             batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
             loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
                                              precision=config.precision, clip_grad=config.clip_grad, scaler=scaler,
-                                             tp=env.tp, pipeline=pipeline, replicas=replicas)
+                                             dims=env, pipeline=pipeline)
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
             steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter

@@ -75,8 +75,8 @@ def test_find_micro_batch_refusals():
 @pytest.mark.timeout(120)
 def test_auto_compile_scope_is_the_whole_model_for_one_cuda_process_and_blocks_otherwise():
     from gpt.config import Config
-    from gpt.distributed import DistEnv
     from gpt.parallel.build import build_model, compile_scope
+    from gpt.parallel.dims import ParallelDims
 
     auto = Config(model="tiny")
     assert auto.compile_scope == "auto"
@@ -85,11 +85,11 @@ def test_auto_compile_scope_is_the_whole_model_for_one_cuda_process_and_blocks_o
     assert compile_scope(auto, torch.device("cpu"), 1) == "blocks"
     assert compile_scope(Config(model="tiny", compile_scope="model"), torch.device("cpu"), 4) == "model"
     # build_model applies the decision: on CPU, each block is compiled and the model is not.
-    model = build_model(Config(model="tiny", compile=True, device="cpu", precision="fp32"), DistEnv(0, 1, 0, None),
+    model = build_model(Config(model="tiny", compile=True, device="cpu", precision="fp32"), ParallelDims(0, 1, 0, None),
                         torch.device("cpu"))
     assert model.h["0"]._compiled_call_impl is not None and model._compiled_call_impl is None
     whole = build_model(Config(model="tiny", compile=True, compile_scope="model", device="cpu", precision="fp32"),
-                        DistEnv(0, 1, 0, None), torch.device("cpu"))
+                        ParallelDims(0, 1, 0, None), torch.device("cpu"))
     assert whole._compiled_call_impl is not None and whole.h["0"]._compiled_call_impl is None
 
 

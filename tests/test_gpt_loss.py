@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from gpt.config import Config
-from gpt.distributed import DistEnv
 from gpt.model import GPT, linear_cross_entropy, plain_name
 from gpt.parallel.build import build_model
+from gpt.parallel.dims import ParallelDims
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -100,7 +100,7 @@ def test_backward_keeps_no_logits():
 
 
 def _model_loss_and_grads(config: Config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = build_model(config, DistEnv(0, 1, 0, None), torch.device("cpu"))
+    model = build_model(config, ParallelDims(0, 1, 0, None), torch.device("cpu"))
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), generator=torch.Generator().manual_seed(5))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()

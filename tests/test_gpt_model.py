@@ -5,8 +5,8 @@ import torch
 
 from gpt.config import Config
 from gpt.data import MockGPTDataset
-from gpt.distributed import DistEnv
 from gpt.model import GPT
+from gpt.parallel.dims import ParallelDims
 from gpt.train import micro_batches
 
 
@@ -72,10 +72,10 @@ def test_gpt2_initialisation():
 def test_data_order_is_the_same_for_any_rank_count():
     config = Config(mock_data=True, seq_length=8, vocab_size=50, micro_batch_size=2, global_batch_size=8)
     data = MockGPTDataset(64, 8, 50, seed=3)
-    single = micro_batches(data, 16, 8, config, DistEnv(0, 1, 0, None), torch.device("cpu"))
+    single = micro_batches(data, 16, 8, config, ParallelDims(0, 1, 0, None), torch.device("cpu"))
     one = torch.cat([x for x, _ in single])
     assert torch.equal(one, torch.from_numpy(np.stack([data[i][:-1] for i in range(16, 24)])))
-    ranks = [micro_batches(data, 16, 8, config, DistEnv(r, 2, r, None), torch.device("cpu")) for r in range(2)]
+    ranks = [micro_batches(data, 16, 8, config, ParallelDims(r, 2, r, None), torch.device("cpu")) for r in range(2)]
     # Micro-step m: rank 0 then rank 1, each a contiguous slice.
     two = torch.cat([torch.cat([ranks[0][m][0], ranks[1][m][0]]) for m in range(2)])
     assert torch.equal(one, two)

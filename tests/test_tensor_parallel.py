@@ -16,14 +16,14 @@ from tests.fixtures_gpt import SMALL, read_metrics
 # Every rank joins the process group as usual, then trains with gpt.parallel.xla's groups and
 # no DeviceMesh, as on an XLA device; device 'neuron' (its configuration checks) computes on the CPU.
 EXPLICIT = """
-import gpt.distributed as _dist, gpt.train as _train
+import gpt.distributed as _dist, gpt.parallel.dims as _dims, gpt.train as _train
 from gpt.parallel import xla as _tp
 from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed
-def _explicit(backend, tp_size, timeout_s, pp_size=1):
+def _explicit(backend, tp_size, timeout_s, pp_size=1, data_parallel_mode="ddp"):
     env = _init(backend, 1, timeout_s)
-    return _dist.DistEnv(env.rank, env.world_size, env.local_rank, None,
-                         _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))
+    return _dims.ParallelDims(env.rank, env.world_size, env.local_rank, None,
+                              _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))
 _train.init_distributed = _explicit
 _train.get_backend = lambda device: _Backend(device, _DEVICES["cpu"])
 """

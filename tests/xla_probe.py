@@ -23,10 +23,10 @@ from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer
 from gpt.config import Config, ConfigError
 from gpt.data import MockGPTDataset
-from gpt.distributed import DistEnv
 from gpt.optim import LossScaler, build_optimizer, lr_at
 from gpt.parallel import xla
 from gpt.parallel.build import build_model
+from gpt.parallel.dims import ParallelDims
 from gpt.train import main, micro_batches, train_step
 
 SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
@@ -34,7 +34,7 @@ SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_hea
          "lr_warmup_iters": 2, "lr": 3e-3, "min_lr": 3e-4, "mock_data": True, "precision": "fp32",
          "log_interval": 4, "eval_interval": 100, "eval_iters": 1, "save_interval": 4}
 STEPS = 6
-ONE = DistEnv(0, 1, 0, None)
+ONE = ParallelDims(0, 1, 0, None)
 
 
 def counters() -> dict[str, Any]:
@@ -49,7 +49,7 @@ def counters() -> dict[str, Any]:
             "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}}
 
 
-def setup(device: str, env: DistEnv = ONE, **overrides: Any) -> tuple[Config, Backend, torch.device, torch.nn.Module, Any, LossScaler]:
+def setup(device: str, env: ParallelDims = ONE, **overrides: Any) -> tuple[Config, Backend, torch.device, torch.nn.Module, Any, LossScaler]:
     config = Config.from_dict({**SMALL, "device": device, **overrides})
     backend = get_backend(config.device)
     where = backend.device(0)
@@ -58,7 +58,7 @@ def setup(device: str, env: DistEnv = ONE, **overrides: Any) -> tuple[Config, Ba
     return config, backend, where, model, build_optimizer(model, config, backend), LossScaler(False, where)
 
 
-def train(device: str, count_each_step: bool, env: DistEnv = ONE) -> dict[str, Any]:
+def train(device: str, count_each_step: bool, env: ParallelDims = ONE) -> dict[str, Any]:
     """STEPS iterations through gpt.train.train_step, the figures read once at the end."""
     config, backend, where, model, optimizer, scaler = setup(device, env)
     data = MockGPTDataset(STEPS * config.global_batch_size, config.seq_length, config.vocab_size, config.seed)
@@ -68,7 +68,7 @@ def train(device: str, count_each_step: bool, env: DistEnv = ONE) -> dict[str, A
             group["lr"] = lr_at(config, it)
         batches = micro_batches(data, (it - 1) * config.global_batch_size, config.global_batch_size, config, ONE, where)
         loss, norm, stepped = train_step(model, optimizer, batches, backend=backend, precision="fp32",
-                                         clip_grad=config.clip_grad, scaler=scaler, tp=env.tp)
+                                         clip_grad=config.clip_grad, scaler=scaler, dims=env)
         held += [loss, norm, stepped]
         if count_each_step:
             per_step.append(counters())
@@ -183,7 +183,7 @@ def tensor_parallel_in_one_graph() -> dict[str, Any]:
     runs the layers on real ranks)."""
     os.environ["XLA_ALWAYS_ALLREDUCE"] = "1"  # torch_xla leaves them out for one rank otherwise
     try:
-        env = DistEnv(0, 1, 0, None, xla.Group(0, 1, [[0]], lazy=True))
+        env = ParallelDims(0, 1, 0, None, xla.Group(0, 1, [[0]], lazy=True))
         config, backend, where, model, _, _ = setup("neuron", env)
         tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1)).to(where)
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(tokens[:, :-1], tokens[:, 1:])])

@@ -1,6 +1,8 @@
 """Parallelism applied to a plain GPT from outside the model, as torchtitan does; gpt/model.py holds
 only the math.
 
+- ``dims``: where a rank sits: the degrees, the mesh (or XLA group), the replicas its gradients are
+  averaged over and their global norm;
 - ``build``: the order every job applies them in, float8 linears (torchao) -> tensor parallel ->
   activation checkpointing -> compile -> data parallel, then the weights, initialised whole and
   kept as this rank's part, so that they are the same whatever the layout;

@@ -17,12 +17,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpt.backend import DEVICES
 from gpt.config import Config, ConfigError
-from gpt.distributed import DistEnv
 from gpt.model import GPT, initial_weight
 from gpt.parallel import data, tensor, xla
+from gpt.parallel.dims import ParallelDims
 
 
-def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module:
+def build_model(config: Config, env: ParallelDims, device: torch.device) -> nn.Module:
     """The GPT with every configured parallelism applied, weights initialised on ``device``."""
     with torch.device("meta"):
         model = GPT(config)
@@ -31,7 +31,7 @@ def build_model(config: Config, env: DistEnv, device: torch.device) -> nn.Module
     return model
 
 
-def apply_layers(model: GPT, config: Config, env: DistEnv, device: torch.device) -> None:
+def apply_layers(model: GPT, config: Config, env: ParallelDims, device: torch.device) -> None:
     """What changes the layers of a (meta) model: float8, tensor parallel, activation checkpointing,
     per-block compilation."""
     if config.precision == "fp8":
@@ -48,7 +48,7 @@ def apply_layers(model: GPT, config: Config, env: DistEnv, device: torch.device)
             block.compile(backend=compile_backend(device))
 
 
-def materialise(model: GPT, parts: list[GPT], config: Config, env: DistEnv, device: torch.device) -> list[nn.Module]:
+def materialise(model: GPT, parts: list[GPT], config: Config, env: ParallelDims, device: torch.device) -> list[nn.Module]:
     """Compile each part whole (compile scope ``model``), shard the parts over the data-parallel ranks
     (FSDP2) or wrap them in DDP, allocate the model on ``device`` and initialise its weights. ``parts``
     is ``[model]``, or a pipeline rank's stages (views of its layers). Returns the parts as trained."""

@@ -27,7 +27,7 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, lazy: bool, tp: Replicas 
     FSDP reduce inside backward). On XLA, and under gpt.parallel.xla's layers, the model is
     not wrapped, so it happens here: over the whole world, or over the ranks that hold the same
     part of every parameter. Where data parallel as DDP has no DDP module (pipeline stages,
-    DTensor tensor parallel: gpt.parallel.data.gradient_replicas) it averages over ``replicas``."""
+    DTensor tensor parallel: gpt.parallel.dims.ParallelDims.gradient_replicas) it averages over ``replicas``."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if tp is not None:
         tp.average_over_replicas(grads)

@@ -9,7 +9,7 @@ does, so they stay equal. Each rank keeps one GPT of its layers under their glob
 which the optimizer and the checkpoints see as they see a whole model; its stages are views of it
 that share its layers. Data and tensor parallel apply inside each stage (gpt.parallel.build): FSDP2
 shards each stage; as DDP, the gradients are averaged after the schedule
-(gpt.parallel.data.gradient_replicas).
+(gpt.parallel.dims.ParallelDims.gradient_replicas).
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from gpt.config import Config
-from gpt.distributed import DistEnv
 from gpt.model import GPT
 from gpt.parallel.build import apply_layers, materialise
+from gpt.parallel.dims import ParallelDims
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "interleaved-zb": ScheduleInterleavedZeroBubble}
@@ -121,7 +121,7 @@ class Pipeline:
         return parameters
 
 
-def build_pipeline(config: Config, env: DistEnv, device: torch.device) -> Pipeline:
+def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> Pipeline:
     """This rank's stages of the GPT, with data and tensor parallel inside each, weights initialised
     as the whole model's, and the schedule."""
     pp, virtual = config.pipeline_parallel, config.virtual_pipeline_stages
@@ -175,7 +175,7 @@ def _tied(model: GPT) -> nn.Parameter | None:
     return model.lm_head.weight if model.lm_head is not None else None
 
 
-def _tied_group(env: DistEnv) -> dist.ProcessGroup | None:
+def _tied_group(env: ParallelDims) -> dist.ProcessGroup | None:
     """This rank's pair of first and last stage (same data- and tensor-parallel index); every rank
     creates every pair's group, as dist.new_group requires."""
     mine = None
