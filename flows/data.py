@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from flows.plan.boundary import Boundary
 from flows.plan.layout import Layout
@@ -26,11 +25,13 @@ from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
 from tasks.index import IndexManifest, index_needs
-from tasks.sync import SyncManifest, local_path, sync_job_task, sync_task
-from tasks.tokenize.array import tokenize_array_task
+from tasks.sync import SyncManifest, local_path, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
+from tasks.tokenize.inputs import INPUT_SUFFIXES
+from tasks.tokenize.outputs import TokenizeManifest
 from tasks.tokenize.sample_corpus import sample_corpus_task
-from tasks.tokenize.stage import INPUT_SUFFIXES, TokenizeManifest, named_tokenizer, tokenize_task
+from tasks.tokenize.stage import tokenize_task
+from tasks.tokenize.vocabulary import named_tokenizer
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
@@ -46,46 +47,26 @@ class Dataset:
     tokenized: TokenizeManifest | None = None
 
 
-@dataclass(frozen=True)
-class DataStages:
-    """The cached stages, and where the data stages run: here, or as jobs on the cluster."""
-    stages: Stages
-    cluster: ClusterConfig
-
-    def sync(self, stage: str, sources: list[str], dest: str, **options: Any) -> SyncManifest:
-        if self.cluster.data_jobs:
-            return self.stages.run(stage, sync_job_task, sources, dest, cluster=self.cluster, **options)
-        return self.stages.run(stage, sync_task, sources, dest, **options)
-
-    def tokenize(self, inputs: list[str], output_prefix: str, **options: Any) -> TokenizeManifest:
-        if self.cluster.data_jobs:
-            return self.stages.run("tokenize", tokenize_array_task, inputs, output_prefix, cluster=self.cluster,
-                                   intact=tokenized_intact, **options)
-        return self.stages.run("tokenize", tokenize_task, inputs, output_prefix, intact=tokenized_intact, **options)
-
-
 def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages,
             cluster: ClusterConfig) -> Dataset:
     """Everything the index stage needs, each piece by a cached stage."""
-    run = DataStages(stages, cluster)
-    files = fetch_tokenizer(tokenizer, data, layout, run)
-    blend = fetch_prefixes(data, layout, run)
+    files = fetch_tokenizer(tokenizer, data, layout, stages)
+    blend = fetch_prefixes(data, layout, stages, cluster)
     sources = list(data.sources)
     if not sources and not blend:
         sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
     if not sources:
         return Dataset(blend, named_tokenizer(*files))  # type: ignore[arg-type]   # the plan asked for one
-    tokenized = sync_and_tokenize(sources, data, tokenizer, files, layout, run)
+    tokenized = sync_and_tokenize(sources, data, tokenizer, files, layout, stages, cluster)
     return Dataset(blend + [(data.weight, p) for p in tokenized.prefixes.values()], tokenized.tokenizer, tokenized)
 
 
 def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams,
-                      files: tuple[str | None, str | None, str | None], layout: Layout,
-                      run: DataStages) -> TokenizeManifest:
-    raw = run.sync("sync", sources, str(layout.raw(sources, data.endpoint_url)),
-                   endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request,
-                   allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
-                   verify_content=data.verify_content)
+                      files: tuple[str | None, str | None, str | None], layout: Layout, stages: Stages,
+                      cluster: ClusterConfig) -> TokenizeManifest:
+    raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)), cluster=cluster,
+                     allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
+                     verify_content=data.verify_content, **data.s3_access())
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
     if not inputs:
         raise ParameterError([f"data.sources: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
@@ -94,9 +75,9 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
     out_prefix = layout.tokenized(raw.digest, vocab_file, merge_file, data.json_keys,
                                   tokenizer.train_vocab_size, *filter(None, [tokenizer_file]))
     train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
-    tokenized = run.tokenize(inputs, str(out_prefix), vocab_file=vocab_file, merge_file=merge_file,
-                             tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
-                             train_vocab_size=train_vocab)
+    tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), cluster=cluster, vocab_file=vocab_file,
+                           merge_file=merge_file, tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
+                           train_vocab_size=train_vocab, intact=tokenized_intact)
     reporting.dataset_table(tokenized)
     return tokenized
 
@@ -106,7 +87,7 @@ def synced_files(manifest: SyncManifest) -> list[str]:
 
 
 def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout,
-                    run: DataStages) -> tuple[str | None, str | None, str | None]:
+                    stages: Stages) -> tuple[str | None, str | None, str | None]:
     """Local paths of the tokenizer files (vocab, merges, tokenizer.json), syncing them first when
     they are in S3: a tokenizer_model folder (``s3://.../llama3/``) whole, as HuggingFace saves one."""
     files = [tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_model]
@@ -114,9 +95,7 @@ def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout
     synced: dict[str, str] = {}
     folder = ""
     if remote:
-        manifest = run.stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)),
-                                  endpoint_url=data.endpoint_url, profile=data.profile,
-                                  no_sign_request=data.no_sign_request)
+        manifest = stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)), **data.s3_access())
         synced, folder = {Path(p).name: p for p in synced_files(manifest)}, manifest.local_dir
     vocab, merges = (synced[Path(f).name] if f and is_s3(f) else (local_path(f) if f else None) for f in files[:2])
     model = tokenizer.tokenizer_model
@@ -126,7 +105,7 @@ def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout
     return vocab, merges, model
 
 
-def fetch_prefixes(data: DataParams, layout: Layout, run: DataStages) -> list[tuple[float, str]]:
+def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages, cluster: ClusterConfig) -> list[tuple[float, str]]:
     """(weight, local prefix) for each tokenized input, syncing the .bin/.idx pairs from S3."""
     out = []
     for i, p in enumerate(data.prefixes):
@@ -134,8 +113,8 @@ def fetch_prefixes(data: DataParams, layout: Layout, run: DataStages) -> list[tu
             out.append((p.weight, local_path(p.prefix)))
             continue
         local = layout.prefix(p.prefix)
-        run.sync(f"sync-prefix-{i}", [p.prefix + ".bin", p.prefix + ".idx"], str(local.parent),
-                 endpoint_url=data.endpoint_url, profile=data.profile, no_sign_request=data.no_sign_request)
+        stages.run(f"sync-prefix-{i}", sync_task, [p.prefix + ".bin", p.prefix + ".idx"], str(local.parent),
+                   cluster=cluster, **data.s3_access())
         out.append((p.weight, str(local)))
     return out
 

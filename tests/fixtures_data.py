@@ -30,7 +30,7 @@ def shakespeare_jsonl(shakespeare_dir, tmp_path_factory) -> Path:
 def bpe_vocab(shakespeare_jsonl, tmp_path_factory) -> tuple[Path, Path]:
     """(vocab.json, merges.txt): a 2,000-entry GPT-2-format byte-level BPE trained on the plays."""
     from tasks.tokenize.bpe import train_bpe
-    from tasks.tokenize.stage import iter_texts
+    from tasks.tokenize.inputs import iter_texts
 
     out = tmp_path_factory.mktemp("bpe")
     vocab, merges = train_bpe(iter_texts([str(shakespeare_jsonl)], "text", 1 << 20), str(out), vocab_size=2000)

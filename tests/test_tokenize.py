@@ -13,7 +13,8 @@ import zstandard
 
 from gpt.data import MMapIndexedDataset
 from gpt.tokenizer import EOD, byte_level_bpe
-from tasks.tokenize.stage import TokenizeError, tokenize
+from tasks.tokenize.bpe import TokenizeError
+from tasks.tokenize.stage import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +60,7 @@ def test_ids_equal_hf_byte_level_bpe(tmp_path, shakespeare_jsonl, bpe_vocab):
 
 def test_worker_count_and_compression_do_not_change_output(tmp_path, shakespeare_jsonl, bpe_vocab, monkeypatch):
     vocab, merges = map(str, bpe_vocab)
-    monkeypatch.setattr("tasks.tokenize.stage.CHUNK_BYTES", 64 << 10)  # many chunks in flight at once
+    monkeypatch.setattr("tasks.tokenize.inputs.CHUNK_BYTES", 64 << 10)  # many chunks in flight at once
     raw = open(shakespeare_jsonl, "rb").read()
     raw = raw[:raw.index(b"\n", 3 << 20) + 1]
     paths = {"jsonl": tmp_path / "c.jsonl"}
@@ -195,8 +196,8 @@ def test_tiny_chunks_and_engine_rebuilds_keep_ids(tmp_path, bpe_vocab, monkeypat
     vocab, merges = map(str, bpe_vocab)
     src = write_jsonl(tmp_path / "in.jsonl", TRICKY * 3)
     whole = tokenize([src], str(tmp_path / "a"), vocab_file=vocab, merge_file=merges, workers=1)
-    monkeypatch.setattr("tasks.tokenize.stage.CHUNK_BYTES", 1000)  # lines longer than a read block
-    monkeypatch.setattr("tasks.tokenize.stage.ENCODER_CACHE_BYTES", -1)  # a fresh engine for every chunk
+    monkeypatch.setattr("tasks.tokenize.inputs.CHUNK_BYTES", 1000)  # lines longer than a read block
+    monkeypatch.setattr("tasks.tokenize.encode.ENCODER_CACHE_BYTES", -1)  # a fresh engine for every chunk
     pieces = tokenize([src], str(tmp_path / "b"), vocab_file=vocab, merge_file=merges, workers=2)
     assert pieces.documents == whole.documents == len(TRICKY) * 3
     assert read_docs(pieces.prefixes["text"]) == read_docs(whole.prefixes["text"])
@@ -218,7 +219,7 @@ def test_tokenize_task_in_a_flow_many_times_in_a_row_never_forks(tmp_path, bpe_v
         raise AssertionError("the tokenize stage forked a process")
 
     monkeypatch.setattr(os, "fork", no_fork)
-    monkeypatch.setattr("tasks.tokenize.stage.CHUNK_BYTES", 16 << 10)  # many chunks in flight on both threads
+    monkeypatch.setattr("tasks.tokenize.inputs.CHUNK_BYTES", 16 << 10)  # many chunks in flight on both threads
 
     @flow
     def repeat(n: int) -> list[tuple[str, int]]:

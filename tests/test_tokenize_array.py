@@ -15,8 +15,11 @@ import pytest
 from gpt.data import MMapIndexedDataset
 from tasks.cluster.config import load_cluster
 from tasks.tokenize.array import join, shard_error, tokenize_on_cluster
+from tasks.tokenize.bpe import TokenizeError
+from tasks.tokenize.inputs import BadLine, Piece
 from tasks.tokenize.shards import Shard, plan_shards
-from tasks.tokenize.stage import BadLine, Piece, TokenizeError, resolve_tokenizer, tokenize
+from tasks.tokenize.stage import tokenize
+from tasks.tokenize.vocabulary import resolve_tokenizer
 from tests.run_folder import job_records
 from tests.test_tokenize import _tokenizer_json
 
@@ -116,14 +119,15 @@ def test_a_shard_of_only_bad_lines_is_empty_and_an_input_of_only_bad_lines_is_re
 def test_the_sync_jobs_cache_key_reads_its_options_as_the_in_process_stages(tmp_path):
     from prefect.utilities.callables import get_call_parameters
 
-    from tasks.sync.stage import _sync_cache_key, sync_on_cluster
+    from tasks.sync.stage import _sync_cache_key, sync_stage
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.jsonl").write_text('{"text": "a"}\n')
-    args = ([str(tmp_path / "src")], str(tmp_path / "dest"), load_cluster("local"))
-    key = _sync_cache_key(None, get_call_parameters(sync_on_cluster, args, {"allowed_roots": [str(tmp_path)]}))
-    assert key and key.startswith("sync-")
-    checked = get_call_parameters(sync_on_cluster, args, {"allowed_roots": [str(tmp_path)], "verify_content": True})
+    args = ([str(tmp_path / "src")], str(tmp_path / "dest"))
+    cluster = {"cluster": load_cluster("local")}
+    key = _sync_cache_key(None, get_call_parameters(sync_stage, args, {**cluster, "allowed_roots": [str(tmp_path)]}))
+    assert key and key == _sync_cache_key(None, get_call_parameters(sync_stage, args, {"allowed_roots": [str(tmp_path)]}))
+    checked = get_call_parameters(sync_stage, args, {**cluster, "allowed_roots": [str(tmp_path)], "verify_content": True})
     assert _sync_cache_key(None, checked) is None                 # verify_content reads everything again
 
 

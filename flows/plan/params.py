@@ -92,6 +92,10 @@ class DataParams(_Params):
                                                     "S3 copy, instead of trusting unchanged size, times and "
                                                     "ETags (slow: for a rerun after doubts about the storage)")
 
+    def s3_access(self) -> dict[str, Any]:
+        """How the data's S3 objects are reached, as the sync stage takes it."""
+        return {"endpoint_url": self.endpoint_url, "profile": self.profile, "no_sign_request": self.no_sign_request}
+
 
 class TokenizerParams(_Params):
     vocab_file: str | None = Field(None, description="GPT-2 style vocab.json (path or s3:// URI). "

@@ -59,9 +59,6 @@ _RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_facto
                 retry_condition_fn=_retry_transient)
 
 
-sync_task = task(sync, name="sync", cache_key_fn=_sync_cache_key, persist_result=True, **_RETRIES)
-
-
 upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)
 
 
@@ -99,4 +96,17 @@ def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig,
     return result
 
 
-sync_job_task = task(sync_on_cluster, name="sync", cache_key_fn=_sync_cache_key, persist_result=True, **_RETRIES)
+def sync_stage(sources: list[str] | str, dest: str, *, cluster: ClusterConfig | None = None,
+               endpoint_url: str | None = None, no_sign_request: bool = False, profile: str | None = None,
+               allowed_roots: list[str] | None = None, verify_content: bool = False) -> SyncManifest:
+    """The stage as the flow runs it: in this process, or as one job on the cluster's data partition
+    when its preset says ``data_jobs: true``; the same copy and manifest either way. The options
+    are ``sync``'s, named as there, so that the cache key reads them alike."""
+    options = dict(endpoint_url=endpoint_url, no_sign_request=no_sign_request, profile=profile,
+                   allowed_roots=allowed_roots, verify_content=verify_content)
+    if cluster is not None and cluster.data_jobs:
+        return sync_on_cluster(sources, dest, cluster, **options)
+    return sync(sources, dest, **options)
+
+
+sync_task = task(sync_stage, name="sync", cache_key_fn=_sync_cache_key, persist_result=True, **_RETRIES)

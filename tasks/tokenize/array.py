@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from gpt.data import IndexedDatasetWriter, best_dtype
 from gpt.files import write_json
 from gpt.tokenizer import GPT2_VOCAB_SIZE
@@ -36,19 +34,11 @@ from tasks.cluster.jobs import JobError, submit_array
 from tasks.common.digest import digest, file_digest
 from tasks.common.progress import Progress, human_bytes
 from tasks.tokenize.bpe import TokenizeError
+from tasks.tokenize.encode import MAX_MESSAGES_PER_KIND
+from tasks.tokenize.inputs import BadLine, Piece
+from tasks.tokenize.outputs import TokenizeManifest, manifest, no_document, nonzero_counts, output_prefixes
 from tasks.tokenize.shards import Shard, first_lines, plan_shards
-from tasks.tokenize.stage import (
-    MAX_MESSAGES_PER_KIND,
-    BadLine,
-    Piece,
-    TokenizeManifest,
-    inputs_and_tokenizer,
-    manifest,
-    no_document,
-    nonzero_counts,
-    output_prefixes,
-    tokenize_cache_key,
-)
+from tasks.tokenize.vocabulary import inputs_and_tokenizer
 
 ARRAY_ATTEMPTS = 3        # runs of a shard whose task failed or was killed, the first included
 
@@ -168,7 +158,3 @@ def _say_skipped(shards: list[Shard], records: list[dict[str, Any]], skipped: di
             before[piece.path] = before.get(piece.path, 0) + lines
     if any(skipped.values()):
         print(f"Skipped lines: {nonzero_counts(skipped)}", flush=True)
-
-
-tokenize_array_task = task(tokenize_on_cluster, name="tokenize", cache_key_fn=tokenize_cache_key, persist_result=True,
-                          log_prints=True)

@@ -1,6 +1,6 @@
 """One task of the tokenize array (tasks.tokenize.array) and the plan that cuts the inputs into shards.
 
-What an array task imports on its node: the encoder (tasks.tokenize.stage), never Prefect.
+What an array task imports on its node: the encoder (tasks.tokenize.encode), never Prefect.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from gpt.files import write_json
 from gpt.tokenizer import Tokenizer
 from tasks.common.digest import file_digest
 from tasks.tokenize.bpe import TokenizeError
-from tasks.tokenize.stage import BadLine, Piece, encode, output_prefixes, splittable
+from tasks.tokenize.encode import encode
+from tasks.tokenize.inputs import BadLine, Piece, splittable
+from tasks.tokenize.outputs import output_prefixes
 
 SCAN_BLOCK = 1 << 16      # bytes read at a time to find where a line starts
 
