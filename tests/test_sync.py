@@ -558,3 +558,40 @@ def test_sync_task_of_local_sources_runs_again_on_new_content(tmp_path: Path, pr
     assert forced.name == "Completed" and forced.result().hashed_bytes == 2 * len(b'{"text": "ONE"}\n')
     with pytest.raises(SyncError, match=f"^{src}/a.jsonl is outside the folders this sync may read"):
         pipeline([str(tmp_path / "elsewhere")])                  # the cached result is not handed out
+
+
+@pytest.mark.timeout(120)
+def test_keys_that_would_leave_the_destination_are_refused_by_name_before_any_transfer(monkeypatch, tmp_path: Path) -> None:
+    """AWS S3 keeps a key such as ``data/../../x`` as written (SeaweedFS refuses it), so moto's
+    server, which stores keys as AWS does, holds the bucket here."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="corpora")
+        for key in ("data/a.jsonl", "data/../../../../x/escape.jsonl"):
+            client.put_object(Bucket="corpora", Key=key, Body=b'{"text": "a"}\n')
+        assert "data/../../../../x/escape.jsonl" in [o["Key"] for o in client.list_objects_v2(Bucket="corpora")["Contents"]]
+        dest = tmp_path / "root" / "raw"
+        with pytest.raises(SyncError, match=r"data/\.\./\.\./\.\./\.\./x/escape\.jsonl.*a '\.\.' segment.*nothing was copied"):
+            sync(["s3://corpora/data/"], str(dest), endpoint_url=endpoint)
+    finally:
+        server.stop()
+    assert not dest.exists() or read_tree(dest) == {}
+    assert not list(tmp_path.rglob("*.jsonl")) and not list(Path("/x").glob("escape.jsonl"))
+
+
+def test_a_path_inside_the_destination_is_told_from_one_that_is_not() -> None:
+    from tasks.sync.listing import path_problem
+
+    assert path_problem("a/b/c.jsonl") is None and path_problem("..a/b..") is None
+    for rel, problem in (("../x", "'..'"), ("a/../../x", "'..'"), ("/etc/x", "absolute"), ("a//b", "empty"),
+                         ("a/./b", "'.'"), ("a\0b", "NUL"), ("a/" + "n" * 256, "longer than 255")):
+        assert problem in path_problem(rel), rel

@@ -86,6 +86,25 @@ def is_reserved(rel: str) -> bool:
     return parts[-1] == MANIFEST_NAME or parts[0] == PARTIAL_DIR
 
 
+# The longest file name Linux file systems hold, in bytes.
+NAME_MAX = 255
+
+
+def path_problem(rel: str) -> str | None:
+    """Why ``rel`` cannot be a path inside the sync's destination (None when it can): a segment that
+    climbs out (``..``) or stays (``.``), an absolute or empty segment, a NUL, a name too long."""
+    if "\0" in rel:
+        return "a NUL character"
+    if rel.startswith("/"):
+        return "an absolute path"
+    for segment in rel.split("/"):
+        if segment in ("", ".", ".."):
+            return f"a {segment!r} segment" if segment else "an empty segment (//)"
+        if len(segment.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            return f"a name longer than {NAME_MAX} bytes"
+    return None
+
+
 def _list_s3(uri: str, client: Any, remote: Remote) -> list[Source]:
     bucket, key = split_s3(uri)
     is_glob = any(c in key for c in GLOB_CHARS)
@@ -167,6 +186,11 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, rea
     objs: dict[str, Source] = {}
     for src in sources:
         for o in (_list_s3(src, client, remote) if is_s3(src) else list_local(src, reach)):
+            problem = path_problem(o.rel)
+            if problem is not None:
+                raise SyncError(f"{o.uri!r} would be written to {o.rel!r}, which has {problem}: it could land "
+                                "outside the destination, so nothing was copied; rename or remove that object, "
+                                "or sync a prefix that leaves it out")
             other = objs.setdefault(o.rel, o)
             if other.uri != o.uri:
                 raise SyncError(f"{other.uri} and {o.uri} would both be written to {o.rel}: "
