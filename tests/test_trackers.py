@@ -171,3 +171,22 @@ def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_ser
     assert state["last_step"] == 5 and state["where"] == mlflow_server.url
     history = MlflowClient(tracking_uri=mlflow_server.url).get_metric_history(state["run_id"], "train/lm_loss")
     assert sorted((m.step, m.value) for m in history) == [(i, 10.0 - i) for i in range(1, 6)]
+
+
+@pytest.mark.timeout(120)
+def test_a_tracker_address_is_shown_and_kept_without_its_secrets(tmp_path, monkeypatch, caplog):
+    from tasks.train import trackers
+
+    port = free_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:pw0rd@127.0.0.1:{port}/mlflow?token=SECRETTOKEN#frag")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with caplog.at_level("WARNING"):
+        tracked = trackers.Trackers(["mlflow"], "secrets", run_dir, {"model": "tiny"})
+        tracked.records([{"kind": "train", "iteration": 1, "lm_loss": 9.0, "lr": 1e-3, "time": 1.7e9}])
+        tracked.close(finished=False)
+    assert f"tracker mlflow (http://127.0.0.1:{port}/mlflow) failed" in caplog.text
+    kept = caplog.text + "".join(p.read_text() for p in run_dir.rglob("*") if p.is_file())
+    assert "SECRETTOKEN" not in kept and "pw0rd" not in kept and "alice" not in kept and "frag" not in kept

@@ -1,5 +1,8 @@
-"""What an S3 URI is: the one test of the scheme and the one split into bucket and key."""
+"""What an S3 URI is: the one test of the scheme and the one split into bucket and key; and an
+address as it may be shown or stored, without the parts where secrets travel."""
 from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
 
 SCHEME = "s3://"
 
@@ -13,3 +16,19 @@ def bucket_and_key(uri: str) -> tuple[str, str]:
     """``s3://bucket/some/key`` as ("bucket", "some/key"); either may be empty."""
     bucket, _, key = uri[len(SCHEME):].partition("/")
     return bucket, key
+
+
+def shown_address(url: str) -> str:
+    """``url`` without its user, password, query string and fragment (where tokens travel): what a
+    log line, an artifact or a file in the run folder may hold."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def hide_address_secrets(text: str, url: str) -> str:
+    """``text`` (an error message, say) with every secret part of ``url`` replaced by ``***``."""
+    parts = urlsplit(url)
+    for secret in (parts.query, parts.fragment, parts.password, parts.username):
+        if secret:
+            text = text.replace(secret, "***")
+    return text

@@ -17,10 +17,10 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Literal, get_args
-from urllib.parse import urlsplit, urlunsplit
 
 from gpt.files import write_json
 from tasks.cluster.run_context import run_logger
+from tasks.common.uri import hide_address_secrets, shown_address
 
 RECORD = "trackers.json"
 Tracker = Literal["wandb", "mlflow"]
@@ -214,7 +214,7 @@ class Trackers:
             tracker.close(finished)
         except Exception as e:  # noqa: BLE001 - closing is best effort
             run_logger().warning("tracker %s (%s): closing its run failed: %s", name, self.state[name]["where"],
-                                 _text(str(e), 300))
+                                 _text(_hide_secrets(str(e)), 300))
 
     def _try(self, name: str, action: Any) -> Any:
         """``action()``'s result (True for None), or None after a warning when it raised."""
@@ -226,7 +226,7 @@ class Trackers:
             self.retry_at[name] = time.monotonic() + RETRY_S * failures
             gone = name in self.open and failures >= MAX_FAILURES
             run_logger().warning("tracker %s (%s) failed: %s: %s; %s", name, self.state[name]["where"],
-                                 type(e).__name__, _text(str(e), 300),
+                                 type(e).__name__, _text(_hide_secrets(str(e)), 300),
                                  f"left out after {failures} failures in a row, training goes on without it" if gone
                                  else "training goes on without it" if name not in self.open
                                  else f"training goes on; what it missed is sent again in {RETRY_S * failures:.0f} s")
@@ -252,16 +252,19 @@ def _item(r: dict[str, Any]) -> tuple[dict[str, float], int, float, str] | None:
 
 
 def _where(name: str) -> str:
-    """Where a tracker logs, without any credentials the address holds."""
+    """Where a tracker logs, without any secret its address holds."""
     if name == "mlflow":
-        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-        parts = urlsplit(uri)
-        if parts.username or parts.password:
-            parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
-        return urlunsplit(parts) or "MLFLOW_TRACKING_URI unset"
+        return shown_address(os.environ.get("MLFLOW_TRACKING_URI", "")) or "MLFLOW_TRACKING_URI unset"
     mode = os.environ.get("WANDB_MODE", "online")
-    return "offline, in the run folder" if mode in ("offline", "dryrun") else os.environ.get(
-        "WANDB_BASE_URL", "https://api.wandb.ai")
+    return "offline, in the run folder" if mode in ("offline", "dryrun") else shown_address(os.environ.get(
+        "WANDB_BASE_URL", "https://api.wandb.ai"))
+
+
+def _hide_secrets(text: str) -> str:
+    """An error's text without the secrets of the trackers' addresses."""
+    for variable in ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL"):
+        text = hide_address_secrets(text, os.environ.get(variable, ""))
+    return text
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:
