@@ -75,6 +75,29 @@ def test_the_output_root_and_local_inputs_stay_inside_the_operators_folders(tmp_
     assert not (outside / "runs").exists()
 
 
+def test_every_file_a_folder_input_reads_is_checked_after_its_links(tmp_path, monkeypatch):
+    """A tokenizer folder or a HuggingFace folder inside the allowed roots whose files link out of
+    them is refused, naming the file and where it leads."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    (allowed / "llama3").mkdir(parents=True)
+    (allowed / "hf").mkdir()
+    outside.mkdir()
+    (outside / "tokenizer.json").write_text("{}")
+    (outside / "model.safetensors").write_bytes(b"weights from elsewhere")
+    (allowed / "llama3" / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+    (allowed / "hf" / "config.json").write_text("{}")
+    (allowed / "hf" / "model.safetensors").symlink_to(outside / "model.safetensors")
+    monkeypatch.setenv(INPUT_ROOTS, str(allowed))
+    monkeypatch.setenv(OUTPUT_ROOTS, str(allowed / "runs"))
+    text = "\n".join(_errors(allowed / "runs", tokenizer=TokenizerParams(tokenizer_model=str(allowed / "llama3"))))
+    assert (f"tokenizer.tokenizer_model: {allowed / 'llama3' / 'tokenizer.json'} (a link to "
+            f"{outside / 'tokenizer.json'}) is outside the folders the operator allows") in text
+    text = "\n".join(_errors(allowed / "runs", training=TrainingParams(overrides={"init_from_hf": str(allowed / "hf")})))
+    assert (f"training.overrides.init_from_hf: {allowed / 'hf' / 'model.safetensors'} (a link to "
+            f"{outside / 'model.safetensors'}) is outside the folders the operator allows") in text
+    assert not (allowed / "runs").exists()
+
+
 def test_a_run_never_reads_its_own_output_back_as_a_source(tmp_path):
     root = tmp_path / "runs"
     (root / "data" / "raw").mkdir(parents=True)

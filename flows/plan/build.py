@@ -35,12 +35,14 @@ from flows.plan.params import (
 from flows.plan.sizes import disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
 from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError
+from gpt.tokenizer import tokenizer_json_files
 from tasks.cluster.config import FLOAT8_GPUS, ClusterConfig, load_cluster
 from tasks.common.uri import is_s3
 from tasks.index import parse_split
 from tasks.precompile import cache_key
 from tasks.sync import local_path
 from tasks.sync.reach import inside
+from tasks.tokenize.hf_encoder import tokenizer_file
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
@@ -237,6 +239,9 @@ def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[st
         errors.append(f"{field}: {folder} is not a HuggingFace model folder (no {' or '.join(missing)}); give a "
                       "folder written by gpt.export or save_pretrained")
         return
+    if any([_refused(field, boundary.local_input(str(folder / n), root), errors)      # every file it reads
+            for n in ("config.json", "model.safetensors")]):
+        return
     try:
         theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
     except KeyError as e:
@@ -346,7 +351,7 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     for i, src in enumerate(data.sources):
         field = f"data.sources[{i}]"
         if is_s3(src):
-            _allowed(field, boundary.s3_uri(src), errors)
+            _refused(field, boundary.s3_uri(src), errors)
             continue
         matches = glob.glob(local_path(src))
         if not matches:
@@ -357,21 +362,21 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
                 errors.append(f"{field}: {match} {'lies in' if inside(real, root) else 'holds'} the output root "
                               f"{root}: a run never reads its own output back as a source; give the raw data's folder")
                 break
-            if _allowed(field, boundary.local_input(match, root), errors):
+            if _refused(field, boundary.local_input(match, root), errors):
                 break
     for i, p in enumerate(data.prefixes):
         field = f"data.prefixes[{i}].prefix"
         if is_s3(p.prefix):
-            _allowed(field, boundary.s3_uri(p.prefix), errors)
+            _refused(field, boundary.s3_uri(p.prefix), errors)
             continue
         for ext in (".bin", ".idx"):
             path = local_path(p.prefix) + ext
             if not os.path.isfile(path):
                 errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
-            elif _allowed(field, boundary.local_input(path, root), errors):
+            elif _refused(field, boundary.local_input(path, root), errors):
                 break
-    _allowed("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
-    _allowed("data.profile", boundary.profile(data.profile), errors)
+    _refused("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
+    _refused("data.profile", boundary.profile(data.profile), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
     if tokenizer.tokenizer_model and tokenizer.vocab_file:
@@ -382,13 +387,15 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
         if not value:
             continue
         if is_s3(value):
-            _allowed(f"tokenizer.{name}", boundary.s3_uri(value), errors)
+            _refused(f"tokenizer.{name}", boundary.s3_uri(value), errors)
         elif not os.path.isfile(local_path(value)) and not (
                 name == "tokenizer_model" and os.path.isfile(os.path.join(local_path(value), "tokenizer.json"))):
             errors.append(f"tokenizer.{name}: {value} not found" + (
                 " (a tokenizer.json, or the folder that holds one)" if name == "tokenizer_model" else ""))
-        else:
-            _allowed(f"tokenizer.{name}", boundary.local_input(local_path(value), root), errors)
+        elif not _refused(f"tokenizer.{name}", boundary.local_input(local_path(value), root), errors) \
+                and name == "tokenizer_model":      # the files read, links resolved: not only the folder named
+            for read in tokenizer_json_files(tokenizer_file(local_path(value))):
+                _refused(f"tokenizer.{name}", boundary.local_input(read, root), errors)
     if data.prefixes and tokenizer.vocab_file is None and tokenizer.tokenizer_model is None:
         errors.append("tokenizer.vocab_file: data.prefixes were tokenized with some vocabulary; give its "
                       "vocab_file and merge_file, or its tokenizer_model (also used for the sources, so all "
@@ -403,12 +410,12 @@ def _check_output(output: OutputParams, boundary: Boundary, errors: list[str]) -
     if output.uri is not None and not is_s3(output.uri):
         errors.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")
     elif output.uri is not None:
-        _allowed("output.uri", boundary.s3_uri(output.uri), errors)
-    _allowed("output.endpoint_url", boundary.endpoint(output.endpoint_url), errors)
-    _allowed("output.profile", boundary.profile(output.profile), errors)
+        _refused("output.uri", boundary.s3_uri(output.uri), errors)
+    _refused("output.endpoint_url", boundary.endpoint(output.endpoint_url), errors)
+    _refused("output.profile", boundary.profile(output.profile), errors)
 
 
-def _allowed(field: str, problem: str | None, errors: list[str]) -> bool:
+def _refused(field: str, problem: str | None, errors: list[str]) -> bool:
     """Record what the boundary refuses; True when it refused."""
     if problem:
         errors.append(f"{field}: {problem}")
