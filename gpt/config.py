@@ -420,8 +420,15 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
 
     def _other_problems(self, dp: int) -> list[Problem]:
         found: list[Problem] = []
-        if not 0 <= self.min_lr <= self.lr:
+        if self.lr <= 0:
+            found.append(("lr", f"lr={self.lr}: must be positive"))
+        elif not 0 <= self.min_lr <= self.lr:
             found.append(("min_lr", f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}"))
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                found.append((name, f"{name}={getattr(self, name)}: must lie in [0, 1)"))
+        if self.adam_eps <= 0:
+            found.append(("adam_eps", f"adam_eps={self.adam_eps}: must be positive (it keeps AdamW's division finite)"))
         if self.data_index is None and not self.mock_data:
             found.append(("", "no training data: set data_index to an index manifest (tasks.index) or mock_data=True"))
         if self.data_index is not None and self.mock_data:
@@ -433,8 +440,10 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
                          "optimizer state on every replica); set data_parallel_mode='ddp'"))
         if self.precompile and not self.compile_cache_dir:
             found.append(("precompile", "precompile=True needs compile_cache_dir, where the compiled graphs are stored"))
-        if self.clip_grad < 0 or self.weight_decay < 0:
-            found.append(("clip_grad", "clip_grad and weight_decay must be >= 0 (clip_grad=0 turns clipping off)"))
+        if self.clip_grad < 0:
+            found.append(("clip_grad", f"clip_grad={self.clip_grad}: must be >= 0 (0 turns clipping off)"))
+        if self.weight_decay < 0:
+            found.append(("weight_decay", f"weight_decay={self.weight_decay}: must be >= 0"))
         if self.precision == "fp8" and self.device in ("cpu", "neuron"):
             found.append(("precision", f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (float8 matmuls), "
                          f"not device={self.device!r}; use bf16 there"))

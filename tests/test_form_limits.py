@@ -218,3 +218,27 @@ def test_the_command_line_answers_one_block_of_lines_and_exit_2(tmp_path, args, 
     assert "invalid parameters:\n" in out.stderr and says in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stdout + out.stderr
     assert not [p for p in tmp_path.iterdir() if p.name != "data"] or not list(tmp_path.glob("*/checkpoints"))
+
+
+def test_optimizer_values_out_of_range_are_refused_at_plan_time_each_naming_its_field(tmp_path):
+    errors = _errors(tmp_path / "root", training=TrainingParams(overrides={
+        "lr": -1, "adam_beta1": 1.5, "adam_beta2": -0.1, "adam_eps": 0, "weight_decay": -3, "clip_grad": -1}))
+    for field, text in (("training.overrides.lr", "lr=-1.0: must be positive"),
+                        ("training.overrides.adam_beta1", "adam_beta1=1.5: must lie in [0, 1)"),
+                        ("training.overrides.adam_beta2", "adam_beta2=-0.1: must lie in [0, 1)"),
+                        ("training.overrides.adam_eps", "adam_eps=0.0: must be positive"),
+                        ("training.overrides.weight_decay", "weight_decay=-3.0: must be >= 0"),
+                        ("training.overrides.clip_grad", "clip_grad=-1.0: must be >= 0")):
+        assert any(e.startswith(f"{field}: {text}") for e in errors), (field, errors)
+    assert not any("min_lr" in e for e in errors), errors          # a field the user never set
+
+
+def test_a_zero_layout_size_is_refused_not_trained_as_one(tmp_path):
+    errors = _errors(tmp_path / "root", training=TrainingParams(overrides={"pipeline_parallel": 0}))
+    assert any(e.startswith("training.overrides.pipeline_parallel: pipeline_parallel=0: must be a positive integer")
+               for e in errors), errors
+
+
+def test_a_run_name_with_a_trailing_newline_is_not_a_name(tmp_path):
+    (line,) = [e for e in _errors(tmp_path / "root", run_name="evil\n") if e.startswith("output.run_name")]
+    assert "'evil\\n' is not a name" in line

@@ -50,7 +50,7 @@ FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "compile_cache_dir",
                           "vocab_size", "init_from"})
 # The preset is the model's shape: the run folder, the plan and the export all name it.
 SHAPE = ("num_layers", "hidden_size", "num_attention_heads")
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")    # the whole name: fullmatch
 RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.plan.layout)
 
 
@@ -157,7 +157,7 @@ def _run_name(output: OutputParams, model: str, identity: dict[str, Any], errors
     name = output.run_name
     if name is None:
         return f"{model}-{run_identity.run_key(identity)}"
-    if not RUN_NAME.match(name) or name in RESERVED_NAMES:
+    if not RUN_NAME.fullmatch(name) or name in RESERVED_NAMES:
         errors.append(f"output.run_name: {name!r} is not a name: use letters, digits and . _ - (up to 128, not "
                       f"starting with . _ -, not {', '.join(sorted(RESERVED_NAMES))}); runs live in output.root")
     return name
@@ -186,7 +186,7 @@ def _start_from(training: TrainingParams, layout: Layout, boundary: Boundary, co
     given = training.init_from
     if given is None:
         return None
-    where = layout.run(given) if RUN_NAME.match(given) else Path(local_path(given))
+    where = layout.run(given) if RUN_NAME.fullmatch(given) else Path(local_path(given))
     problem = boundary.local_input(str(where), layout.root)
     if problem:
         errors.append(f"training.init_from: {problem}")
@@ -274,7 +274,7 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     if where is not None:
         world_size = where.world_size
         fields["device"], fields["precision"] = job_device_and_precision(training, where, errors)
-        fields["tensor_parallel"], fields["pipeline_parallel"] = tp, pp = model_parallel(model, training, where)
+        fields["tensor_parallel"], fields["pipeline_parallel"] = tp, pp = model_parallel(model, fields, where)
         ranks = (training.data_parallel or 1) * tp * pp
         if training.data_parallel is not None and ranks != world_size:
             errors.append(f"training.data_parallel: {training.data_parallel} x tensor_parallel {tp} x "
@@ -297,11 +297,13 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     return None if problems else config
 
 
-def model_parallel(model: str, training: TrainingParams, cluster: ClusterConfig) -> tuple[int, int]:
-    """(tensor_parallel, pipeline_parallel): the run's, or with neither set the preset's published
-    layout on a GPU cluster whose ranks it divides (gpt.config.GPU_LAYOUTS), else no model parallel."""
-    if training.tensor_parallel is not None or training.pipeline_parallel is not None:
-        return training.tensor_parallel or 1, training.pipeline_parallel or 1
+def model_parallel(model: str, fields: dict[str, Any], cluster: ClusterConfig) -> tuple[int, int]:
+    """(tensor_parallel, pipeline_parallel): the run's (its parameters or overrides, ``fields``), or
+    with neither set the preset's published layout on a GPU cluster whose ranks it divides
+    (gpt.config.GPU_LAYOUTS), else no model parallel."""
+    tp, pp = fields.get("tensor_parallel"), fields.get("pipeline_parallel")
+    if tp is not None or pp is not None:
+        return 1 if tp is None else tp, 1 if pp is None else pp
     tp, pp = GPU_LAYOUTS.get(model, (1, 1))
     if cluster.job_device == "cuda" and cluster.world_size % (tp * pp) == 0:
         return tp, pp
