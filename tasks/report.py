@@ -96,6 +96,7 @@ def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
     rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
             ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
             ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
+            ("device memory", plan.device_memory),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
             ("data stages", data_stages(k)), ("compile", str(c.compile)), ("what happens", outlook)]

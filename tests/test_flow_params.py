@@ -184,16 +184,21 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
     from tasks.report import plan_rows
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
-    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})
+    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})                       # A100 40 GB
+    p4de = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16, "accelerator": "a100-80gb"})
     out = OutputParams(root=str(tmp_path))
     tried = dict(tensor_parallel=8, data_parallel_mode="fsdp", micro_batch_size=4)
-    (line,) = [e for e in _errors(model="gpt3-175b", cluster=p4d, output=out, training=TrainingParams(**tried))
+    (line,) = [e for e in _errors(model="gpt3-175b", cluster=p4de, output=out, training=TrainingParams(**tried))
                if e.startswith("training:")]
-    assert "each rank needs an estimated" in line and "model state" in line and "a100 has 80 GiB" in line, line
+    assert "each rank needs an estimated" in line and "model state" in line and \
+        "but 80 GiB per device (accelerator a100-80gb)" in line, line
     change = dict(item.split("=") for item in re.search(r"this layout would fit: (.*?) \(the fields", line).group(1).split(", "))
-    _check(model="gpt3-175b", cluster=p4d, output=out, training=TrainingParams(**{**tried, **change}))
-    megatron = _check(model="gpt3-175b", cluster=p4d, output=out,
-                      training=TrainingParams(tensor_parallel=8, pipeline_parallel=16))
+    _check(model="gpt3-175b", cluster=p4de, output=out, training=TrainingParams(**{**tried, **change}))
+    megatron = TrainingParams(tensor_parallel=8, pipeline_parallel=16)
+    (line,) = [e for e in _errors(model="gpt3-175b", cluster=p4d, output=out, training=megatron)
+               if e.startswith("training:")]
+    assert "GiB on the first stage" in line and "but 40 GiB per device (accelerator a100-40gb)" in line, line
+    megatron = _check(model="gpt3-175b", cluster=p4de, output=out, training=megatron)
     rows = {r["item"]: r["value"] for r in plan_rows(megatron, "a new run")}
     assert rows["parallel"] == ("pp 16 x dp 1 (ddp) x tp 8; schedule 1f1b, 16 stages of 6 layers, 1536 micro-batches "
                                 "per step, bubble 1.0%"), rows["parallel"]
@@ -208,7 +213,7 @@ def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
     out = OutputParams(root=str(tmp_path))
-    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})
+    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16, "accelerator": "a100-80gb"})   # as published
     megatron = _check(model="gpt3-175b", cluster=p4d, output=out)
     assert (megatron.config.tensor_parallel, megatron.config.pipeline_parallel) == (8, 16)   # Megatron's example
     table = _check(model="gpt-39.1b", cluster=p4d, output=out)
@@ -220,3 +225,23 @@ def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run
     assert any(e.startswith("training:") and "each rank needs an estimated" in e for e in one_node), one_node
     cpu = _check(model="tiny", output=out)
     assert (cpu.config.tensor_parallel, cpu.config.pipeline_parallel) == (1, 1)
+
+
+def test_device_memory_comes_from_the_preset_or_a_name_that_fixes_it_never_a_guess(tmp_path, monkeypatch):
+    import flows.plan.build
+    from tasks.report import plan_rows
+
+    monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)
+    out = OutputParams(root=str(tmp_path))
+    gpu = {"nodes": 16}
+    for overrides, shown in (({"accelerator": "a100"}, "not checked: accelerator a100 does not say how much memory"),
+                             ({"accelerator": "a100", "device_memory_gib": 80}, "80 GiB per device (device_memory_gib"),
+                             ({"accelerator": "h100-sxm-80gb"}, "80 GiB per device (accelerator h100-sxm-80gb)"),
+                             ({"accelerator": "h200"}, "141 GiB per device (every h200)")):
+        plan = _check(model="gpt3-175b", cluster=ClusterParams(preset="p4d-8gpu", overrides={**gpu, **overrides}),
+                      output=out, training=TrainingParams(tensor_parallel=8, pipeline_parallel=16))
+        assert {r["item"]: r["value"] for r in plan_rows(plan, "a new run")}["device memory"].startswith(shown)
+    (line,) = [e for e in _errors(model="gpt3-175b", output=out, training=TrainingParams(tensor_parallel=8, pipeline_parallel=16),
+                                  cluster=ClusterParams(preset="p4d-8gpu", overrides={**gpu, "device_memory_gib": 32}))
+               if e.startswith("training:")]
+    assert "but 32 GiB per device (device_memory_gib of the cluster preset)" in line

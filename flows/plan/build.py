@@ -32,7 +32,7 @@ from flows.plan.params import (
     TokenizerParams,
     TrainingParams,
 )
-from flows.plan.sizes import disk_problem, existing_parent, memory_problem
+from flows.plan.sizes import device_memory, disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
 from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError
 from gpt.tokenizer import tokenizer_json_files
@@ -77,6 +77,11 @@ class Plan:
     def outlook(self) -> Outlook:
         """What training will do in the run folder, as it stands now."""
         return outlook(self.run_dir, self.config, self.cluster)
+
+    @property
+    def device_memory(self) -> str:
+        """What one rank's memory check went by, or why there was none."""
+        return device_memory(self.cluster)[1]
 
     def with_data(self, vocab_size: int, data_index: str) -> Plan:
         """The plan with the job's configuration completed by what the data stages made."""
@@ -339,7 +344,7 @@ def job_device_and_precision(training: TrainingParams, cluster: ClusterConfig, e
         errors.append(f"training.device: {training.device!r}, but cluster preset {cluster.name!r} runs on {device!r}; "
                       f"leave training.device auto, or choose a preset (or cluster.overrides.device) for {training.device}")
     precision = cluster.default_precision() if training.precision == "auto" else training.precision
-    if precision == "fp8" and (device != "cuda" or (cluster.accelerator or "").lower() not in FLOAT8_GPUS):
+    if precision == "fp8" and (device != "cuda" or cluster.generation not in FLOAT8_GPUS):
         errors.append(f"training.precision: fp8 needs NVIDIA GPUs of the Hopper generation or later, but cluster "
                       f"preset {cluster.name!r} runs on {cluster.accelerator or device}; use bf16, or a preset whose "
                       f"accelerator is one of {', '.join(sorted(FLOAT8_GPUS))}")

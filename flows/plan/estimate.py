@@ -127,7 +127,7 @@ def _same_hardware(machine: dict[str, Any], cluster: ClusterConfig) -> bool:
         return machine.get("key") == _this_machine()["key"]
     if cluster.job_device == "cuda":
         return bool(cluster.accelerator and isinstance(machine.get("gpu"), str)
-                    and names_device(machine["gpu"], cluster.accelerator))
+                    and names_device(machine["gpu"], cluster.generation))
     if cluster.job_device == "neuron":
         return bool(machine.get("neuron_devices"))
     return False

@@ -5,6 +5,7 @@ bound, so that what it refuses cannot fit).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -12,10 +13,12 @@ from gpt.config import Config
 from gpt.memory import GIB, fitting_layout, rank_memory
 from tasks.cluster.config import ClusterConfig
 
-# Memory of one device (GiB), the largest variant of each generation: what a rank may use at most.
-DEVICE_MEMORY_GIB = {"a100": 80, "a10g": 24, "l4": 24, "l40s": 48, "t4": 16, "v100": 32, "h100": 94, "h800": 80,
-                     "h20": 96, "h200": 141, "gh200": 144, "b100": 192, "b200": 192, "gb200": 192, "b300": 288,
-                     "gb300": 288, "trn1": 16, "trn2": 24}
+# Memory of one device (GiB) of the generations sold in one size (a Trainium's per NeuronCore, the
+# unit a rank runs on). Others come in several (a100: 40 or 80, h100: 80 or 94, v100: 16 or 32):
+# their memory is known from a name that gives it (a100-40gb) or the preset's device_memory_gib,
+# never guessed.
+ONE_SIZE_GIB = {"t4": 16, "a10g": 24, "l4": 24, "l40s": 48, "h200": 141, "trn1": 16, "trn2": 24}
+_VARIANT_GIB = re.compile(r"-(\d+(?:\.\d+)?)gb?$")
 SMALLEST_VOCABULARY = 257      # a byte-level BPE: the vocabulary is not known before the data stages
 CHECKPOINT_BYTES = 12          # per parameter: the weight and the two moments
 INDEX_BYTES = 12               # per sample at least: its sample-index entry and its shuffle-index entry
@@ -27,23 +30,35 @@ def parameters(config: Config, vocab_size: int = SMALLEST_VOCABULARY) -> int:
     return layers * (12 * h * h + 13 * h) + (vocab_size + config.max_position_embeddings) * h + 2 * h
 
 
-def device_memory(cluster: ClusterConfig) -> tuple[int, str] | None:
-    """Bytes one rank may use, and what says so: the accelerator's memory, or for CPU ranks of the
-    local executor this machine's memory shared by its tasks; None where it is not known here."""
+def device_memory(cluster: ClusterConfig) -> tuple[int | None, str]:
+    """Bytes one rank may use (None where it cannot be told here) and what says so: the preset's
+    figure, the accelerator's name, or for CPU ranks of the local executor this machine's memory
+    shared by its tasks."""
     if cluster.job_device in ("cuda", "neuron"):
-        gib = DEVICE_MEMORY_GIB.get((cluster.accelerator or "").lower())
-        return (gib * GIB, f"a {cluster.accelerator} has {gib} GiB") if gib else None
+        name = (cluster.accelerator or "").lower()
+        variant = _VARIANT_GIB.search(name)
+        if cluster.device_memory_gib is not None:
+            gib, source = cluster.device_memory_gib, "device_memory_gib of the cluster preset"
+        elif variant:
+            gib, source = float(variant.group(1)), f"accelerator {cluster.accelerator}"
+        elif cluster.generation in ONE_SIZE_GIB:
+            gib, source = ONE_SIZE_GIB[cluster.generation], f"every {cluster.accelerator}"
+        else:
+            return None, (f"not checked: accelerator {cluster.accelerator or '(not named)'} does not say how much "
+                          "memory a device has; name the variant (e.g. a100-40gb) or set device_memory_gib in "
+                          "the cluster preset")
+        return int(gib * GIB), f"{gib:g} GiB per device ({source})"
     if cluster.kind == "local":
         total = physical_memory()
         return total // cluster.tasks_per_node, (f"this machine has {total / GIB:.0f} GiB for "
                                                  f"{cluster.tasks_per_node} rank(s)")
-    return None
+    return None, "not checked: CPU ranks on a cluster's nodes"
 
 
 def memory_problem(config: Config, cluster: ClusterConfig) -> str | None:
     """Why the ranks cannot hold this model and batch, or None."""
     limit = device_memory(cluster)
-    if limit is None:
+    if limit[0] is None:
         return None
     need = rank_memory(config, cluster.world_size)
     if need.total <= limit[0]:

@@ -78,6 +78,9 @@ class ClusterConfig(BaseModel):
     # (e.g. v100, a100, h100, trn1): GPUs before Ampere have no fast bf16, so they train in fp16.
     device: Literal["auto", "cpu", "cuda", "neuron"] = "cpu"
     accelerator: str | None = None
+    # Memory of one device in GiB, as the operator knows it; without it the plan reads it from an
+    # accelerator name that fixes it (a100-40gb, h100-80gb, or a generation sold in one size).
+    device_memory_gib: float | None = Field(None, gt=0, le=100_000, allow_inf_nan=False)
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -228,12 +231,17 @@ class ClusterConfig(BaseModel):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    @property
+    def generation(self) -> str:
+        """The accelerator's generation without its variant: ``a100`` of ``a100-40gb``."""
+        return (self.accelerator or "").lower().split("-")[0]
+
     def default_precision(self) -> Literal["fp32", "bf16", "fp16"]:
         """fp32 on CPU, bf16 on accelerators, fp16 on GPUs older than Ampere."""
         device = self.job_device
         if device == "cpu":
             return "fp32"
-        if device == "cuda" and (self.accelerator or "").lower() in PRE_AMPERE_GPUS:
+        if device == "cuda" and self.generation in PRE_AMPERE_GPUS:
             return "fp16"
         return "bf16"
 
