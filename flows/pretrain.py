@@ -65,6 +65,7 @@ def pretrain(
         budget: Node-hours or cost above which the run waits for approval before anything is submitted.
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
+    budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
     with RunOwner(plan.run_dir, wait=following(plan.run_dir, plan.config.total_iters)):
         return _pretrain(plan, model, data, tokenizer, output, budget)
@@ -98,7 +99,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
     reporting.plan_table(plan, outlook.message, warnings, cost.rows())
-    why = None if outlook.kind == "trained" else approval.over_budget(cost, approval.with_operator_caps(budget))
+    why = None if outlook.kind == "trained" else approval.over_budget(cost, budget)
     if why:
         answer = approval.ask(cost, why, budget, server=lasting_api())
         if not answer.approve:

@@ -242,3 +242,10 @@ def test_a_zero_layout_size_is_refused_not_trained_as_one(tmp_path):
 def test_a_run_name_with_a_trailing_newline_is_not_a_name(tmp_path):
     (line,) = [e for e in _errors(tmp_path / "root", run_name="evil\n") if e.startswith("output.run_name")]
     assert "'evil\\n' is not a name" in line
+
+
+def test_an_operator_cap_that_does_not_parse_stops_the_run_before_any_stage(tmp_path):
+    out = _cli("--root", str(tmp_path), "--train-iters", "2", "--no-compile", env={"GPT_BUDGET_NODE_HOURS": "abc"})
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "budget: GPT_BUDGET_NODE_HOURS='abc' where the flow runs is not a positive number" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr and not (tmp_path / "data").exists()
