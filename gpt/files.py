@@ -31,6 +31,7 @@ _WHAT_TO_DO = {
 
 class WriteError(OSError):
     """A write failed for a reason that whoever owns the storage fixes; ``str()`` is the message."""
+    transient = False          # a full or read-only disk stays so: running again does not help
 
     def __str__(self) -> str:
         return self.strerror

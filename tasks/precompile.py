@@ -22,10 +22,11 @@ from pydantic import BaseModel, ConfigDict
 from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import DistributedTask, JobError, job_launch, retryable, submit
+from tasks.cluster.jobs import DistributedTask, JobError, job_launch, submit
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunOwner
 from tasks.common.digest import digest
+from tasks.common.retry import worth_retrying
 
 MARKER = "precompile.json"
 # Fields that change the compiled graphs (global batch size only changes how often they run).
@@ -114,4 +115,4 @@ def _compile(job: Config, cluster: ClusterConfig, cache_dir: Path) -> Precompile
 # The cache on shared storage decides whether work is needed: a Prefect result cache could
 # claim a hit for a cache directory that was deleted since.
 precompile_task = task(precompile, name="precompile", retries=1, retry_delay_seconds=5,
-                       retry_condition_fn=retryable, cache_policy=NO_CACHE)
+                       retry_condition_fn=worth_retrying, cache_policy=NO_CACHE)

@@ -80,3 +80,23 @@ def test_one_tokenizer_type_and_one_reader_of_tokenizer_files():
         assert classes == [], f"{path}: use gpt.tokenizer.Tokenizer"
         text = path.read_text()
         assert "BPE.from_file" not in text and "Tokenizer.from_file" not in text, f"{path}: use gpt.tokenizer"
+
+
+def test_every_stage_retries_by_the_one_rule():
+    """tasks.common.retry.worth_retrying is every task's retry condition, and the errors say whether
+    running again helps."""
+    from gpt.files import WriteError
+    from tasks.cluster.jobs import FlowRunCancelled, JobError
+    from tasks.cluster.run_owner import RunBusy
+    from tasks.common.retry import transient
+    from tasks.sync.remote import SyncError, TransientSyncError
+    from tasks.tokenize.bpe import TokenizeError
+    from tasks.train.stage import HungTwice
+
+    conditions = [(path, line) for path in _sources().values() for line in path.read_text().splitlines()
+                  if "retry_condition_fn=" in line]
+    assert conditions and all("retry_condition_fn=worth_retrying" in line for _, line in conditions), conditions
+    again = [JobError("job failed"), TransientSyncError("reset"), ConnectionResetError("reset")]
+    never = [TokenizeError("bad line"), SyncError("access denied"), WriteError("disk full"), RunBusy("busy"),
+             FlowRunCancelled("cancelled"), HungTwice("hung twice"), RuntimeError("a bug")]
+    assert [transient(e) for e in again] == [True] * 3 and [transient(e) for e in never] == [False] * 7

@@ -38,7 +38,7 @@ from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig, ClusterError, credential_variables
 from tasks.cluster.hang import Hang, HangWatch
 from tasks.cluster.run_context import flow_run_cancelled, flow_run_id, run_logger
-from tasks.cluster.run_owner import RunBusy, RunOwner
+from tasks.cluster.run_owner import RunOwner
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,19 @@ PENDING_FOREVER = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "P
 SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Exited|Segmentation|Aborted|Terminated)")
 
 class JobError(RuntimeError):
-    """A job failed; the message carries SLURM's state and the failing rank's log tail."""
+    """A job failed; the message carries SLURM's state and the failing rank's log tail. Running it
+    again may succeed (tasks.common.retry)."""
+    transient = True
 
 
 class FlowRunCancelled(JobError):
     """The flow run was cancelled while its job ran; the job has been scancelled."""
+    transient = False
 
 
 class SubmitterExiting(JobError):
     """The process that follows the job is exiting; the job has been cancelled."""
+    transient = False
 
 
 class JobHung(JobError):
@@ -598,9 +602,3 @@ def job_launch(cluster: ClusterConfig, cache_dir: str | None, *,
     if cluster.job_device == "neuron":
         return neuron_launch(cluster, cache_dir, compile_graphs=compile_graphs)
     return cluster, None
-
-
-def retryable(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry failed jobs, not refusals (the same request fails again) or cancellations."""
-    error = state.result(raise_on_failure=False)
-    return not isinstance(error, (ValueError, FlowRunCancelled, RunBusy))

@@ -15,6 +15,7 @@ from tasks.cluster.run_context import flow_run_id
 
 class RunBusy(RuntimeError):
     """Another process owns the run folder."""
+    transient = False
 
 
 class RunOwner:

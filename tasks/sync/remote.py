@@ -18,11 +18,13 @@ _LOADER = botocore.loaders.create_loader()
 
 
 class SyncError(RuntimeError):
-    """A one-line error: what failed and what to do about it."""
+    """A one-line error: what failed and what to do about it. Running again does not help."""
+    transient = False
 
 
 class TransientSyncError(SyncError):
     """Network trouble, an interrupted transfer or a changed object: running again continues."""
+    transient = True
 
 
 @dataclass(frozen=True)

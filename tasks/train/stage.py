@@ -26,12 +26,12 @@ from tasks.cluster.jobs import (
     JobHung,
     JobRecord,
     job_launch,
-    retryable,
     submit,
 )
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunOwner
 from tasks.common.progress import Progress, human_duration
+from tasks.common.retry import worth_retrying
 from tasks.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -264,6 +264,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
 
 class HungTwice(JobError):
     """The run hung twice at one iteration, or MAX_HANGS times: resubmitting again would loop."""
+    transient = False
 
 
 def without_node(cluster: ClusterConfig, node: str | None) -> ClusterConfig:
@@ -281,10 +282,5 @@ def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return hash_objects(parameters["config"], parameters["cluster"])
 
 
-def _retryable(task: Any, task_run: Any, state: Any) -> bool:
-    """A failed job is retried once, not a run that hung twice at one iteration (it would again)."""
-    return retryable(task, task_run, state) and not isinstance(state.result(raise_on_failure=False), HungTwice)
-
-
-train_task = task(train, name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=_retryable,
+train_task = task(train, name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying,
                   persist_result=True, cache_key_fn=_train_cache_key)
