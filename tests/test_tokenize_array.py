@@ -14,6 +14,7 @@ import pytest
 
 from gpt.data import MMapIndexedDataset
 from tasks.cluster.config import load_cluster
+from tasks.cluster.jobs import ReturnedError
 from tasks.tokenize.array import join, shard_error, tokenize_on_cluster
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.inputs import BadLine, Piece
@@ -144,8 +145,8 @@ def test_a_bad_line_in_a_later_piece_is_named_by_its_line_in_the_whole_file(tmp_
     late = next(i for i, s in enumerate(shards) if 0 < s[0].start <= bad < s[0].end)
     shard = Shard(late, tuple(shards[late]), str(tmp_path / "s"), tokenizer, ("text",), True, True)
     outcome = shard()
-    assert "after byte" in outcome["error"]
-    error = shard_error(shard, outcome)
+    assert isinstance(outcome, ReturnedError) and "after byte" in str(outcome.error)
+    error = shard_error(shard, outcome.error)
     assert isinstance(error, BadLine) and str(error).startswith(f"{path}:301: malformed JSON")
     assert not list(tmp_path.glob("s_*"))                           # nothing of the shard is kept
 

@@ -61,6 +61,15 @@ class JobError(RuntimeError):
     transient = True
 
 
+@dataclass(frozen=True)
+class ReturnedError:
+    """An error a job returns instead of raising: the stage's own (bad input, network trouble), not
+    the job's failure. The process that submitted the job raises ``error`` where the stage runs (or
+    places it first: a shard's line in its whole file), so that the stage's retry rule decides, and
+    a bad input is never resubmitted as a failed job."""
+    error: BaseException
+
+
 class FlowRunCancelled(JobError):
     """The flow run was cancelled while its job ran; the job has been scancelled."""
     transient = False

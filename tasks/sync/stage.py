@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import submit
+from tasks.cluster.jobs import ReturnedError, submit
 from tasks.common.retry import worth_retrying
 from tasks.sync.download import sync
 from tasks.sync.listing import list_sources, listing_digest
@@ -54,17 +54,17 @@ upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)
 
 @dataclass(frozen=True)
 class SyncJob:
-    """``sync`` as a job runs it on a compute node. Its errors come back as its result, and the flow's
-    process raises them, so that network trouble is retried like the in-process stage's."""
+    """``sync`` as a job runs it on a compute node. Its errors come back as its result (ReturnedError), and
+    the flow's process raises them, so that network trouble is retried like the in-process stage's."""
     sources: list[str] | str
     dest: str
     options: dict[str, Any] = field(default_factory=dict)
 
-    def __call__(self) -> SyncManifest | SyncError:
+    def __call__(self) -> SyncManifest | ReturnedError:
         try:
             return sync(self.sources, self.dest, **self.options)
         except SyncError as e:
-            return e
+            return ReturnedError(e)
 
 
 def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig, *, endpoint_url: str | None = None,
@@ -81,8 +81,8 @@ def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig,
                    allowed_roots=allowed_roots, verify_content=verify_content)
     result, _, _ = submit(SyncJob(sources, dest, options), cluster.data_job(), run_dir=Path(dest + ".jobs"),
                           job_name="sync")
-    if isinstance(result, SyncError):
-        raise result
+    if isinstance(result, ReturnedError):
+        raise result.error
     return result
 
 

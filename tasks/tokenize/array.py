@@ -30,7 +30,7 @@ from gpt.data import IndexedDatasetWriter, best_dtype
 from gpt.files import write_json
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import JobError, submit_array
+from tasks.cluster.jobs import JobError, ReturnedError, submit_array
 from tasks.common.digest import digest, file_digest
 from tasks.common.progress import Progress, human_bytes
 from tasks.tokenize.bpe import TokenizeError
@@ -115,8 +115,8 @@ def run_shards(shards: list[Shard], job: ClusterConfig, folder: Path) -> list[di
                   f"{len(todo)} to encode", flush=True)
         outcomes = submit_array(todo, job, run_dir=folder, job_name="tokenize", on_poll=count_done)
         for shard, outcome in zip(todo, outcomes):
-            if isinstance(outcome, dict) and "error" in outcome:
-                raise shard_error(shard, outcome)
+            if isinstance(outcome, ReturnedError):
+                raise shard_error(shard, outcome.error)
         failures = [f"shard {s.index}: {str(o).splitlines()[0]}" for s, o in zip(todo, outcomes)
                     if isinstance(o, Exception)]
     incomplete = [s for s in shards if s.done() is None]
@@ -127,13 +127,13 @@ def run_shards(shards: list[Shard], job: ClusterConfig, folder: Path) -> list[di
     return [s.done() for s in shards]  # type: ignore[misc]
 
 
-def shard_error(shard: Shard, outcome: dict[str, Any]) -> TokenizeError:
+def shard_error(shard: Shard, error: BaseException) -> BaseException:
     """A task's bad input, placed in its file: a bad line is named by its line in the whole file."""
-    if "line" not in outcome:
-        return TokenizeError(f"shard {shard.index}: {outcome['error']}")
-    piece = shard.pieces[outcome["piece"]]
-    line = outcome["line"] + (first_lines(piece.path, piece.start) if piece.start else 0)
-    return BadLine(Piece(piece.path), line, outcome["detail"])
+    if not isinstance(error, BadLine):
+        return TokenizeError(f"shard {shard.index}: {error}")
+    piece = shard.pieces[error.index]
+    line = error.line + (first_lines(piece.path, piece.start) if piece.start else 0)
+    return BadLine(Piece(piece.path), line, error.detail)
 
 
 def join(shards: list[Shard], prefixes: dict[str, str]) -> None:

@@ -210,3 +210,7 @@ class BadLine(TokenizeError):
     def __init__(self, piece: Piece, line: int, detail: str, index: int = 0) -> None:
         super().__init__(f"{piece.where(line)}: {detail} (--strict stops at the first bad line)")
         self.piece, self.line, self.detail, self.index = piece, line, detail, index
+
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields (a job returns it to the process that submitted it)."""
+        return BadLine, (self.piece, self.line, self.detail, self.index)

@@ -14,10 +14,11 @@ from typing import Any
 from gpt.faults import FAULT
 from gpt.files import write_json
 from gpt.tokenizer import Tokenizer
+from tasks.cluster.jobs import ReturnedError
 from tasks.common.digest import file_digest
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.encode import encode
-from tasks.tokenize.inputs import BadLine, Piece, splittable
+from tasks.tokenize.inputs import Piece, splittable
 from tasks.tokenize.outputs import output_prefixes
 
 SCAN_BLOCK = 1 << 16      # bytes read at a time to find where a line starts
@@ -101,18 +102,16 @@ class Shard:
     def nbytes(self) -> int:
         return sum((p.end if p.end is not None else os.path.getsize(p.path)) - p.start for p in self.pieces)
 
-    def __call__(self) -> dict[str, Any]:
-        """Encode the shard on this node's cores; bad input under ``strict`` is returned, not raised
-        (running the task again would meet it again)."""
+    def __call__(self) -> dict[str, Any] | ReturnedError:
+        """Encode the shard on this node's cores; bad input is returned, not raised (running the
+        task again would meet it again)."""
         cores = len(os.sched_getaffinity(0))
         started = time.perf_counter()
         try:
             encoded = encode(list(self.pieces), self.prefixes, self.tokenizer, append_eod=self.append_eod,
                              workers=cores, strict=self.strict, on_chunk=self._fault, allow_empty=True)
-        except BadLine as e:
-            return {"error": str(e), "piece": e.index, "line": e.line, "detail": e.detail}
         except TokenizeError as e:
-            return {"error": str(e)}
+            return ReturnedError(e)
         record = {"pieces": [dataclasses.asdict(p) for p in self.pieces], "documents": encoded.documents,
                   "tokens": encoded.tokens, "skipped": encoded.skipped, "problems": encoded.problems,
                   "lines": encoded.lines, "outputs": self._outputs(), "node": os.environ.get("SLURMD_NODENAME") or os.uname().nodename, "cores": cores,
