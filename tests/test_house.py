@@ -4,6 +4,7 @@ circle (imports for type checking and inside functions included)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -100,3 +101,24 @@ def test_every_stage_retries_by_the_one_rule():
     never = [TokenizeError("bad line"), SyncError("access denied"), WriteError("disk full"), RunBusy("busy"),
              FlowRunCancelled("cancelled"), HungTwice("hung twice"), RuntimeError("a bug")]
     assert [transient(e) for e in again] == [True] * 3 and [transient(e) for e in never] == [False] * 7
+
+
+def test_pyproject_names_every_package_the_code_imports():
+    import sys
+
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].lower()
+             for d in [*project["dependencies"], *sum(project.get("optional-dependencies", {}).values(), [])]}
+    distribution = {"yaml": "pyyaml"}           # import name -> distribution name, where they differ
+    imported = set()
+    for name, path in _sources().items():
+        if name.split(".")[0] in ("flows", "tasks", "deployments"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - set(PACKAGES) - {"gpt"}
+    assert {distribution.get(m, m).lower() for m in third_party} - named == set()
