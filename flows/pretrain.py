@@ -38,7 +38,7 @@ from tasks.export import export_task
 from tasks.index import index_task
 from tasks.precompile import precompile_task
 from tasks.sync import upload_task
-from tasks.train.stage import following, train_task
+from tasks.train.stage import progress_of_owner, train_task
 from tasks.train.trackers import Trackers
 
 
@@ -67,7 +67,7 @@ def pretrain(
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
-    with RunOwner(plan.run_dir, wait=following(plan.run_dir, plan.config.total_iters)):
+    with RunOwner(plan.run_dir, wait=progress_of_owner(plan.run_dir, plan.config.total_iters)):
         return _pretrain(plan, model, data, tokenizer, output, budget)
 
 

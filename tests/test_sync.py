@@ -17,7 +17,7 @@ import tasks.sync as sync_module
 from tasks.sync import (
     MANIFEST_NAME,
     PARTIAL_DIR,
-    PartFollower,
+    PartHasher,
     Source,
     SyncError,
     TransientSyncError,
@@ -116,7 +116,7 @@ def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypa
                         or submit(ranges))
     big = Source(f"s3://{bucket}/big.bin", "big.bin", len(data), etag)
     copy = Source(f"s3://{bucket}/copy.bin", "copy.bin", len(data), etag)
-    follower = PartFollower([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client())
+    hasher = PartHasher([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client())
     try:
         temp = tmp_path / "big.bin123456"       # how s5cmd names a download in progress
         with open(temp, "wb") as f:
@@ -127,15 +127,15 @@ def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypa
                 time.sleep(0.3)
         renamed = time.monotonic()
         temp.rename(tmp_path / "big.bin")
-        assert follower.etag(big.uri) == etag
+        assert hasher.etag(big.uri) == etag
         assert sum(n for when, n in submitted if when < renamed) >= 3   # hashed before the download ended
         # the file under the final name is not the one that was followed: no shortcut
         (tmp_path / "copy.bin42").write_bytes(data)
         time.sleep(1)
         (tmp_path / "copy.bin").write_bytes(data)
-        assert follower.etag(copy.uri) is None
+        assert hasher.etag(copy.uri) is None
     finally:
-        follower.close()
+        hasher.close()
 
 
 def test_glob_and_single_key_sources(s3: S3Server, corpus, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ listing carries it, so small files cost no extra request), `multipart-etag` when
 `<md5 of part md5s>-<parts>` and the part size is known (asked from the server, or one of the
 common part sizes), `size` otherwise (and for local sources). Verification overlaps the
 transfer: each file is hashed as soon as s5cmd reports it done, and the parts of a multipart
-download are hashed while s5cmd is still writing them (`PartFollower`). Files and parts are
+download are hashed while s5cmd is still writing them (`PartHasher`). Files and parts are
 hashed many at once, side by side in SIMD lanes (`HASHER`, over `native.md5_ranges`).
 
 What counts as changed: an S3 object whose ETag or size differs from the manifest's; a local file
@@ -33,7 +33,6 @@ or a local glob. A DST of `s3://bucket/prefix` uploads one local SRC folder inst
 from __future__ import annotations
 
 from tasks.sync.download import sync
-from tasks.sync.follower import PartFollower
 from tasks.sync.integrity import HASHER, Check, md5_check, multipart_etag, verify
 from tasks.sync.listing import (
     MANIFEST_NAME,
@@ -44,9 +43,10 @@ from tasks.sync.listing import (
     local_path,
 )
 from tasks.sync.manifest import FileEntry, SyncManifest, local_copy_matches
+from tasks.sync.part_hasher import PartHasher
 from tasks.sync.remote import Remote, SyncError, TransientSyncError, redact
 from tasks.sync.s5cmd import s5cmd_binary
 from tasks.sync.stage import sync_on_cluster, sync_stage, sync_task, upload_task
 from tasks.sync.uploader import upload
 
-__all__ = ['Check', 'FileEntry', 'HASHER', 'MANIFEST_NAME', 'Source', 'PARTIAL_DIR', 'PartFollower', 'Remote', 'SyncError', 'SyncManifest', 'TransientSyncError', 'list_sources', 'listing_digest', 'local_copy_matches', 'local_path', 'md5_check', 'multipart_etag', 'redact', 's5cmd_binary', 'sync', 'sync_on_cluster', 'sync_stage', 'sync_task', 'upload', 'upload_task', 'verify']
+__all__ = ['Check', 'FileEntry', 'HASHER', 'MANIFEST_NAME', 'Source', 'PARTIAL_DIR', 'PartHasher', 'Remote', 'SyncError', 'SyncManifest', 'TransientSyncError', 'list_sources', 'listing_digest', 'local_copy_matches', 'local_path', 'md5_check', 'multipart_etag', 'redact', 's5cmd_binary', 'sync', 'sync_on_cluster', 'sync_stage', 'sync_task', 'upload', 'upload_task', 'verify']

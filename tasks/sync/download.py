@@ -17,7 +17,6 @@ from tasks.common import crc
 from tasks.common.progress import Progress, human_bytes
 from tasks.common.uri import is_s3
 from tasks.sync import content
-from tasks.sync.follower import PartFollower
 from tasks.sync.integrity import (
     Check,
     chained,
@@ -47,6 +46,7 @@ from tasks.sync.manifest import (
     up_to_date,
     write_manifest,
 )
+from tasks.sync.part_hasher import PartHasher
 from tasks.sync.reach import Reach
 from tasks.sync.remote import Remote, SyncError, TransientSyncError
 from tasks.sync.s5cmd import raise_first, run_s5cmd
@@ -188,7 +188,7 @@ class Download:
         self.checksums: dict[str, crc.ServerChecksum] = {}
         self.failures: list[str] = []
         self.futures: list[cf.Future] = []
-        self.follower: PartFollower | None = None
+        self.part_hasher: PartHasher | None = None
         self.progress: Progress | None = None
         self.fetching: dict[str, Source] = {}
 
@@ -219,7 +219,7 @@ class Download:
         self.fetching = {o.uri: o for o in todo if o.etag is not None}
         multipart = [(o, self.partial / o.rel) for o in self.fetching.values()
                      if expected_check(o.etag) == "multipart-etag" and o.uri not in self.checksums]
-        self.follower = PartFollower(multipart, self.client) if multipart else None
+        self.part_hasher = PartHasher(multipart, self.client) if multipart else None
         self.futures = [self.pool.submit(self.copy_local, o) for o in todo if o.etag is None]
 
     def copy_local(self, o: Source) -> None:
@@ -308,7 +308,7 @@ class Download:
     def finish(self, o: Source, staged: Path) -> None:
         if o.etag is None:
             check: Check | None = "size" if staged.stat().st_size == o.size else None
-        elif self.follower is not None and self.follower.etag(o.uri) == o.etag:
+        elif self.part_hasher is not None and self.part_hasher.etag(o.uri) == o.etag:
             check = "multipart-etag"    # hashed while it was written; the size was compared too
         else:
             check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
@@ -326,8 +326,8 @@ class Download:
         self.progress.add(o.size)  # type: ignore[union-attr]
 
     def close(self) -> None:
-        if self.follower is not None:
-            self.follower.close()            # verifications still waiting on it hash the whole file
+        if self.part_hasher is not None:
+            self.part_hasher.close()            # verifications still waiting on it hash the whole file
         cf.wait(self.futures)
         if self.progress is not None:
             self.progress.show(final=True)

@@ -41,7 +41,7 @@ SUMMARY = "summary.json"
 MAX_HANGS = 3                 # hangs of one train stage before it gives up, at any iterations      # the last completed job's summary: what a run trained to its length reports
 
 
-class MetricsFollower:
+class MetricsTail:
     """Records appended to a metrics.jsonl since the last call (a line still being written waits).
     The job cuts the file back when it resumes from a checkpoint: records up to the newest one
     already read are skipped."""
@@ -159,11 +159,11 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
         return result
 
 
-def following(run_dir: Path, total_iters: int) -> Callable[[str], None]:
+def progress_of_owner(run_dir: Path, total_iters: int) -> Callable[[str], None]:
     """While another flow run owns the run folder (the same run started twice): its training
     progress shown as this run's, from the folder's metrics records."""
     logger = run_logger()
-    records = MetricsFollower(run_dir / "metrics.jsonl")
+    records = MetricsTail(run_dir / "metrics.jsonl")
     shown: list[Progress] = []
 
     def show(holder: str) -> None:
@@ -196,7 +196,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     total = config.total_iters
     progress = Progress(f"{config.model} on {cluster.name}", "iterations", items=total,
                         artifact_key="training-progress", log_every_s=None)
-    records = MetricsFollower(run_dir / "metrics.jsonl")
+    records = MetricsTail(run_dir / "metrics.jsonl")
     stragglers = Stragglers()
     notes = {"eta": "", "stragglers": ""}
     first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)

@@ -21,7 +21,7 @@ from tasks.sync.listing import Source
 
 
 @dataclass
-class FollowedDownload:
+class GrowingDownload:
     """A multipart download being hashed while it is written: per part, the bytes hashed so far
     and the MD5 state after them (the digest once the part is complete)."""
     obj: Source
@@ -45,13 +45,13 @@ class FollowedDownload:
             self.result.set_result(etag)
 
 
-class PartFollower:
+class PartHasher:
     """Hashes multipart downloads while s5cmd is still writing them.
 
     s5cmd writes a download to `<name><digits>` beside its destination, each part from its own
     offset on, and renames it to `<name>` when complete. Every POLL_S one thread finds how far
     each part's data reaches (SEEK_DATA/SEEK_HOLE) and has HASHER hash what landed since, in one
-    batch for all the files followed, so that their parts fill the SIMD lanes; an MD5 state is
+    batch for all the files being written, so that their parts fill the SIMD lanes; an MD5 state is
     kept per part between batches, and a backlog is hashed without waiting. The last MARGIN bytes
     before where the data ends wait for the next round (the page being written already reads as
     data), and a part's last bytes for the download to end. The open descriptor follows the file
@@ -74,7 +74,7 @@ class PartFollower:
         self._done = {o.uri: threading.Event() for o, _ in items}
         self._claimed: dict[str, cf.Future] = {}
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="part-follower")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="part-hasher")
         self._thread.start()
 
     def etag(self, uri: str) -> str | None:
@@ -91,7 +91,7 @@ class PartFollower:
         self._thread.join()
 
     def _run(self) -> None:
-        window: list[FollowedDownload] = []
+        window: list[GrowingDownload] = []
         try:
             while not self._closed.is_set():
                 self._claim(window)
@@ -111,7 +111,7 @@ class PartFollower:
             for f in window:
                 f.end(None)
 
-    def _claim(self, window: list[FollowedDownload]) -> None:
+    def _claim(self, window: list[GrowingDownload]) -> None:
         while len(window) < self.WINDOW:
             with self._lock:
                 while self._pending and self._done[self._pending[-1][0].uri].is_set():
@@ -127,9 +127,9 @@ class PartFollower:
                 fut.set_result(None)
                 continue
             ranges = part_ranges(sizes)
-            window.append(FollowedDownload(o, staged, self._done[o.uri], fut, ranges))
+            window.append(GrowingDownload(o, staged, self._done[o.uri], fut, ranges))
 
-    def _open(self, window: list[FollowedDownload]) -> None:
+    def _open(self, window: list[GrowingDownload]) -> None:
         listed: dict[Path, list[str]] = {}
         for f in [f for f in window if f.fd is None]:
             try:
@@ -147,10 +147,10 @@ class PartFollower:
                     window.remove(f)
                     f.end(None)
 
-    def _hash(self, window: list[FollowedDownload]) -> bool:
+    def _hash(self, window: list[GrowingDownload]) -> bool:
         """Hash what landed of every part since the last call, in one batch of pieces of at most
         MAX_PIECE bytes (pieces of like length keep the lanes busy). True if more is waiting."""
-        pieces: list[tuple[FollowedDownload, int, int, bool]] = []     # (file, part, bytes, final)
+        pieces: list[tuple[GrowingDownload, int, int, bool]] = []     # (file, part, bytes, final)
         more = False
         for f in window:
             done = f.done.is_set()
@@ -180,7 +180,7 @@ class PartFollower:
             f.complete[i] = final
         return more
 
-    def _etag(self, f: FollowedDownload) -> str | None:
+    def _etag(self, f: GrowingDownload) -> str | None:
         st, final = os.fstat(f.fd), os.stat(f.staged)  # type: ignore[arg-type]
         if b"" in f.states or (st.st_ino, st.st_dev, st.st_size) != (final.st_ino, final.st_dev, f.obj.size):
             return None
