@@ -24,7 +24,7 @@ from gpt.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
-from tasks.index import IndexManifest, index_needs
+from tasks.index import IndexManifest, index_needs, parse_split
 from tasks.sync import SyncManifest, local_path, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
 from tasks.tokenize.inputs import INPUT_SUFFIXES
@@ -45,6 +45,7 @@ class Dataset:
     blend: list[tuple[float, str]]
     tokenizer: Tokenizer
     tokenized: TokenizeManifest | None = None
+    warnings: tuple[str, ...] = ()        # what the data stages found that the run goes on without
 
 
 def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages,
@@ -57,17 +58,23 @@ def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages
         sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
     if not sources:
         return Dataset(blend, named_tokenizer(*files))  # type: ignore[arg-type]   # the plan asked for one
-    tokenized = sync_and_tokenize(sources, data, tokenizer, files, layout, stages, cluster)
-    return Dataset(blend + [(data.weight, p) for p in tokenized.prefixes.values()], tokenized.tokenizer, tokenized)
+    tokenized, left_out = sync_and_tokenize(sources, data, tokenizer, files, layout, stages, cluster)
+    warnings = (f"data.sources: {len(left_out)} synced file(s) are not JSONL or Parquet and are not tokenized: "
+                f"{', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}",) if left_out else ()
+    return Dataset(blend + [(data.weight, p) for p in tokenized.prefixes.values()], tokenized.tokenizer, tokenized,
+                   warnings)
 
 
 def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams,
                       files: tuple[str | None, str | None, str | None], layout: Layout, stages: Stages,
-                      cluster: ClusterConfig) -> TokenizeManifest:
+                      cluster: ClusterConfig) -> tuple[TokenizeManifest, list[str]]:
+    """The sources synced and tokenized; and the synced files that are no input (by their names
+    relative to the sync's folder)."""
     raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)), cluster=cluster,
                      allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
                      verify_content=data.verify_content, **data.s3_access())
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
+    left_out = sorted(f.path for f in raw.files if not f.path.endswith(INPUT_SUFFIXES))
     if not inputs:
         raise ParameterError([f"data.sources: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
@@ -79,7 +86,7 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                            merge_file=merge_file, tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
                            train_vocab_size=train_vocab, intact=tokenized_intact)
     reporting.dataset_table(tokenized)
-    return tokenized
+    return tokenized, left_out
 
 
 def synced_files(manifest: SyncManifest) -> list[str]:
@@ -124,7 +131,10 @@ def check_repetition(dataset: Dataset, split: str, config: Config) -> list[str]:
     index this machine's memory cannot build (the plan checked the disk); returns a warning when the training text is repeated more
     than REPEAT_WARNING_EPOCHS times (evaluating the same small split again costs nothing but time)."""
     needs = index_needs(dataset.blend, split=split, seq_length=config.seq_length, num_samples=config.num_samples())
-    errors, warnings = [], []
+    errors, warnings = [], list(dataset.warnings)
+    if parse_split(split)[1] == 0 and not config.benchmark:
+        warnings.append(f"data.split {split!r} gives the valid split no share: the run trains without evaluation "
+                        "(no validation loss); give it a share, such as 969,30,1")
     for n in needs:
         if n.empty and n.share > 0 and n.samples:
             errors.append(f"data.split: the {n.split} split of {n.prefix} holds {n.documents} documents, {n.tokens} "

@@ -249,3 +249,18 @@ def test_an_operator_cap_that_does_not_parse_stops_the_run_before_any_stage(tmp_
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "budget: GPT_BUDGET_NODE_HOURS='abc' where the flow runs is not a positive number" in out.stderr
     assert "Traceback" not in out.stdout + out.stderr and not (tmp_path / "data").exists()
+
+
+@pytest.mark.timeout(300)
+def test_files_left_out_of_tokenizing_and_a_run_without_evaluation_are_said_not_passed_over(tmp_path):
+    from tasks.tokenize.sample_corpus import sample_corpus
+
+    corpus = tmp_path / "corpus"
+    sample_corpus(str(corpus))
+    (corpus / "notes.txt").write_text("how this corpus was collected\n")
+    out = _cli("--source", str(corpus), "--split", "100,0,0", "--train-iters", "2", "--no-compile",
+               "--root", str(tmp_path / "root"), "--set", "eval_interval=100000", cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "warning: data.sources: 1 synced file(s) are not JSONL or Parquet and are not tokenized: notes.txt" in text
+    assert "warning: data.split '100,0,0' gives the valid split no share: the run trains without evaluation" in text
