@@ -4,10 +4,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:     # `pytest -n N`: each worker's flows keep their own Prefect database
+    os.environ.setdefault("PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"prefect-{os.environ['PYTEST_XDIST_WORKER']}"))
 # What the operator allows runs to read and write (flows.plan.boundary): the checkout and the temporary
 # folders tests work in. Tests of the boundary itself set their own.
 _ALLOWED = f"{ROOT}:{tempfile.gettempdir()}"
@@ -23,6 +27,7 @@ SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "s3_server", "own_s3_
 
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
         if item.get_closest_marker("e2e"):
             continue
         servers = SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slurm") \
@@ -31,3 +36,12 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker("unit")
         elif not item.get_closest_marker("integration"):
             item.add_marker("integration")
+
+
+def _worker_group(item) -> str:
+    """Which tests `pytest -n N` (pyproject: --dist loadgroup) runs on one worker, one after another:
+    those of the local SLURM cluster, as it is one per machine and some of them take its nodes down;
+    otherwise a module's tests, so that its module fixtures are built once."""
+    if "slurm_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slurm"):
+        return "slurm"
+    return item.module.__name__
