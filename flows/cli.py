@@ -3,6 +3,7 @@ the run produced, printed at the end."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -122,12 +123,25 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     return params
 
 
+def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any]) -> None:
+    """The flow's own plan-time checks, made before a Prefect server starts for the run, so that a
+    mistake is answered at once; the flow makes them again (its parameters may come from elsewhere)."""
+    from flows.plan.approval import with_operator_caps
+    from flows.plan.build import make_plan
+
+    given = inspect.signature(getattr(pretrain, "fn", pretrain)).bind(**params)
+    given.apply_defaults()
+    make_plan(**{name: value for name, value in given.arguments.items() if name != "budget"})
+    with_operator_caps(given.arguments["budget"])
+
+
 def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     """Run the pretrain flow with the parameters the flags give, and print what it produced."""
     # Without PREFECT_API_URL, Prefect starts a temporary server for this run; keep it quiet.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         params = parse_args(argv)
+        refuse_before_prefect(pretrain, params)
     except ParameterError as e:
         print(e, file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
 """Shared test setup. Fixture modules per area live in tests/fixtures_*.py."""
+import fcntl
 import os
 import sys
 import tempfile
@@ -10,8 +11,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-if "PYTEST_XDIST_WORKER" in os.environ:     # `pytest -n N`: each worker's flows keep their own Prefect database
-    os.environ.setdefault("PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"prefect-{os.environ['PYTEST_XDIST_WORKER']}"))
+# The temporary Prefect server of a flow run from the command line may start slowly while other
+# tests keep the cores busy.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")       # set under `pytest -n N`
+if WORKER:                                           # each worker's flows keep their own Prefect database
+    os.environ.setdefault("PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"prefect-{WORKER}"))
 # What the operator allows runs to read and write (flows.plan.boundary): the checkout and the temporary
 # folders tests work in. Tests of the boundary itself set their own.
 _ALLOWED = f"{ROOT}:{tempfile.gettempdir()}"
@@ -25,6 +30,7 @@ pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtu
 SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "s3_server", "own_s3_server", "slurm_cluster"}
 
 
+@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
@@ -45,3 +51,21 @@ def _worker_group(item) -> str:
     if "slurm_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slurm"):
         return "slurm"
     return item.module.__name__
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request):
+    """Under `pytest -n N`, a test marked `alone` (it compares timings) runs while no other test
+    does: it takes the machine exclusively, every other test shares it. The turnstile keeps tests
+    that start later from overtaking an `alone` test that waits."""
+    if not WORKER:
+        yield
+        return
+    folder = Path(tempfile.gettempdir())
+    with open(folder / "gpt-tests-turnstile.lock", "a") as turnstile, open(folder / "gpt-tests-machine.lock", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        alone = request.node.get_closest_marker("alone") is not None
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield

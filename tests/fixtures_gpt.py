@@ -20,12 +20,20 @@ SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_hea
          "device": "cpu", "log_interval": 1, "eval_interval": 4, "eval_iters": 1, "save_interval": 4}
 
 
+def slow_iterations(seconds: float) -> str:
+    """GPT_FAULT for a run that lasts without computing: every rank sleeps ``seconds`` in each
+    iteration's data phase, so a test has time to act between checkpoints."""
+    return f"rank=-1,iteration=1,every=1,phase=data,seconds={seconds}"
+
+
 class GPTLauncher:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
 
-    def start(self, config: dict, world_size: int = 1, prelude: str = "") -> list[subprocess.Popen]:
-        """Start every rank of ``python -m gpt.train`` on ``config``; ``prelude`` runs first in each."""
+    def start(self, config: dict, world_size: int = 1, prelude: str = "",
+              unset: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+        """Start every rank of ``python -m gpt.train`` on ``config``; ``prelude`` runs first in each;
+        the variables ``unset`` names are not in their environment."""
         cfg_path = Path(config["run_dir"]).with_suffix(".config.json")
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(json.dumps(config))
@@ -33,7 +41,7 @@ class GPTLauncher:
         code = prelude + "\nimport sys\nfrom gpt.train import cli\nsys.exit(cli(sys.argv[1:]))"
         procs = []
         for rank in range(world_size):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            env = {**{k: v for k, v in os.environ.items() if k not in unset}, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             procs.append(subprocess.Popen([sys.executable, "-c", code, "--config", str(cfg_path)], env=env,

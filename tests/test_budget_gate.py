@@ -89,6 +89,7 @@ def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_reje
     assert starts[0]["flow_run_id"] == paused["approved"]["id"] and starts[0]["parameters"]["budget"]["node_hours"] == 1e-7
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(900)
 def test_the_embedded_defaults_estimate_from_one_benchmark_run_is_within_a_factor_of_two(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}

@@ -23,7 +23,7 @@ from tasks.cluster.config import ClusterError, load_cluster
 from tasks.cluster.jobs import slurm_state
 from tasks.precompile import cache_key, precompile
 from tasks.train.stage import train, train_task
-from tests.fixtures_gpt import GPTLauncher
+from tests.fixtures_gpt import GPTLauncher, slow_iterations
 from tests.run_folder import job_records, wait_until
 from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run, checkpoint_tensors
 
@@ -31,8 +31,10 @@ pytestmark = pytest.mark.slurm
 
 
 def tiny(**overrides: Any) -> Config:
+    """The tiny preset at a sixteenth of its compute: what these tests check does not depend on the size."""
     settings = dict(mock_data=True, precision="fp32", device="cpu", vocab_size=512, log_interval=1,
-                    eval_interval=1000, eval_iters=1, lr_warmup_iters=2, save_interval=5)
+                    eval_interval=1000, eval_iters=1, lr_warmup_iters=2, save_interval=5,
+                    num_layers=2, hidden_size=64, seq_length=64)
     return Config.from_preset("tiny", **{**settings, **overrides})
 
 
@@ -142,9 +144,10 @@ def test_pipeline_stages_on_the_two_nodes_train_as_one_process(slurm_cluster: di
 
 
 def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, prefect_api: Any,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, monkeypatch) -> None:
     run_dir = tmp_path / "run"
     iters = 80
+    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))     # running when rank 1 is killed
 
     @flow(name="cluster-retry")
     def retried() -> Any:
@@ -235,8 +238,9 @@ def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Pat
     assert resolved["compile"] is True and resolved["compile_cache_dir"] == cold.cache_dir
 
 
-def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path) -> None:
+def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path, monkeypatch) -> None:
     iters = 60
+    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))     # running when the signal comes
     outcome: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: outcome.update(result=train(
         tiny(train_iters=iters, run_dir=str(tmp_path)), load_cluster(slurm_cluster["preset"]))))

@@ -15,12 +15,13 @@ import pytest
 
 from tasks.cluster.jobs import slurm_state
 from tasks.tokenize.sample_corpus import sample_corpus
+from tests.fixtures_gpt import slow_iterations
 from tests.run_folder import trained_iterations, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ROOT = Path(__file__).resolve().parent.parent
-ITERS = 100
+ITERS = 80
 
 
 def _train_jobs(run_dir: Path) -> list[dict]:
@@ -30,7 +31,9 @@ def _train_jobs(run_dir: Path) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefect_server, slurm_cluster, tmp_path):
-    env = {**prefect_server.env, "PYTHONPATH": str(ROOT), "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+    # The job sleeps 0.4 s an iteration: it outlives the killed flow process until the rerun follows it.
+    env = {**prefect_server.env, "PYTHONPATH": str(ROOT), "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+           "GPT_FAULT": slow_iterations(0.4)}
     made = subprocess.run([sys.executable, "-m", "deployments.zombies"], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert made.returncode == 0, made.stdout + made.stderr
@@ -39,7 +42,7 @@ def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefe
     args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--cluster", "slurm-local",
             "--cluster-set", f"partition={slurm_cluster['partition']}", "--train-iters", str(ITERS), "--no-compile",
             "--root", str(tmp_path / "root"), "--run-name", "faults", "--set", "save_interval=25",
-            "--set", "log_interval=5", "--set", "eval_interval=100000", "--set", "lr_warmup_iters=10"]
+            "--set", "num_layers=2", "--set", "hidden_size=64", "--set", "log_interval=5", "--set", "eval_interval=100000", "--set", "lr_warmup_iters=10"]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)

@@ -156,8 +156,9 @@ def test_a_slow_rank_is_named_as_a_straggler_and_a_normal_run_has_none(tmp_path,
 
     normal = tmp_path / "normal"
     monkeypatch.delenv("GPT_FAULT")
-    result = train(tiny(train_iters=100, log_interval=10, save_interval=100, run_dir=str(normal)),
-                   load_cluster("local", tasks_per_node=2))
+    # the preset's own size: each interval keeps the ranks busy long enough that scheduling noise stays small
+    result = train(tiny(train_iters=100, log_interval=10, save_interval=100, run_dir=str(normal),
+                        num_layers=4, hidden_size=128, seq_length=128), load_cluster("local", tasks_per_node=2))
     records = [r for r in _records(result.run_dir) if r["kind"] == "ranks"]
     watch = Stragglers()
     assert len(records) == 10 and [line for r in records for line in watch.add(r)] == []

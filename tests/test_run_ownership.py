@@ -14,6 +14,7 @@ from tasks.cluster.config import load_cluster
 from tasks.cluster.jobs import slurm_state
 from tasks.cluster.run_owner import RunBusy
 from tasks.train.stage import train
+from tests.fixtures_gpt import slow_iterations
 from tests.run_folder import job_records, trained_iterations, wait_until
 from tests.test_cluster_slurm import tiny
 
@@ -25,7 +26,8 @@ ITERS = 60
 
 @pytest.mark.parametrize("preset", ["local", pytest.param("slurm-local", marks=pytest.mark.slurm)])
 def test_second_run_is_refused_and_a_killed_followers_job_is_followed_again(request, preset: str,
-                                                                            tmp_path: Path) -> None:
+                                                                            tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))     # the first run's job outlives its flow process
     if preset == "slurm-local":
         request.getfixturevalue("slurm_cluster")
     cluster = load_cluster(preset, **({"nodes": 1} if preset == "slurm-local" else {}))

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gpt.checkpoint import Checkpointer
+from gpt.faults import VARIABLE
 from tests.fixtures_gpt import GPTLauncher
 
 # Uninterrupted runs already trained in this test session, by configuration and rank count.
@@ -50,7 +51,8 @@ def _uninterrupted(config: dict, world_size: int, timeout_s: float) -> dict[str,
         with tempfile.TemporaryDirectory(prefix="uninterrupted-") as tmp:
             run_dir = Path(tmp) / "run"
             launcher = GPTLauncher(Path(tmp))
-            results = launcher.wait(launcher.start({**config, "run_dir": str(run_dir)}, world_size), timeout_s)
+            results = launcher.wait(launcher.start({**config, "run_dir": str(run_dir)}, world_size, unset=(VARIABLE,)),
+                                    timeout_s)
             for rank, (rc, out) in enumerate(results):
                 assert rc == 0, f"uninterrupted run, rank {rank} exited {rc}:\n{out[-3000:]}"
             _TRAINED[key] = checkpoint_tensors(run_dir)
