@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import os
 import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 from prefect.exceptions import CancelledRun
@@ -123,16 +126,56 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     return params
 
 
-def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any]) -> None:
+def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any]) -> Path:
     """The flow's own plan-time checks, made before a Prefect server starts for the run, so that a
-    mistake is answered at once; the flow makes them again (its parameters may come from elsewhere)."""
+    mistake is answered at once; the flow makes them again (its parameters may come from elsewhere).
+    Returns the run folder."""
     from flows.plan.approval import with_operator_caps
     from flows.plan.build import make_plan
 
     given = inspect.signature(getattr(pretrain, "fn", pretrain)).bind(**params)
     given.apply_defaults()
-    make_plan(**{name: value for name, value in given.arguments.items() if name != "budget"})
+    plan = make_plan(**{name: value for name, value in given.arguments.items() if name != "budget"})
     with_operator_caps(given.arguments["budget"])
+    return plan.run_dir
+
+
+class _WithoutTraceback(logging.Formatter):
+    """A console formatter's lines without the tracebacks of the records (the run's log keeps them)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        kept = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = kept
+
+
+def _console_without_tracebacks() -> None:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTraceback):
+                handler.setFormatter(_WithoutTraceback(handler.formatter))
+
+
+def _failed(error: Exception, run_dir: Path) -> str:
+    """The line a failed run answers with; its traceback goes to ``run_dir``/traceback.txt."""
+    where = run_dir / "traceback.txt"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        where.write_text("".join(traceback.format_exception(error)))
+        kept = f" (traceback in {where})"
+    except OSError:
+        kept = ""
+    stage = getattr(error, "failed_stage", None)
+    return f"error: {f'stage {stage} failed: ' if stage else ''}{type(error).__name__}: {error}{kept}"
 
 
 def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
@@ -141,12 +184,13 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         params = parse_args(argv)
-        refuse_before_prefect(pretrain, params)
+        run_dir = refuse_before_prefect(pretrain, params)
     except ParameterError as e:
         print(e, file=sys.stderr)
         return 2
     from flows.local_server import ensure_api
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
+    _console_without_tracebacks()
     started = time.perf_counter()
     try:
         out = pretrain(**params)
@@ -155,6 +199,9 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
         return 2
     except CancelledRun as e:
         print(f"pretrain cancelled: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - a failed run is one line here, its traceback in the run folder
+        print(_failed(e, run_dir), file=sys.stderr)
         return 1
     wall = time.perf_counter() - started
     print("\n" + "=" * 72)

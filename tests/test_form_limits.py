@@ -220,6 +220,24 @@ def test_the_command_line_answers_one_block_of_lines_and_exit_2(tmp_path, args, 
     assert not [p for p in tmp_path.iterdir() if p.name != "data"] or not list(tmp_path.glob("*/checkpoints"))
 
 
+def test_the_command_line_answers_bad_input_before_a_prefect_server_starts(tmp_path):
+    out = _cli("--root", str(tmp_path), "--model", "tinny")
+    assert out.returncode == 2 and "model: 'tinny' is not a preset" in out.stderr, out.stderr[-2000:]
+    assert "temporary Prefect server" not in out.stdout + out.stderr
+
+
+def test_a_stage_that_fails_answers_one_line_and_keeps_its_traceback_in_the_run_folder(tmp_path):
+    damaged = tmp_path / "corpus.parquet"
+    damaged.write_bytes(b"not a parquet file")
+    out = _cli("--root", str(tmp_path / "root"), "--source", str(damaged), "--run-name", "damaged")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage tokenize failed: TokenizeError: ") and "not a readable Parquet file" in last
+    assert "Traceback" not in out.stdout + out.stderr
+    kept = tmp_path / "root" / "damaged" / "traceback.txt"
+    assert f"(traceback in {kept})" in last and "Traceback (most recent call last)" in kept.read_text()
+
+
 def test_optimizer_values_out_of_range_are_refused_at_plan_time_each_naming_its_field(tmp_path):
     errors = _errors(tmp_path / "root", training=TrainingParams(overrides={
         "lr": -1, "adam_beta1": 1.5, "adam_beta2": -0.1, "adam_eps": 0, "weight_decay": -3, "clip_grad": -1}))
