@@ -84,7 +84,8 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
     train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
     tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), cluster=cluster, vocab_file=vocab_file,
                            merge_file=merge_file, tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
-                           train_vocab_size=train_vocab, intact=tokenized_intact)
+                           train_vocab_size=train_vocab, intact=tokenized_intact,
+                           origins={str(Path(raw.local_dir) / f.path): f.key for f in raw.files})
     reporting.dataset_table(tokenized)
     return tokenized, left_out
 

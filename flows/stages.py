@@ -20,9 +20,11 @@ class Stages:
         print(f"stage {stage} skipped: {why}")
         self.records.append({"stage": stage, "state": "Skipped", "seconds": 0.0})
 
-    def run(self, stage: str, task_fn: Any, *args: Any, intact: Any = None, **kwargs: Any) -> Any:
+    def run(self, stage: str, task_fn: Any, *args: Any, intact: Any = None, origins: dict[str, str] | None = None,
+            **kwargs: Any) -> Any:
         """Run a stage task; a cached result whose outputs are gone or damaged (``intact(result)``
-        is False) runs the stage again."""
+        is False) runs the stage again. ``origins``: the user's name (a source path or S3 key) of
+        each file the stage reads from a copy, which its error names instead of the copy."""
         start = time.perf_counter()
         state = task_fn(*args, return_state=True, **kwargs)
         if intact is not None and state.name == "Cached" and not intact(state.result()):
@@ -33,7 +35,16 @@ class Stages:
             return state.result()  # raises the stage's error, failing the flow run
         except Exception as e:
             e.failed_stage = stage  # named in the flow run's final state (flows.plan.params.refused_as_failed_run)
+            if origins:
+                e.args = tuple(named_as_given(a, origins) if isinstance(a, str) else a for a in e.args)
             raise
+
+
+def named_as_given(text: str, origins: dict[str, str]) -> str:
+    """``text`` with each copy's path replaced by the name the user gave its original."""
+    for copy in sorted(origins, key=len, reverse=True):
+        text = text.replace(copy, origins[copy])
+    return text
 
 
 def tokenized_intact(manifest: Any) -> bool:

@@ -232,7 +232,7 @@ def test_a_stage_that_fails_answers_one_line_and_keeps_its_traceback_in_the_run_
     out = _cli("--root", str(tmp_path / "root"), "--source", str(damaged), "--run-name", "damaged")
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stage tokenize failed: TokenizeError: ") and "not a readable Parquet file" in last
+    assert last.startswith(f"error: stage tokenize failed: TokenizeError: {damaged}: not a readable Parquet file")
     assert "Traceback" not in out.stdout + out.stderr
     kept = tmp_path / "root" / "damaged" / "traceback.txt"
     assert f"(traceback in {kept})" in last and "Traceback (most recent call last)" in kept.read_text()
