@@ -53,7 +53,7 @@ def _start(server, tmp_path: Path, corpus: str, run_name: str) -> subprocess.Pop
 def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_rejection_cancels(prefect_server, tmp_path):
     corpus = sample_corpus(str(tmp_path / "corpus"))
     _seed_history(tmp_path / "root", tokens_per_s=5_000)
-    procs = {name: _start(prefect_server, tmp_path, corpus, name) for name in ("approved", "rejected")}
+    procs = {name: _start(prefect_server, tmp_path, corpus, name) for name in ("approved", "rejected", "interrupted")}
     try:
         paused = {name: wait_until(lambda n=name: _paused(prefect_server, n), 300, f"run {name} to pause", every=2)
                   for name in procs}
@@ -72,13 +72,17 @@ def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_reje
         prefect_server.api(f"/flow_runs/{paused['approved']['id']}/resume", {"run_input": {"approve": True}})
         prefect_server.api(f"/flow_runs/{paused['rejected']['id']}/resume",
                            {"run_input": {"approve": False, "reason": "too dear this quarter"}})
+        os.kill(procs["interrupted"].pid, signal.SIGINT)                  # Ctrl-C where the run waits
         codes = {name: p.wait(timeout=300) for name, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in procs}
-    assert codes == {"approved": 0, "rejected": 1}, logs
+    assert codes == {"approved": 0, "rejected": 1, "interrupted": 1}, logs
+    interrupted = prefect_server.flow_run(paused["interrupted"]["id"])
+    assert interrupted["state"]["type"] == "CANCELLED" and "interrupted (Ctrl-C)" in interrupted["state"]["message"]
+    assert "pretrain cancelled: " in logs["interrupted"] and "Traceback" not in logs["interrupted"]
     approved = prefect_server.flow_run(paused["approved"]["id"])
     rejected = prefect_server.flow_run(paused["rejected"]["id"])
     assert approved["state"]["type"] == "COMPLETED"

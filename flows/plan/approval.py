@@ -72,6 +72,10 @@ def ask(estimate: Estimate, why: str, budget: BudgetParams, server: bool) -> App
                               "PREFECT_API_URL) or raise the budget"])
     from prefect.flow_runs import pause_flow_run
 
-    print(f"over budget: {why}; waiting up to {budget.wait_hours:g} h for approval in the Prefect UI")
-    return pause_flow_run(wait_for_input=Approval.with_initial_data(description=approval_form(estimate, why)),
-                          timeout=max(60, int(budget.wait_hours * 3600)), poll_interval=10)
+    print(f"over budget: {why}; waiting up to {budget.wait_hours:g} h for approval in the Prefect UI "
+          "(Ctrl-C cancels the run)")
+    try:
+        return pause_flow_run(wait_for_input=Approval.with_initial_data(description=approval_form(estimate, why)),
+                              timeout=max(60, int(budget.wait_hours * 3600)), poll_interval=10)
+    except KeyboardInterrupt:
+        return Approval(approve=False, reason="interrupted (Ctrl-C) where the run waited for approval")
