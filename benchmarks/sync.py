@@ -121,7 +121,7 @@ def _raw_s5cmd(endpoint: str, uri: str, out: Path, workers: int) -> None:
 
 
 def _boto3_loop(endpoint: str, bucket: str, prefix: str, out: Path) -> None:
-    client = boto3.client("s3", endpoint_url=endpoint)
+    client = boto3.Session().client("s3", endpoint_url=endpoint)
     out.mkdir(parents=True, exist_ok=True)
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for o in page.get("Contents", []):
@@ -160,7 +160,7 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                                "load_average_1min": round(os.getloadavg()[0], 2), **_md5_speeds()}
     try:
         with _server(endpoint_url, root) as (endpoint, server_group):
-            client = boto3.client("s3", endpoint_url=endpoint)
+            client = boto3.Session().client("s3", endpoint_url=endpoint)
             bucket = f"bench-{os.getpid()}"
             client.create_bucket(Bucket=bucket)
             sets = {"small": (small_count, int(small_mb * MIB)), "large": (large_count, int(large_mb * MIB))}

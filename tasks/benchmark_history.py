@@ -118,7 +118,7 @@ class History:
         import boto3
         bucket, prefix = bucket_and_key(self.location)
         key = f"{prefix}/{HISTORY_FILE}" if prefix else HISTORY_FILE
-        return boto3.client("s3", endpoint_url=self.endpoint_url), bucket, key
+        return boto3.Session().client("s3", endpoint_url=self.endpoint_url), bucket, key
 
     def _read_text(self) -> str:
         if not self.remote:

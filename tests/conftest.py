@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker("unit")
         elif not item.get_closest_marker("integration"):
             item.add_marker("integration")
+    items.sort(key=lambda item: _worker_group(item) != "slurm")     # the longest group first: never the tail
 
 
 def _worker_group(item) -> str:

@@ -42,12 +42,14 @@ def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefe
     args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--cluster", "slurm-local",
             "--cluster-set", f"partition={slurm_cluster['partition']}", "--train-iters", str(ITERS), "--no-compile",
             "--root", str(tmp_path / "root"), "--run-name", "faults", "--set", "save_interval=25",
-            "--set", "num_layers=2", "--set", "hidden_size=64", "--set", "log_interval=5", "--set", "eval_interval=100000", "--set", "lr_warmup_iters=10"]
+            "--set", "log_interval=5", "--set", "eval_interval=100000", "--set", "lr_warmup_iters=10"]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
-        wait_until(lambda: len(trained_iterations(run_dir)) >= 10, 400, "the first run to train")
+        wait_until(lambda: len(trained_iterations(run_dir)) >= 10 or first.poll() is not None, 400,
+                   "the first run to train")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         (job,) = _train_jobs(run_dir)
         runs = prefect_server.api("/flow_runs/filter", {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}})
         (flow_run,) = [r for r in runs if r["parameters"].get("output", {}).get("run_name") == "faults"]

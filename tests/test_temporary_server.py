@@ -74,8 +74,10 @@ def test_the_temporary_server_dies_with_a_killed_flow_process(tmp_path, sig):
 
 @pytest.mark.timeout(120)
 def test_the_temporary_server_ends_when_the_run_ends(tmp_path):
-    """A run that ends by itself (refused for a field no Config has, after the server started)."""
-    flow, home, log = _start_flow(tmp_path, "--set", "no_such_field=1")
+    """A run that ends by itself (its source fails the tokenize stage, after the server started)."""
+    damaged = tmp_path / "corpus.parquet"
+    damaged.write_bytes(b"not a parquet file")
+    flow, home, log = _start_flow(tmp_path, "--source", str(damaged))
     try:
         rc = flow.wait(timeout=90)
         assert "Started a temporary Prefect server" in log.read_text(errors="replace"), f"exit code {rc}"
