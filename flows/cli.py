@@ -23,6 +23,7 @@ from flows.plan.params import (
     ParameterError,
     TokenizerParams,
     TrainingParams,
+    failure_message,
     parameter_errors,
 )
 from gpt.config import parse_overrides
@@ -174,8 +175,7 @@ def _failed(error: Exception, run_dir: Path) -> str:
         kept = f" (traceback in {where})"
     except OSError:
         kept = ""
-    stage = getattr(error, "failed_stage", None)
-    return f"error: {f'stage {stage} failed: ' if stage else ''}{type(error).__name__}: {error}{kept}"
+    return f"error: {failure_message(error)}{kept}"
 
 
 def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:

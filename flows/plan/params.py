@@ -50,12 +50,17 @@ def refused_as_failed_run(flow_fn: Callable[..., Any]) -> Callable[..., Any]:
         except ParameterError as e:
             return Failed(message=str(e), data=e)
         except Exception as e:
-            stage = getattr(e, "failed_stage", None)
-            if stage is None:
+            if getattr(e, "failed_stage", None) is None:
                 raise
-            return Failed(message=f"stage {stage} failed: {type(e).__name__}: {e}", data=e)
+            return Failed(message=failure_message(e), data=e)
 
     return run
+
+
+def failure_message(error: Exception) -> str:
+    """What a run that ``error`` ended says of it: the failed stage (flows.stages), if one, and the error."""
+    stage = getattr(error, "failed_stage", None)
+    return f"{f'stage {stage} failed: ' if stage else ''}{type(error).__name__}: {error}"
 
 
 def parameter_errors(error: ValidationError, group: str) -> list[str]:
