@@ -54,18 +54,19 @@ def _worker_group(item) -> str:
     return item.module.__name__
 
 
-@pytest.fixture(autouse=True)
-def machine_share(request):
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)    # outside pytest-timeout's: waiting is not the test's time
+def pytest_runtest_protocol(item):
     """Under `pytest -n N`, a test marked `alone` (it compares timings) runs while no other test
     does: it takes the machine exclusively, every other test shares it. The turnstile keeps tests
-    that start later from overtaking an `alone` test that waits."""
+    that start later from overtaking an `alone` test that waits. A test's time limit starts once it
+    holds its share, so the minutes another test runs alone are not counted against it."""
     if not WORKER:
         yield
         return
     folder = Path(tempfile.gettempdir())
     with open(folder / "gpt-tests-turnstile.lock", "a") as turnstile, open(folder / "gpt-tests-machine.lock", "a") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
-        alone = request.node.get_closest_marker("alone") is not None
+        alone = item.get_closest_marker("alone") is not None
         fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
