@@ -595,3 +595,37 @@ def test_a_path_inside_the_destination_is_told_from_one_that_is_not() -> None:
     for rel, problem in (("../x", "'..'"), ("a/../../x", "'..'"), ("/etc/x", "absolute"), ("a//b", "empty"),
                          ("a/./b", "'.'"), ("a\0b", "NUL"), ("a/" + "n" * 256, "longer than 255")):
         assert problem in path_problem(rel), rel
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_that_redirects_to_itself_is_one_line_after_one_request(tmp_path: Path) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    requests: list[str] = []
+
+    class RedirectToItself(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            requests.append(self.path)
+            self.send_response(301)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = do_PUT = do_POST = answer
+
+        def log_message(self, *_) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RedirectToItself)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret"}
+    try:
+        r = cli("s3://corpora/data/", str(tmp_path / "dest"), "--endpoint-url", endpoint, env=env)
+    finally:
+        server.shutdown()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: the S3 endpoint {endpoint} answered with a redirect (HTTP 301"), lines[0]
+    assert "check --endpoint-url" in lines[0] and "Traceback" not in r.stderr + r.stdout
+    assert len(requests) <= 3, requests

@@ -53,8 +53,23 @@ class Remote:
         config = BotoConfig(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5,
                             read_timeout=60, max_pool_connections=32,
                             signature_version=UNSIGNED if self.no_sign_request else None)
-        return session.client("s3", endpoint_url=self.endpoint_url, config=config,
-                              region_name=session.region_name or "us-east-1")
+        client = session.client("s3", endpoint_url=self.endpoint_url, config=config,
+                                region_name=session.region_name or "us-east-1")
+        client.meta.events.register_first("needs-retry.s3", self._refuse_redirects_without_region)
+        return client
+
+    def _refuse_redirects_without_region(self, response: Any = None, **_: Any) -> None:
+        """A redirect that names no bucket region sends botocore asking the endpoint for the region
+        again and again (an endpoint that redirects to itself: hundreds of requests, then a
+        RecursionError). Such an answer ends the call at once, as one line."""
+        if response is None:
+            return
+        http = response[0]
+        if 300 <= http.status_code < 400 and http.status_code != 304 and "x-amz-bucket-region" not in http.headers:
+            location = str(http.headers.get("location", "")).split("?")[0].split("#")[0]
+            raise SyncError(f"the S3 endpoint {self.where} answered with a redirect (HTTP {http.status_code}"
+                            + (f" to {location}" if location else "") + ") that names no bucket region: "
+                            "check --endpoint-url (the store's own address, with http:// or https:// as it serves)")
 
     def s5cmd_args(self) -> list[str]:
         args = []
