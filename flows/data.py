@@ -28,7 +28,7 @@ from tasks.index import IndexManifest, index_needs, parse_split
 from tasks.sync import SyncManifest, local_path, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
 from tasks.tokenize.inputs import INPUT_SUFFIXES
-from tasks.tokenize.outputs import TokenizeManifest
+from tasks.tokenize.outputs import TokenizeManifest, nonzero_counts
 from tasks.tokenize.sample_corpus import sample_corpus_task
 from tasks.tokenize.stage import tokenize_task
 from tasks.tokenize.vocabulary import named_tokenizer
@@ -36,6 +36,7 @@ from tasks.tokenize.vocabulary import named_tokenizer
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
 REPEAT_WARNING_EPOCHS = 4
+SKIPPED_LINES_WARNING = 0.05       # a larger share of an input's lines skipped is said in the plan
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,16 @@ def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages
         sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
     if not sources:
         return Dataset(blend, named_tokenizer(*files))  # type: ignore[arg-type]   # the plan asked for one
-    tokenized, left_out = sync_and_tokenize(sources, data, tokenizer, files, layout, stages, cluster)
-    warnings = (f"data.sources: {len(left_out)} synced file(s) are not JSONL or Parquet and are not tokenized: "
-                f"{', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}",) if left_out else ()
+    tokenized, warnings = sync_and_tokenize(sources, data, tokenizer, files, layout, stages, cluster)
     return Dataset(blend + [(data.weight, p) for p in tokenized.prefixes.values()], tokenized.tokenizer, tokenized,
                    warnings)
 
 
 def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams,
                       files: tuple[str | None, str | None, str | None], layout: Layout, stages: Stages,
-                      cluster: ClusterConfig) -> tuple[TokenizeManifest, list[str]]:
-    """The sources synced and tokenized; and the synced files that are no input (by their names
-    relative to the sync's folder)."""
+                      cluster: ClusterConfig) -> tuple[TokenizeManifest, tuple[str, ...]]:
+    """The sources synced and tokenized; and what the run goes on without: synced files that are no
+    input (by their names relative to the sync's folder), and sources' files the sync did not copy."""
     raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)), cluster=cluster,
                      allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
                      verify_content=data.verify_content, **data.s3_access())
@@ -87,7 +86,17 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                            train_vocab_size=train_vocab, intact=tokenized_intact,
                            origins={str(Path(raw.local_dir) / f.path): f.key for f in raw.files})
     reporting.dataset_table(tokenized)
-    return tokenized, left_out
+    warnings = [f"data.sources: {len(names)} {what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+                for names, what in ((left_out, "synced file(s) are not JSONL or Parquet and are not tokenized"),
+                                    (raw.not_copied, "file(s) are named as the sync names its own files and are "
+                                                     "not copied; rename them if they are data")) if names]
+    skipped = {kind: n for kind, n in tokenized.skipped.items() if kind != "blank_line" and n}
+    lines = tokenized.documents + sum(skipped.values())
+    if lines and sum(skipped.values()) > SKIPPED_LINES_WARNING * lines:
+        warnings.append(f"data.sources: {sum(skipped.values()):,} of {lines:,} lines ({sum(skipped.values()) / lines:.0%}) "
+                        f"were skipped ({nonzero_counts(skipped)}): the run trains on the rest; the tokenize "
+                        "stage's log names the first of them, and data.json_keys names the text field")
+    return tokenized, tuple(warnings)
 
 
 def synced_files(manifest: SyncManifest) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -276,9 +277,16 @@ def test_files_left_out_of_tokenizing_and_a_run_without_evaluation_are_said_not_
     corpus = tmp_path / "corpus"
     sample_corpus(str(corpus))
     (corpus / "notes.txt").write_text("how this corpus was collected\n")
+    (corpus / ".sync-manifest.json").write_text('{"text": "a user file named as the sync names its manifest"}\n')
+    with open(next(corpus.glob("*.jsonl")), "ab") as f:
+        documents = sum(1 for _ in open(next(corpus.glob("*.jsonl")), "rb"))
+        f.write(b'{"body": "no text field"}\n' * documents)
     out = _cli("--source", str(corpus), "--split", "100,0,0", "--train-iters", "2", "--no-compile",
                "--root", str(tmp_path / "root"), "--set", "eval_interval=100000", cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "warning: data.sources: 1 synced file(s) are not JSONL or Parquet and are not tokenized: notes.txt" in text
+    assert ("warning: data.sources: 1 file(s) are named as the sync names its own files and are not copied; rename "
+            f"them if they are data: {corpus / '.sync-manifest.json'}") in text
+    assert re.search(r"warning: data.sources: [\d,]+ of [\d,]+ lines \(\d+%\) were skipped \(missing_key=", text), text[-3000:]
     assert "warning: data.split '100,0,0' gives the valid split no share: the run trains without evaluation" in text

@@ -29,6 +29,7 @@ from tasks.sync.listing import (
     MANIFEST_NAME,
     PARTIAL_DIR,
     SETTLE_NS,
+    Listing,
     Source,
     is_reserved,
     list_sources,
@@ -333,7 +334,7 @@ class Download:
             self.progress.show(final=True)
 
 
-def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: Path, remote: Remote, client: Any, *,
+def _sync_locked(sources: list[str], objs: Listing, folder: Path, partial: Path, remote: Remote, client: Any, *,
                  workers: int, part_size_mb: int, concurrency: int, delete: bool,
                  verify_content: bool) -> SyncManifest:
     manifest_path = folder / MANIFEST_NAME
@@ -369,10 +370,11 @@ def _sync_locked(sources: list[str], objs: list[Source], folder: Path, partial: 
             run.close()
             if not ok:   # record what is verified so far; the next run resumes from it
                 write_manifest(manifest_path, sync_manifest(sources, objs, run.entries, folder, run.progress, 0, False,
-                                                        sum(run.hashed)), mode)
+                                                        sum(run.hashed), objs.not_copied), mode)
     progress = run.progress
     deleted = _delete_extra(folder, {o.rel for o in objs}) if delete else 0
-    manifest = sync_manifest(sources, objs, run.entries, folder, progress, deleted, True, sum(run.hashed))
+    manifest = sync_manifest(sources, objs, run.entries, folder, progress, deleted, True, sum(run.hashed),
+                             objs.not_copied)
     write_manifest(manifest_path, manifest, mode)
     shutil.rmtree(partial, ignore_errors=True)
     methods = collections.Counter(f.check for f in manifest.files)

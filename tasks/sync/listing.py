@@ -82,6 +82,7 @@ def _glob_base(pattern: str) -> str:
 
 
 def is_reserved(rel: str) -> bool:
+    """Whether the sync keeps its own files under this name (its manifest, its staging folder)."""
     parts = rel.split("/")
     return parts[-1] == MANIFEST_NAME or parts[0] == PARTIAL_DIR
 
@@ -130,8 +131,7 @@ def _list_s3(uri: str, client: Any, remote: Remote) -> list[Source]:
                 continue
             if "\n" in k or "\r" in k:
                 raise SyncError(f"s3://{bucket}/{k!r} has a line break in its key; s5cmd cannot copy it")
-            if not is_reserved(rel):
-                found.append(Source(f"s3://{bucket}/{k}", rel, o["Size"], o["ETag"].strip('"')))
+            found.append(Source(f"s3://{bucket}/{k}", rel, o["Size"], o["ETag"].strip('"')))
     if not found:
         what = "no objects match" if is_glob else "no objects at"
         raise SyncError(f"{what} {uri} on {remote.where}: check the key or pattern")
@@ -167,15 +167,19 @@ def list_local(src: str, reach: Reach) -> list[Source]:
         pairs = [(path, os.path.basename(path))]
     out = []
     for p, rel in pairs:
-        if is_reserved(rel):
-            continue
         now = time.time_ns()
         st = reach.file(p)
         out.append(Source(p, rel, st.st_size, stat=LocalStat.of(st, now)))
     return out
 
 
-def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, reach: Reach = Reach()) -> list[Source]:
+class Listing(list):
+    """The files a sync copies (a list of Source), and ``not_copied``: the sources' files named as the
+    sync names its own files (``is_reserved``), which it leaves where they are and reports."""
+    not_copied: list[str]
+
+
+def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, reach: Reach = Reach()) -> Listing:
     """Every file of `sources`, with its relative destination path; names clashing are an error.
     Local files are read only as `reach` allows."""
     sources = list(sources)
@@ -184,8 +188,12 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, rea
     if client is None and any(is_s3(s) for s in sources):
         client = remote.client()
     objs: dict[str, Source] = {}
+    not_copied: list[str] = []
     for src in sources:
         for o in (_list_s3(src, client, remote) if is_s3(src) else list_local(src, reach)):
+            if is_reserved(o.rel):
+                not_copied.append(o.uri)
+                continue
             problem = path_problem(o.rel)
             if problem is not None:
                 raise SyncError(f"{o.uri!r} would be written to {o.rel!r}, which has {problem}: it could land "
@@ -195,7 +203,9 @@ def list_sources(sources: Iterable[str], remote: Remote, client: Any = None, rea
             if other.uri != o.uri:
                 raise SyncError(f"{other.uri} and {o.uri} would both be written to {o.rel}: "
                                 "sync them into different folders")
-    return sorted(objs.values(), key=lambda o: o.rel)
+    listing = Listing(sorted(objs.values(), key=lambda o: o.rel))
+    listing.not_copied = sorted(not_copied)
+    return listing
 
 
 def listing_digest(objs: Iterable[Source], *extra: Any) -> str:

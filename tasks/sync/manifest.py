@@ -51,6 +51,7 @@ class SyncManifest(BaseModel):
     hashed_bytes: int = 0         # of local sources, read by this run to take their content digest
     deleted_files: int = 0
     complete: bool = True     # False on disk while a sync is unfinished
+    not_copied: list[str] = []    # sources' files named as the sync's own files (listing.is_reserved)
 
 
 def read_manifest(path: Path) -> dict[str, FileEntry]:
@@ -106,7 +107,8 @@ def local_copy_matches(dest: str | os.PathLike, objs: list[Source]) -> bool:
 
 
 def sync_manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], folder: Path,
-              progress: Progress, deleted: int, complete: bool, hashed: int) -> SyncManifest:
+              progress: Progress, deleted: int, complete: bool, hashed: int,
+              not_copied: list[str] = ()) -> SyncManifest:
     files = [entries[o.rel] for o in objs if o.rel in entries]
     known = [dataclasses.replace(o, content=entries[o.rel].content) if o.rel in entries and o.etag is None else o
              for o in objs]
@@ -114,7 +116,7 @@ def sync_manifest(sources: list[str], objs: list[Source], entries: dict[str, Fil
                         bytes=sum(f.size for f in files), digest=listing_digest(known, str(folder)),
                         manifest_path=str(folder / MANIFEST_NAME), transferred_files=progress.done_items,
                         transferred_bytes=progress.done_bytes, hashed_bytes=hashed, deleted_files=deleted,
-                        complete=complete)
+                        complete=complete, not_copied=list(not_copied))
 
 
 def manifest_mode(objs: list[Source]) -> int:
