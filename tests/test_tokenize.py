@@ -99,7 +99,8 @@ def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys, caplog)
     m = tokenize([str(src)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, workers=1)
     out = capsys.readouterr().out
     assert m.documents == 2
-    assert m.skipped == {"malformed_json": 1, "missing_key": 2, "invalid_utf8": 1, "empty_document": 1, "blank_line": 0}
+    assert m.skipped == {"malformed_json": 1, "missing_key": 2, "invalid_utf8": 1, "empty_document": 1,
+                         "tokenizer_failed": 0, "blank_line": 0}
     for line, word in [(2, "malformed JSON"), (3, "no string field 'text'"), (4, "invalid UTF-8"), (5, "empty"), (6, "no string field")]:
         assert f"{src}:{line}: skipped: " in out and word in out
     assert "Skipped lines: malformed_json=1, missing_key=2, invalid_utf8=1, empty_document=1" in out
@@ -344,6 +345,40 @@ def _tokenizer_json(tmp_path, bpe_vocab, eod="<|end_of_text|>"):
     path.parent.mkdir(exist_ok=True)
     tok.save(str(path))
     return path
+
+
+@pytest.mark.timeout(120)
+def test_a_document_the_tokenizer_fails_on_is_that_documents_problem_by_line_and_tokenizer(tmp_path, bpe_vocab):
+    """A pre-tokenizer regex that gives up on a document (onig's retry limit) makes the Rust code
+    of the ``tokenizers`` library panic: the document is skipped by its line, naming the
+    tokenizer; the others are tokenized; no usable document left is one line."""
+    path = _tokenizer_json(tmp_path, bpe_vocab)
+    spec = json.loads(path.read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        spec["pre_tokenizer"]]}
+    path.write_text(json.dumps(spec))
+    pathological = "a" * 40 + "b"
+    src = write_jsonl(tmp_path / "in.jsonl", ["good one", pathological, "good two", pathological, "good three"])
+
+    def cli(source, prefix):
+        return subprocess.run([sys.executable, "-m", "tasks.tokenize", "--input", source, "--output-prefix",
+                               str(tmp_path / prefix), "--tokenizer-type", "HuggingFaceTokenizer",
+                               "--tokenizer-model", str(path.parent), "--workers", "2"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=100)
+
+    out = cli(src, "out")
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = json.loads(out.stdout[out.stdout.index("{"):])
+    assert m["documents"] == 3 and m["skipped"]["tokenizer_failed"] == 2
+    for line in (2, 4):
+        assert f"{src}:{line}: skipped: the tokenizer {path} fails on this document (" in out.stdout + out.stderr
+    assert len(read_docs(m["prefixes"]["text"])) == 3
+    bad = write_jsonl(tmp_path / "bad.jsonl", [pathological, pathological])
+    out = cli(bad, "none")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode != 0 and lines and "no usable document (skipped: tokenizer_failed=2)" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr + out.stdout and not list(tmp_path.glob("none*"))
 
 
 def test_a_huggingface_tokenizer_json_gives_its_ids_and_its_end_of_text(tmp_path, shakespeare_jsonl, bpe_vocab):

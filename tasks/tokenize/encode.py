@@ -33,7 +33,7 @@ ENCODER_CACHE_BYTES = 256 << 20
 # A 4 MiB chunk encodes in well under a second; a chunk not done after this long means a stuck engine.
 CHUNK_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_KIND = 20
-SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "blank_line")
+SKIP_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "tokenizer_failed", "blank_line")
 
 
 def _rss_bytes() -> int:
@@ -72,8 +72,8 @@ class _Encoder:
     """The engine and what to encode, shared by the encoding threads."""
 
     def __init__(self, new_engine: Callable[[], Engine], keys: tuple[str, ...], append_eod: bool,
-                 eod_id: int, dtype: np.dtype) -> None:
-        self.new_engine = new_engine
+                 eod_id: int, dtype: np.dtype, name: str = "tokenizer") -> None:
+        self.new_engine, self.name = new_engine, name
         self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, dtype
         self.engine = new_engine()
         self.base_rss = _rss_bytes()
@@ -85,6 +85,35 @@ class _Encoder:
             self.engine = self.new_engine()
             _release_free_memory()          # what the old engine's caches held, once its chunks finish
             self.base_rss = _rss_bytes()
+
+    def encode_keys(self, texts: dict[str, list[str]]) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                                                               dict[int, str]]:
+        """Each key's documents encoded; and the documents (by index) the tokenizer fails on, with
+        why, which are left out of every key. The ``tokenizers`` library reports a failure inside
+        its Rust code (a pre-tokenizer's regex that gives up on a document, say) as a panic, which
+        Python sees as a BaseException: it is that document's problem, not the run's end."""
+        encoded, failed = {}, {}
+        for key, key_texts in texts.items():
+            try:
+                encoded[key] = self.encode(key_texts)
+            except BaseException as e:      # noqa: BLE001 -- PanicException derives from BaseException
+                if type(e).__name__ != "PanicException":
+                    raise
+                failed.update(self._failures(key_texts))
+        if failed:
+            encoded = {k: self.encode([t for i, t in enumerate(v) if i not in failed]) for k, v in texts.items()}
+        return encoded, failed
+
+    def _failures(self, texts: list[str]) -> dict[int, str]:
+        failed = {}
+        for i, text in enumerate(texts):
+            try:
+                self.engine([text])
+            except BaseException as e:      # noqa: BLE001
+                if type(e).__name__ != "PanicException":
+                    raise
+                failed[i] = f"the tokenizer {self.name} fails on this document ({str(e).splitlines()[0][:200]})"
+        return failed
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Flat tokens (with EOD after each document if asked) and per-document lengths."""
@@ -107,6 +136,7 @@ class _Encoder:
             return self.rows(data)
         keys = self.keys
         texts: dict[str, list[str]] = {k: [] for k in keys}
+        document_lines: list[int] = []
         problems: list[tuple[int, str, str]] = []
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
@@ -138,9 +168,11 @@ class _Encoder:
             else:
                 for k, v in zip(keys, values):
                     texts[k].append(v)
-        encoded = {k: self.encode(texts[k]) for k in keys}
-        return {"documents": len(texts[keys[0]]), "bytes": len(data), "lines": len(lines), "encoded": encoded,
-                "problems": problems}
+                document_lines.append(i)
+        encoded, failed = self.encode_keys(texts)
+        problems = sorted(problems + [(document_lines[d], "tokenizer_failed", why) for d, why in failed.items()])
+        return {"documents": len(document_lines) - len(failed), "bytes": len(data), "lines": len(lines),
+                "encoded": encoded, "problems": problems}
 
     def rows(self, batch) -> dict:
         """Encode a batch of Parquet rows: a row whose text is null or empty in any key's column is
@@ -156,9 +188,10 @@ class _Encoder:
                 problems.append((i, "missing_key", f"column {bad[0]!r} is null"))
             else:
                 problems.append((i, "empty_document", f"column {bad[0]!r} is empty"))
-        encoded = {k: self.encode([column[i] for i in keep]) for k, column in zip(self.keys, columns)}
-        return {"documents": len(keep), "bytes": batch.nbytes, "lines": batch.num_rows, "encoded": encoded,
-                "problems": problems}
+        encoded, failed = self.encode_keys({k: [column[i] for i in keep] for k, column in zip(self.keys, columns)})
+        problems = sorted(problems + [(keep[d], "tokenizer_failed", why) for d, why in failed.items()])
+        return {"documents": len(keep) - len(failed), "bytes": batch.nbytes, "lines": batch.num_rows,
+                "encoded": encoded, "problems": problems}
 
 
 def _encoded_chunks(encoder: _Encoder, items: Iterator[tuple[int, bytes]], workers: int,
@@ -230,7 +263,8 @@ def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: Tokenizer, 
     progress = Progress("tokenize", "documents", log_every_s=2.0)
     try:
         items = ((i, chunk) for i, piece in enumerate(pieces) for chunk in read_pieces(piece, json_keys))
-        encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, best_dtype(tokenizer.vocab_size))
+        encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, best_dtype(tokenizer.vocab_size),
+                           tokenizer.tokenizer_file or "GPT-2 BPE")
         for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
             encoder.renew_if_grown()
             piece = pieces[result["file"]]
