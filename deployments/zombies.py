@@ -1,7 +1,8 @@
 """Flow runs whose process died without a word (kill -9, out of memory, a reboot) are marked Crashed.
 
 Flow runs send a heartbeat event every HEARTBEAT_S seconds (PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-which `deployments/serve.py` sets for the runs it starts; set it for workers too). An automation on
+which `deployments/serve.py` sets for the runs it starts and the command line for its own run; set
+it for workers too), also while they wait for an approval. An automation on
 the server marks a run Crashed when neither a heartbeat nor a final state follows the last heartbeat
 within SILENCE_S. The next run with the same parameters finds the training job that run left
 behind (if it still runs) and follows it instead of submitting another (tasks.cluster.jobs).
@@ -10,6 +11,7 @@ behind (if it still runs) and follows it instead of submitting another (tasks.cl
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 from prefect.automations import Automation
@@ -48,6 +50,18 @@ def ensure_automation(silence_s: int = SILENCE_S) -> None:
         Automation.read(name=NAME)
     except ValueError:
         automation(silence_s).create()
+
+
+def heartbeats_from_this_process(server_outlives_it: bool) -> None:
+    """Flow runs of this process send heartbeats; where the server outlives this process (not a
+    temporary one), it gets the automation too, so a run whose process dies, paused or not, is
+    marked Crashed instead of waiting forever."""
+    from prefect.context import refresh_global_settings_context
+
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    refresh_global_settings_context()
+    if server_outlives_it:
+        ensure_automation()
 
 
 if __name__ == "__main__":

@@ -188,8 +188,10 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     except ParameterError as e:
         print(e, file=sys.stderr)
         return 2
-    from flows.local_server import ensure_api
+    from deployments.zombies import heartbeats_from_this_process
+    from flows.local_server import ensure_api, lasting_api
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
+    heartbeats_from_this_process(server_outlives_it=lasting_api() is not None)
     _console_without_tracebacks()
     started = time.perf_counter()
     try:

@@ -53,7 +53,8 @@ def _start(server, tmp_path: Path, corpus: str, run_name: str) -> subprocess.Pop
 def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_rejection_cancels(prefect_server, tmp_path):
     corpus = sample_corpus(str(tmp_path / "corpus"))
     _seed_history(tmp_path / "root", tokens_per_s=5_000)
-    procs = {name: _start(prefect_server, tmp_path, corpus, name) for name in ("approved", "rejected", "interrupted")}
+    procs = {name: _start(prefect_server, tmp_path, corpus, name)
+             for name in ("approved", "rejected", "interrupted", "killed")}
     try:
         paused = {name: wait_until(lambda n=name: _paused(prefect_server, n), 300, f"run {name} to pause", every=2)
                   for name in procs}
@@ -73,13 +74,22 @@ def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_reje
         prefect_server.api(f"/flow_runs/{paused['rejected']['id']}/resume",
                            {"run_input": {"approve": False, "reason": "too dear this quarter"}})
         os.kill(procs["interrupted"].pid, signal.SIGINT)                  # Ctrl-C where the run waits
+        os.killpg(procs["killed"].pid, signal.SIGKILL)                     # its process dies without a word
         codes = {name: p.wait(timeout=300) for name, p in procs.items()}
+        # The heartbeats stop: the server's automation marks the paused run Crashed, and an approval
+        # afterwards resumes nothing.
+        killed = wait_until(lambda: (r := prefect_server.flow_run(paused["killed"]["id"]))["state"]["type"] == "CRASHED"
+                            and r, 240, "the killed run to be marked Crashed", every=3)
+        prefect_server.api(f"/flow_runs/{paused['killed']['id']}/resume", {"run_input": {"approve": True}})
     finally:
         for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in procs}
-    assert codes == {"approved": 0, "rejected": 1, "interrupted": 1}, logs
+    assert codes == {"approved": 0, "rejected": 1, "interrupted": 1, "killed": -signal.SIGKILL}, logs
+    assert "No heartbeat for 90 s: the process running this flow died" in killed["state"]["message"]
+    assert prefect_server.flow_run(paused["killed"]["id"])["state"]["type"] == "CRASHED"
+    assert not (tmp_path / "root" / "killed" / "checkpoints").exists()
     interrupted = prefect_server.flow_run(paused["interrupted"]["id"])
     assert interrupted["state"]["type"] == "CANCELLED" and "interrupted (Ctrl-C)" in interrupted["state"]["message"]
     assert "pretrain cancelled: " in logs["interrupted"] and "Traceback" not in logs["interrupted"]
