@@ -7,7 +7,8 @@ variable each hook returns at once.
 - ``rank=1,iteration=5,phase=sync,seconds=600``: rank 1 sleeps 600 s when it enters phase ``sync``
   (gpt.heartbeat's phases) at iteration 5; ``every=1`` from then on at every iteration;
   ``node=node1`` only on that SLURM node; ``once=PATH`` only the first time (PATH is created when
-  it fires). A hang or a straggler, exactly where a test wants one.
+  it fires). A hang or a straggler, exactly where a test wants one. ``stop=1``: the rank stops
+  itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL.
 - ``shard=2``: the tokenize array's task 2 kills itself (SIGKILL) after its first chunk is written,
   on its first run only (a marker beside its outputs remembers it).
 """
@@ -22,7 +23,7 @@ from gpt.config import parse_overrides
 
 VARIABLE = "GPT_FAULT"
 FIELDS = {"rank": int, "iteration": int, "phase": str, "seconds": float, "every": int, "node": str, "once": str,
-          "shard": int}
+          "shard": int, "stop": int}
 
 
 class Fault:
@@ -41,6 +42,7 @@ class Fault:
         self.node = fields.get("node")
         self.once = fields.get("once")
         self.shard = fields.get("shard")
+        self.stop = fields.get("stop") == 1
 
     def at(self, phase: str, iteration: int) -> None:
         """The rank's sleep, where the spec puts it (the phase it enters, at the iteration)."""
@@ -57,6 +59,11 @@ class Fault:
                 os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return
+        if self.stop:
+            print(f"fault injected: rank {os.environ.get('RANK', '0')} stops in {phase} at iteration {iteration}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         print(f"fault injected: rank {os.environ.get('RANK', '0')} sleeps {self.seconds:g} s in {phase} at "
               f"iteration {iteration}", flush=True)
         time.sleep(self.seconds)

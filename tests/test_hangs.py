@@ -52,6 +52,7 @@ def test_a_rank_hung_before_a_collective_is_found_stacked_and_resubmitted_withou
     (report,) = _hang_reports(run_dir)
     assert (report["rank"], report["node"], report["phase"], report["iteration"]) == (1, "node1", "sync", 7)
     assert HANG_S <= report["stalled_s"] <= HANG_S + 10
+    assert report["stacks"] == {"0": "signal", "1": "signal"}
     stacks = _stacks(report)
     assert "in at" in stacks[1] and "gpt/heartbeat.py" in stacks[1]          # rank 1 sleeping in the fault
     assert "all_reduce" in stacks[0]                                         # rank 0 waiting for it
@@ -60,6 +61,32 @@ def test_a_rank_hung_before_a_collective_is_found_stacked_and_resubmitted_withou
     assert {s["nodes"] for s in second["states"] if s["state"] == "RUNNING"} == {"node2"}
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
     assert_weights_equal_an_uninterrupted_run(run_dir)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_hang_on_a_job_that_holds_every_node_resumes_on_the_nodes_there_are(slurm_cluster, tmp_path, monkeypatch,
+                                                                              caplog):
+    caplog.set_level("WARNING")
+    cluster = load_cluster(slurm_cluster["preset"], nodes=2, tasks_per_node=1)
+    once = tmp_path / "fired"
+    # Rank 1 stops (SIGSTOP): it can write no stack of its own, so py-spy reads it on its node.
+    result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=3,phase=sync,stop=1,once={once}", cluster,
+                     train_iters=6, save_interval=2)
+    run_dir = Path(result.run_dir)
+    (report,) = _hang_reports(run_dir)
+    assert report["rank"] == 1 and result.summary["iteration"] == 6
+    assert report["stacks"] == {"0": "signal", "1": "py-spy"}
+    stacks = _stacks(report)
+    assert f"(pid {report['ranks'][1]['pid']} on {report['node']}" in stacks[1]
+    assert "wrote no stack within 3 s of SIGUSR1; read from outside the process by py-spy" in stacks[1]
+    assert re.search(r"\bat \(.*gpt/faults\.py:\d+\)", stacks[1]), stacks[1]    # stopped in the fault
+    assert "all_reduce" in stacks[0]                                               # rank 0 waiting for it
+    first, second = job_records(run_dir)
+    assert first["final"] == "HUNG" and second["final"] == "COMPLETED"
+    assert f"on the same nodes, node {report['node']} included: partition" in caplog.text
+    assert "has 1 usable node(s) besides it and the job needs 2" in caplog.text
+    assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 7))
 
 
 @pytest.mark.timeout(300)

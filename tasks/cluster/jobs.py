@@ -16,7 +16,6 @@ import os
 import random
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,12 +38,12 @@ from tasks.cluster.config import ClusterConfig, ClusterError, credential_variabl
 from tasks.cluster.hang import Hang, HangWatch
 from tasks.cluster.run_context import flow_run_cancelled, flow_run_id, run_logger
 from tasks.cluster.run_owner import RunOwner
+from tasks.cluster.stacks import save_stacks
 
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0
 CANCEL_CHECK_S = 5.0
-STACK_WAIT_S = 3.0       # for the ranks to write their stacks after the signal
 CANCEL_WAIT_S = 120.0    # for a cancelled hung job to end
 RESULT_GRACE_S = 20.0
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -164,6 +163,27 @@ def slurm_state(job_id: str) -> tuple[str, str, str] | None:
         state, reason, nodes = (r.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
         return state.split()[0], reason, nodes
     return None
+
+
+# sinfo's short node states of a node that can run a job (with no suffix such as "*": not responding).
+USABLE_NODE_STATES = {"idle", "mix", "alloc", "comp", "resv", "plnd"}
+
+
+def usable_nodes(partition: str | None) -> set[str] | None:
+    """The nodes of ``partition`` (SLURM's default one when None) that can run a job now or once
+    free; None when SLURM cannot be asked."""
+    try:
+        r = _run(["sinfo", "-h", "-N", "-o", "%N %t %P"])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    nodes = set()
+    for line in r.stdout.splitlines():
+        name, state, part = (line.split() + ["", "", ""])[:3]
+        if (part.rstrip("*") == partition if partition else part.endswith("*")) and state in USABLE_NODE_STATES:
+            nodes.add(name)
+    return nodes
 
 
 def scancel(job_id: str) -> None:
@@ -537,14 +557,15 @@ def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord
     folder = run_dir / "jobs" / running.job_id / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
     hang = dataclasses.replace(hang, folder=str(folder))
-    run_logger().warning("%s: saving every rank's stack, then cancelling it", hang.line())
-    running.signal_ranks(heartbeat.STACK_SIGNAL, [b["pid"] for b in hang.ranks])
-    time.sleep(STACK_WAIT_S)
-    for b in hang.ranks:
-        stacks = run_dir / heartbeat.FOLDER / f"stacks-rank-{b['rank']}.txt"
-        with contextlib.suppress(OSError):
-            shutil.copyfile(stacks, folder / f"rank-{b['rank']}-stacks.txt")
-    write_json(folder / "report.json", hang.to_dict())
+    logger = run_logger()
+    logger.warning("%s: saving every rank's stack, then cancelling it", hang.line())
+    how = save_stacks(lambda pids: running.signal_ranks(heartbeat.STACK_SIGNAL, pids), hang.ranks, run_dir, folder,
+                      running.job_id if running.kind == "slurm" else None)
+    for rank, taken in sorted(how.items()):
+        if taken != "signal":
+            logger.warning("rank %d gave no stack of its own (stopped, or stuck in native code): %s", rank,
+                           "read from outside by py-spy" if taken == "py-spy" else taken)
+    write_json(folder / "report.json", {**hang.to_dict(), "stacks": {str(r): t for r, t in sorted(how.items())}})
     _kill(running, nodes)
     record.state(running.job_id, "HUNG", hang.line(), nodes)
     return hang

@@ -27,6 +27,7 @@ from tasks.cluster.jobs import (
     JobRecord,
     job_launch,
     submit,
+    usable_nodes,
 )
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunOwner
@@ -249,9 +250,8 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                                 f"{', '.join(str(h.iteration) for h in [*hangs, e.hang])}): not resubmitted again; "
                                 "see the stacks in each job's folder") from None
             hangs.append(e.hang)
-            cluster = without_node(cluster, e.hang.node)
-            logger.warning("resubmitting the job to resume from the newest checkpoint%s",
-                           f", without node {e.hang.node}" if cluster.exclude and e.hang.node else "")
+            cluster, where = without_node(cluster, e.hang.node)
+            logger.warning("resubmitting the job to resume from the newest checkpoint%s", where)
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
     progress.set(total)
@@ -267,12 +267,19 @@ class HungTwice(JobError):
     transient = False
 
 
-def without_node(cluster: ClusterConfig, node: str | None) -> ClusterConfig:
-    """The cluster with a node that hung excluded (on SLURM), and no longer pinned to a nodelist."""
+def without_node(cluster: ClusterConfig, node: str | None) -> tuple[ClusterConfig, str]:
+    """The cluster with a node that hung excluded (on SLURM), and no longer pinned to a nodelist;
+    where the partition has no spare node to take its place (SLURM would refuse the job), the
+    same cluster, to resume on the nodes there are. And where the job goes, said for the log."""
     if cluster.kind != "slurm" or not node:
-        return cluster
-    exclude = ",".join(filter(None, [cluster.exclude, node]))
-    return cluster.model_copy(update={"exclude": exclude, "nodelist": None})
+        return cluster, ""
+    excluded = {n for n in (cluster.exclude or "").split(",") if n} | {node}
+    usable = usable_nodes(cluster.partition)
+    if usable is not None and len(usable - excluded) < cluster.nodes:
+        return cluster, (f", on the same nodes, node {node} included: partition {cluster.partition or '(default)'} "
+                         f"has {len(usable - excluded)} usable node(s) besides it and the job needs {cluster.nodes}")
+    exclude = ",".join(sorted(excluded))
+    return cluster.model_copy(update={"exclude": exclude, "nodelist": None}), f", without node {node}"
 
 
 def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
