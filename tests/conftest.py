@@ -30,6 +30,13 @@ pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtu
 SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "s3_server", "own_s3_server", "slurm_cluster"}
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker more than there are cores. Much of a test's time is waiting (for SLURM
+    to start a job, a heartbeat to go silent, a server to answer): a third test on two cores runs
+    while the others wait."""
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 1
+
+
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:

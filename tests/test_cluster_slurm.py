@@ -265,6 +265,34 @@ def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path, mo
     assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
 
 
+def test_a_job_stopped_on_the_signal_that_cannot_requeue_itself_is_submitted_again(slurm_cluster: dict,
+                                                                                   tmp_path: Path, monkeypatch) -> None:
+    """`--no-requeue` makes SLURM refuse `scontrol requeue`, as it refuses a job already ending: the
+    ranks have saved, the job ends with that said, and the follower submits it again to resume."""
+    iters = 40
+    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))     # running when the signal comes
+    cluster = load_cluster(slurm_cluster["preset"], sbatch_extra={"no-requeue": True})
+    outcome: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=train(tiny(train_iters=iters, run_dir=str(tmp_path)),
+                                                                         cluster)))
+    runner.start()
+    wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
+    first = job_records(tmp_path)[0]["job_id"]
+    subprocess.run(["scancel", "--signal=USR2", first], check=True)
+    runner.join(timeout=240)
+    assert not runner.is_alive()
+    result = outcome["result"]
+    assert result.summary["status"] == "completed" and result.job_ids[0] == first and len(result.job_ids) == 2
+    log = (tmp_path / "jobs" / f"{first}_0_log.out").read_text()
+    assert "scontrol requeue failed" in log
+    stopped = re.search(r"stopping at iteration (\d+) on a signal; checkpoint saved", log)
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)",
+                        (tmp_path / "jobs" / f"{result.job_ids[1]}_0_log.out").read_text())
+    assert stopped and resumed and stopped.group(1) == resumed.group(1)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
+
+
 def test_terminated_submitter_leaves_no_job(slurm_cluster: dict, tmp_path: Path) -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.test_cluster_slurm import tiny; "
             "from tasks.cluster.config import load_cluster; from tasks.train.stage import train; "

@@ -114,7 +114,12 @@ class DistributedTask(submitit.helpers.Checkpointable):
             # SIGTERM from scancel also interrupts training: a cancelled job must stay cancelled.
             job = slurm_state(os.environ["SLURM_JOB_ID"])
             if callable(requeue) and job is not None and job[0] == "RUNNING":
-                requeue(signal.SIGUSR2, None)  # rank 0: checkpoint + `scontrol requeue` + exit
+                try:
+                    requeue(signal.SIGUSR2, None)  # rank 0: checkpoint + `scontrol requeue` + exit
+                except (subprocess.SubprocessError, OSError) as e:
+                    # The job ends with its checkpoint saved and the summary saying so: the process
+                    # that follows it submits it again (tasks.train.stage), instead of a FAILED job.
+                    print(f"scontrol requeue failed ({e}): ending with the checkpoint saved", flush=True)
         return summary
 
 

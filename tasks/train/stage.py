@@ -233,13 +233,19 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
         return HangWatch(run_dir, job_id, cluster.world_size, config.hang_timeout_s)
 
     hangs: list[Hang] = []
+    resubmitted = 0
     while True:
         launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
         try:
             summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
                                             job_name=f"train-{config.model}", python=python, on_poll=on_poll,
                                             watch=watch)
-            break
+            if not stopped_without_requeue(summary, cluster, run_dir, job_id) or resubmitted >= cluster.max_requeues:
+                break
+            resubmitted += 1
+            logger.warning("job %s stopped on a signal with its checkpoint saved but did not requeue itself: "
+                           "submitting it again to resume (%d of max_requeues %d)", job_id, resubmitted,
+                           cluster.max_requeues)
         except JobHung as e:
             reporting.hang_report(e.hang, run_dir.name)
             if any(h.iteration == e.hang.iteration for h in hangs):
@@ -260,6 +266,16 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                 summary.get("iteration"), summary.get("train_loss"), summary.get("time_to_first_iteration_s") or 0)
     return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
                        metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
+
+
+def stopped_without_requeue(summary: dict[str, Any], cluster: ClusterConfig, run_dir: Path, job_id: str) -> bool:
+    """A SLURM job whose ranks stopped on the time-limit or preemption signal and saved, but which
+    ended instead of requeuing itself (``scontrol requeue`` refused or failed, or the job was no
+    longer RUNNING when it tried), and was not cancelled: running it again resumes it."""
+    if cluster.kind != "slurm" or summary.get("status") != "interrupted":
+        return False
+    job = next((j for j in JobRecord(run_dir).jobs if j["job_id"] == job_id), None)
+    return job is not None and job.get("final") != "CANCELLED"
 
 
 class HungTwice(JobError):
