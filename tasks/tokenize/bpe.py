@@ -2,6 +2,7 @@
 pair, or a new pair trained on text. ``<|endoftext|>`` is the end-of-document token."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,14 +17,22 @@ class TokenizeError(ValueError):
     """Bad input or arguments; the message names the file, line or flag."""
 
 
+@contextlib.contextmanager
+def tokenizer_files_read() -> Iterator[None]:
+    """A tokenizer file that cannot be read (gpt.tokenizer's TokenizerFileError) is the stage's
+    TokenizeError, with the same one-line message."""
+    try:
+        yield
+    except TokenizerFileError as e:
+        raise TokenizeError(str(e)) from e
+
+
 def build_encoder(vocab_file: str, merge_file: str):
     """The fast GPT-2 encoder of the stage (gigatoken) over the pair's byte-level BPE."""
     import gigatoken
 
-    try:
+    with tokenizer_files_read():
         return gigatoken.Tokenizer(byte_level_bpe(vocab_file, merge_file))
-    except TokenizerFileError as e:
-        raise TokenizeError(str(e)) from e
 
 
 def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = GPT2_VOCAB_SIZE) -> tuple[str, str]:

@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from gpt.tokenizer import Tokenizer, TokenizerFileError
-from tasks.tokenize.bpe import TokenizeError
+from gpt.tokenizer import Tokenizer
+from tasks.tokenize.bpe import TokenizeError, tokenizer_files_read
 
 
 def tokenizer_file(model: str) -> str:
@@ -23,10 +23,8 @@ def tokenizer_file(model: str) -> str:
 
 def json_tokenizer(model: str) -> Tokenizer:
     """The tokenizer ``--tokenizer-model`` names, checked: its end of text must be known."""
-    try:
+    with tokenizer_files_read():
         return Tokenizer.from_json(tokenizer_file(model))
-    except TokenizerFileError as e:
-        raise TokenizeError(str(e)) from e
 
 
 class HFEncoder:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpt.tokenizer import Tokenizer, TokenizerFileError
-from tasks.tokenize.bpe import TokenizeError, train_bpe
+from gpt.tokenizer import Tokenizer
+from tasks.tokenize.bpe import TokenizeError, tokenizer_files_read, train_bpe
 from tasks.tokenize.hf_encoder import json_tokenizer
 from tasks.tokenize.inputs import expand_inputs, iter_texts
 from tasks.tokenize.outputs import check_output_folder
@@ -35,10 +35,8 @@ def named_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_mo
         return json_tokenizer(tokenizer_model)
     if vocab_file is None:
         return None
-    try:
+    with tokenizer_files_read():
         return Tokenizer.gpt2(vocab_file, merge_file)  # type: ignore[arg-type]
-    except TokenizerFileError as e:
-        raise TokenizeError(str(e)) from e
 
 
 def inputs_and_tokenizer(inputs: list[str] | str, output_prefix: str, json_keys: tuple[str, ...],
