@@ -21,7 +21,7 @@ Each section runs real code in a temporary folder and reports what it writes, re
   tied output layer's copy, files per rank; then, by arithmetic on those figures and
   ``gpt.model.param_count``, the checkpoint of each large preset and its share per rank (spread evenly)
   at a few rank counts;
-- ``slurm`` (with ``--slurm JOBID``): the follower's own state query (``tasks.cluster.jobs.slurm_state``) for
+- ``slurm`` (with ``--slurm JOBID``): the follower's own state query (``tasks.cluster.slurm.slurm_state``) for
   that job, median of 20 calls.
 
 ``python -m benchmarks.scale [--ranks 8 1000 8000] [--tokens 1e9 1e10] [--slurm JOBID]`` prints JSON.
@@ -327,7 +327,7 @@ def checkpoints(work: Path, presets: Sequence[str] = PRESETS,
 # -- slurm ---------------------------------------------------------------------------------------
 def slurm(job_id: str, calls: int = 20) -> dict[str, Any]:
     """The follower's SLURM state query for one job, timed."""
-    from tasks.cluster.jobs import slurm_state
+    from tasks.cluster.slurm import slurm_state
 
     try:
         state = slurm_state(job_id)

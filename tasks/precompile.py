@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict
 from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import DistributedTask, JobError, job_launch, submit
+from tasks.cluster.jobs import DistributedTask, JobError, submit
+from tasks.cluster.launch import job_launch
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunOwner
 from tasks.common.digest import digest

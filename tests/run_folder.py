@@ -19,7 +19,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, every: f
 
 
 def job_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The run folder's jobs.json (tasks.cluster.jobs.JobRecord), empty before the first submission."""
+    """The run folder's jobs.json (tasks.cluster.record.JobRecord), empty before the first submission."""
     path = run_dir / "jobs.json"
     return json.loads(path.read_text()) if path.exists() else []
 

@@ -20,7 +20,7 @@ from prefect import flow
 from gpt.checkpoint import saved_layout
 from gpt.config import Config
 from tasks.cluster.config import ClusterError, load_cluster
-from tasks.cluster.jobs import slurm_state
+from tasks.cluster.slurm import slurm_state
 from tasks.precompile import cache_key, precompile
 from tasks.train.stage import train, train_task
 from tests.fixtures_gpt import GPTLauncher, slow_iterations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster.jobs import slurm_state
+from tasks.cluster.slurm import slurm_state
 from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_gpt import slow_iterations
 from tests.run_folder import trained_iterations, wait_until

@@ -22,7 +22,7 @@ import pytest
 
 from benchmarks.tokenize import build_corpus
 from tasks.cluster.config import load_cluster
-from tasks.cluster.jobs import slurm_state
+from tasks.cluster.slurm import slurm_state
 from tasks.sync import MANIFEST_NAME, PARTIAL_DIR
 from tasks.train.stage import TrainResult, train
 from tests.fixtures_gpt import slow_iterations

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tasks.cluster.config import load_cluster
-from tasks.cluster.jobs import slurm_state
 from tasks.cluster.run_owner import RunBusy
+from tasks.cluster.slurm import slurm_state
 from tasks.train.stage import train
 from tests.fixtures_gpt import slow_iterations
 from tests.run_folder import job_records, trained_iterations, wait_until

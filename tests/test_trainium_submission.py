@@ -22,7 +22,8 @@ from submitit.core.utils import JobPaths, pickle_load
 
 from gpt.config import Config
 from tasks.cluster.config import load_cluster
-from tasks.cluster.jobs import DistributedTask, job_launch, neuron_launch, submit
+from tasks.cluster.jobs import DistributedTask, submit
+from tasks.cluster.launch import job_launch, neuron_launch
 from tasks.precompile import PrecompileManifest, cache_key, sbatch_script
 from tasks.train.stage import on_compiled_nodes
 

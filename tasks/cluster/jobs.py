@@ -10,15 +10,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import random
 import re
-import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -36,8 +33,10 @@ from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig, ClusterError, credential_variables
 from tasks.cluster.hang import Hang, HangWatch
+from tasks.cluster.record import JobRecord
 from tasks.cluster.run_context import flow_run_cancelled, flow_run_id, run_logger
 from tasks.cluster.run_owner import RunOwner
+from tasks.cluster.slurm import TERMINAL, requeued, run_command, scancel, slurm_state
 from tasks.cluster.stacks import save_stacks
 
 log = logging.getLogger(__name__)
@@ -46,8 +45,6 @@ POLL_S = 2.0
 CANCEL_CHECK_S = 5.0
 CANCEL_WAIT_S = 120.0    # for a cancelled hung job to end
 RESULT_GRACE_S = 20.0
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-            "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 # Pending reasons that no amount of waiting resolves: fail at once with SLURM's words.
 PENDING_FOREVER = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
             "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
@@ -123,80 +120,6 @@ class DistributedTask(submitit.helpers.Checkpointable):
         return summary
 
 
-# ---------------------------------------------------------------- run folder
-
-
-class JobRecord:
-    """Appends job ids and state changes to <run_dir>/jobs.json."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "jobs.json"
-        self.jobs: list[dict[str, Any]] = json.loads(self.path.read_text()) if self.path.exists() else []
-
-    def add(self, job_id: str, kind: str, name: str, script: str | None) -> None:
-        self.jobs.append({"job_id": job_id, "executor": kind, "name": name, "sbatch_script": script,
-                          "submitted": time.time(), "states": [], "final": None})
-        write_json(self.path, self.jobs)
-
-    def state(self, job_id: str, state: str, reason: str, nodes: str) -> None:
-        job = next(j for j in self.jobs if j["job_id"] == job_id)
-        job["states"].append({"time": time.time(), "state": state, "reason": reason, "nodes": nodes})
-        if state in TERMINAL or state in {"FINISHED", "INTERRUPTED", "HUNG"}:
-            job["final"] = state
-        write_json(self.path, self.jobs)
-
-    def ids(self) -> list[str]:
-        return [j["job_id"] for j in self.jobs]
-
-
-# ---------------------------------------------------------------- SLURM queries (no sacct needed)
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-
-
-def slurm_state(job_id: str) -> tuple[str, str, str] | None:
-    """(state, reason, nodelist) from scontrol, falling back to sacct; None when SLURM forgot it."""
-    r = _run(["scontrol", "show", "job", "-o", job_id])
-    if r.returncode == 0 and r.stdout.strip():
-        fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
-        nodes = fields.get("NodeList", "")
-        return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None"), "" if nodes == "(null)" else nodes
-    r = _run(["sacct", "-n", "-X", "-P", "-o", "State,Reason,NodeList", "-j", job_id])
-    if r.returncode == 0 and r.stdout.strip():
-        state, reason, nodes = (r.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
-        return state.split()[0], reason, nodes
-    return None
-
-
-# sinfo's short node states of a node that can run a job (with no suffix such as "*": not responding).
-USABLE_NODE_STATES = {"idle", "mix", "alloc", "comp", "resv", "plnd"}
-
-
-def usable_nodes(partition: str | None) -> set[str] | None:
-    """The nodes of ``partition`` (SLURM's default one when None) that can run a job now or once
-    free; None when SLURM cannot be asked."""
-    try:
-        r = _run(["sinfo", "-h", "-N", "-o", "%N %t %P"])
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if r.returncode != 0:
-        return None
-    nodes = set()
-    for line in r.stdout.splitlines():
-        name, state, part = (line.split() + ["", "", ""])[:3]
-        if (part.rstrip("*") == partition if partition else part.endswith("*")) and state in USABLE_NODE_STATES:
-            nodes.add(name)
-    return nodes
-
-
-def scancel(job_id: str) -> None:
-    r = _run(["scancel", job_id])
-    if r.returncode != 0:
-        log.warning("scancel %s: %s", job_id, r.stderr.strip())
-
-
 _ACTIVE: dict[str, "RunningJob"] = {}
 _ACTIVE_LOCK = threading.Lock()
 
@@ -255,12 +178,6 @@ def _await_result(paths: JobPaths) -> tuple[str, Any] | None:
         time.sleep(0.5)
         result = _load_result(paths)
     return result
-
-
-def _requeued(job_id: str) -> bool:
-    """A preempted job may come back (PreemptMode=REQUEUE): is it queued or running again?"""
-    info = slurm_state(job_id)
-    return info is not None and info[0] not in TERMINAL
 
 
 def _failing_rank(folder: Path, job_id: str, num_tasks: int) -> int:
@@ -363,7 +280,7 @@ class RunningJob:
     def signal_ranks(self, sig: signal.Signals, pids: list[int]) -> None:
         """Send ``sig`` to the job's ranks: every task of its steps on SLURM, the given processes here."""
         if self.kind == "slurm":
-            r = _run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", self.job_id])
+            r = run_command(["scancel", f"--signal={sig.name.removeprefix('SIG')}", self.job_id])
             if r.returncode != 0:
                 log.warning("scancel --signal %s: %s", self.job_id, r.stderr.strip())
             return
@@ -532,7 +449,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                                    f"nodelist={cluster.nodelist}); change the cluster configuration")
             if state in TERMINAL or state in ("GONE", "FINISHED"):
                 result = _await_result(result_paths)
-                if result is not None or running.kind == "local" or not _requeued(job_id):
+                if result is not None or running.kind == "local" or not requeued(job_id):
                     break
             if followed_run is not None and time.monotonic() > next_cancel_check:
                 next_cancel_check = time.monotonic() + CANCEL_CHECK_S
@@ -584,56 +501,3 @@ def _kill(running: RunningJob, nodes: str) -> None:
         time.sleep(POLL_S)
 
 
-# What each of torchrun's processes runs: SLURM's rank variables made theirs, so that submitit's
-# task (and its result file) is per rank, then the command that followed.
-_RANK_AS_SLURM_TASK = 'export SLURM_PROCID="$RANK" SLURM_LOCALID="$LOCAL_RANK" SLURM_NTASKS="$WORLD_SIZE"; exec "$@"'
-# What each node runs: its own Neuron compile cache under $0 when one is given (the cache's file
-# locks are unreliable on NFS), then torchrun with $1 processes, under the wrapper in $2 (neuron_parallel_compile or
-# nothing). SLURM signals every process of the step: torchrun ignores USR2 and USR1 (which would end
-# it), and its ranks, which install their own handlers, checkpoint and stop (USR2) or write their
-# stacks (USR1).
-_NODE_LAUNCHER = "; ".join([
-    'export NEURON_CC_FLAGS="${NEURON_CC_FLAGS:-}${0:+ --cache_dir=$0/${SLURMD_NODENAME:-$(hostname -s)}}"',
-    'nproc=$1 wrapper=$2',
-    'shift 2',
-    'master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-    'port=$((15000 + (SLURM_JOB_ID + ${SLURM_RESTART_COUNT:-0} * 7919) % 15000))',
-    'trap "" USR1 USR2',
-    'exec $wrapper @PYTHON@ -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --node_rank="$SLURM_NODEID" '
-    '--nproc_per_node="$nproc" --master_addr="$master" --master_port="$port" --no-python '
-    '/bin/bash -c @RANK@ rank @PYTHON@ "$@"',
-])
-
-
-def neuron_launch(cluster: ClusterConfig, cache_dir: str | None, *,
-                  compile_graphs: bool) -> tuple[ClusterConfig, str]:
-    """How a Trainium job starts, the way Neuron expects: one launcher per node (srun
-    --ntasks-per-node=1), each running torchrun with ``tasks_per_node`` processes (one per
-    NeuronCore), so that torch_xla sets up Neuron's multi-process runtime; for the graph-extraction
-    run, neuron_parallel_compile wraps that torchrun, once per node. Each node compiles into its
-    own cache folder under ``cache_dir`` (without one, into Neuron's default cache).
-
-    Returns the cluster configuration to submit (the allocation stays ``tasks_per_node`` tasks per
-    node; srun starts one per node) and the command that stands for python in submitit's srun line.
-    """
-    if cache_dir and re.search(r"\s", cache_dir):
-        raise ClusterError(f"Neuron cache path {cache_dir!r} contains whitespace, which NEURON_CC_FLAGS cannot "
-                           "carry; choose a cache root without spaces")
-    python = shlex.quote(sys.executable)
-    node = _NODE_LAUNCHER.replace("@PYTHON@", python).replace("@RANK@", shlex.quote(_RANK_AS_SLURM_TASK))
-    wrapper = "neuron_parallel_compile" if compile_graphs else ""
-    command = " ".join(["/bin/bash", "-c", shlex.quote(node), shlex.quote(cache_dir or ""), str(cluster.tasks_per_node),
-                        shlex.quote(wrapper)])
-    per_node = cluster.model_copy(update={"srun_extra": [*cluster.srun_extra, f"--ntasks={cluster.nodes}",
-                                                         "--ntasks-per-node=1"]})
-    return per_node, command
-
-
-def job_launch(cluster: ClusterConfig, cache_dir: str | None, *,
-               compile_graphs: bool) -> tuple[ClusterConfig, str | None]:
-    """The cluster configuration to submit and how its tasks' Python starts: on Trainium one
-    torchrun per node (`neuron_launch`, under neuron_parallel_compile for the graph-extraction run),
-    plain elsewhere."""
-    if cluster.job_device == "neuron":
-        return neuron_launch(cluster, cache_dir, compile_graphs=compile_graphs)
-    return cluster, None

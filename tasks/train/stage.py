@@ -20,17 +20,12 @@ from gpt.metrics import train_line, valid_line
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import Hang, HangWatch, Stragglers
-from tasks.cluster.jobs import (
-    DistributedTask,
-    JobError,
-    JobHung,
-    JobRecord,
-    job_launch,
-    submit,
-    usable_nodes,
-)
+from tasks.cluster.jobs import DistributedTask, JobError, JobHung, submit
+from tasks.cluster.launch import job_launch
+from tasks.cluster.record import JobRecord
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunOwner
+from tasks.cluster.slurm import usable_nodes
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
 from tasks.train.trackers import Trackers
