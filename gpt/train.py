@@ -350,62 +350,101 @@ def main(config: Config) -> dict[str, Any]:
         shutdown(finished)
 
 
+@dataclass
+class Run:
+    """What one rank trains with: its model (a pipeline stage's, with pipeline stages), optimizer,
+    loss scaler, data, checkpoints, metrics, and the state a checkpoint carries."""
+    config: Config
+    backend: Backend
+    env: ParallelDims
+    device: torch.device
+    data: tuple[Any, Any, Any]              # train, valid, test
+    pipeline: Pipeline | None
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    ckpt: Checkpointer
+    state: dict[str, Any]
+    log: Any                                 # print on rank 0, nothing elsewhere
+    cache_hit: bool
+
+
 def _run(config: Config, backend: Backend, env: ParallelDims, start: float) -> dict[str, Any]:
+    run = _prepare(config, backend, env)
+    metrics = _start_from(run)
+    status, valid_loss, steps = _train(run, metrics, start)
+    return _finish(run, metrics, steps, status, valid_loss, start)
+
+
+def _prepare(config: Config, backend: Backend, env: ParallelDims) -> Run:
+    """Seeds, data, the model under its layout, optimizer and checkpoints; nothing read yet."""
     device = backend.device(env.local_rank)
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     cache_hit = use_compile_cache(config, backend, env.rank)
-    train_data, valid_data, test_data = load_datasets(config)
+    data = load_datasets(config)
     pipeline = build_pipeline(config, env, device) if config.pipeline_parallel > 1 else None
     model = pipeline.model if pipeline else build_model(config, env, device)
     optimizer = build_optimizer(model, config, backend)
     scaler = LossScaler(config.precision == "fp16", device)
     state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
-    run_dir = Path(config.run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", config.keep_last, env.rank, to_host=backend.to_host,
+    ckpt = Checkpointer(Path(config.run_dir) / "checkpoints", config.keep_last, env.rank, to_host=backend.to_host,
                         layout=job_layout(config, env, model))
-    log = print if env.is_main else (lambda *a, **k: None)
+    return Run(config, backend, env, device, data, pipeline, model, optimizer, scaler, ckpt, state,
+               print if env.is_main else (lambda *a, **k: None), cache_hit)
+
+
+def _start_from(run: Run) -> MetricsWriter:
+    """Resume from the newest checkpoint, or start from the weights the config names, or afresh;
+    then the run folder's config and the metrics writer (which continues where the state is)."""
+    config, log = run.config, run.log
     latest = None
     heartbeat.enter("load")
     if not config.precompile:
-        latest, state = ckpt.resume(model, optimizer, state, log=log)
+        latest, run.state = run.ckpt.resume(run.model, run.optimizer, run.state, log=log)
     if latest is not None:
-        scaler.load(state["loss_scale"], state["good_steps"])
+        run.scaler.load(run.state["loss_scale"], run.state["good_steps"])
     elif config.init_from:
-        ckpt.initialise(Path(config.init_from), model, optimizer if config.init_from_optimizer else None)
+        run.ckpt.initialise(Path(config.init_from), run.model, run.optimizer if config.init_from_optimizer else None)
         log(f"started from {'the weights and optimizer state' if config.init_from_optimizer else 'the weights'} "
             f"of {config.init_from}", flush=True)
     elif config.init_from_hf:
-        load_hf_weights(model, config)
+        load_hf_weights(run.model, config)
         log(f"started from the HuggingFace weights in {config.init_from_hf}", flush=True)
-    if env.is_main and not config.precompile:
+    run_dir = Path(config.run_dir)
+    if run.env.is_main and not config.precompile:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "config.json")
-    metrics = MetricsWriter(str(run_dir), env.is_main and not config.precompile, state["iteration"])
+    metrics = MetricsWriter(str(run_dir), run.env.is_main and not config.precompile, run.state["iteration"])
     if latest is not None:
-        log(f"resumed from {latest} at iteration {state['iteration']}", flush=True)
+        log(f"resumed from {latest} at iteration {run.state['iteration']}", flush=True)
+    return metrics
 
-    total_iters = config.total_iters
-    end_iter = min(total_iters, state["iteration"] + config.precompile_iters) if config.precompile else total_iters
+
+def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float | None, StepLog]:
+    """The loop: a step per iteration; at the intervals, the log line, evaluation and a checkpoint;
+    a stop signal ends it at an iteration boundary, saved. Returns the status ("completed" or
+    "interrupted"), the last validation loss and the step log."""
+    config, env, state = run.config, run.env, run.state
+    end_iter = (min(config.total_iters, state["iteration"] + config.precompile_iters) if config.precompile
+                else config.total_iters)
     first_iter, g = state["iteration"] + 1, config.global_batch_size
-    steps = StepLog(config, backend, metrics, env.world_size, start, log, device)
+    steps = StepLog(config, run.backend, metrics, env.world_size, start, run.log, run.device)
     valid_loss = None
-    status = "completed"
-
     with StopSignal() as stop:
         while state["iteration"] < end_iter:
             it = state["iteration"] + 1
             lr = lr_at(config, it)
-            for group in optimizer.param_groups:
+            for group in run.optimizer.param_groups:
                 group["lr"] = lr
             heartbeat.enter("data", it)
-            batches = micro_batches(train_data, state["consumed_samples"], g, config, env, device)
-            loss, norm, stepped = train_step(model, optimizer, batches, backend=backend,
-                                             precision=config.precision, clip_grad=config.clip_grad, scaler=scaler,
-                                             dims=env, pipeline=pipeline)
+            batches = micro_batches(run.data[0], state["consumed_samples"], g, config, env, run.device)
+            loss, norm, stepped = train_step(run.model, run.optimizer, batches, backend=run.backend,
+                                             precision=config.precision, clip_grad=config.clip_grad,
+                                             scaler=run.scaler, dims=env, pipeline=run.pipeline)
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
-            steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, scaler.scale)))
+            steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, run.scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter
             evaluating = not config.benchmark and (it % config.eval_interval == 0 or it == end_iter)
             saving = not config.precompile and (it % config.save_interval == 0 or it == end_iter)
@@ -417,41 +456,46 @@ def _run(config: Config, backend: Backend, env: ParallelDims, start: float) -> d
             if logging:
                 steps.log_line()
             if evaluating:
-                valid_loss = evaluate(model, valid_data, config, env, device, backend,
-                                      1 if config.precompile else config.eval_iters, pipeline)
+                valid_loss = evaluate(run.model, run.data[1], config, env, run.device, run.backend,
+                                      1 if config.precompile else config.eval_iters, run.pipeline)
                 if valid_loss is not None:
-                    log(valid_line(it, valid_loss), flush=True)
+                    run.log(valid_line(it, valid_loss), flush=True)
                     metrics.valid(it, state["consumed_samples"], valid_loss)
             if saving:
-                save_checkpoint(ckpt, model, optimizer, state, scaler)
+                save_checkpoint(run.ckpt, run.model, run.optimizer, state, run.scaler)
             heartbeat.enter("log")
-            if not config.precompile and it < end_iter and stop.should_stop(device):
+            if not config.precompile and it < end_iter and stop.should_stop(run.device):
                 if not saving:
-                    save_checkpoint(ckpt, model, optimizer, state, scaler)
-                status = "interrupted"
-                log(f"stopping at iteration {it} on a signal; checkpoint saved", flush=True)
-                break
+                    save_checkpoint(run.ckpt, run.model, run.optimizer, state, run.scaler)
+                run.log(f"stopping at iteration {it} on a signal; checkpoint saved", flush=True)
+                return "interrupted", valid_loss, steps
             steps.restart_clock()
+    return "completed", valid_loss, steps
 
-    if config.precompile and config.compile and backend.name != "neuron":
-        save_compile_cache(config, env.rank)
+
+def _finish(run: Run, metrics: MetricsWriter, steps: StepLog, status: str, valid_loss: float | None,
+            start: float) -> dict[str, Any]:
+    """The compile cache saved (a precompile run), the test loss of a completed run, the summary."""
+    config, state = run.config, run.state
+    if config.precompile and config.compile and run.backend.name != "neuron":
+        save_compile_cache(config, run.env.rank)
     test_loss = None
     if status == "completed" and not config.precompile and not config.benchmark:
-        test_loss = evaluate(model, test_data, config, env, device, backend, config.eval_iters, pipeline)
+        test_loss = evaluate(run.model, run.data[2], config, run.env, run.device, run.backend, config.eval_iters,
+                             run.pipeline)
         if test_loss is not None:
-            log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "
-                f"lm loss PPL: {math.exp(min(20.0, test_loss)):.6E} |", flush=True)
+            run.log(f" test loss after iteration {state['iteration']} | lm loss value: {test_loss:.6E} | "
+                    f"lm loss PPL: {math.exp(min(20.0, test_loss)):.6E} |", flush=True)
     metrics.close()
     tokens_per_s = steps.tokens_per_s()
-    summary = {
-        "status": status, "iteration": state["iteration"], "train_iters": total_iters,
+    return {
+        "status": status, "iteration": state["iteration"], "train_iters": config.total_iters,
         "train_loss": steps.last["lm_loss"] if steps.last else None, "valid_loss": valid_loss,
         "tokens_per_s": tokens_per_s, "mfu": steps.mfu(tokens_per_s) if tokens_per_s else None,
-        "time_to_first_iteration_s": steps.first_iter_s, "wall_s": time.time() - start, "run_dir": str(run_dir),
-        "compile_cache_hit": cache_hit, "test_loss": test_loss,
+        "time_to_first_iteration_s": steps.first_iter_s, "wall_s": time.time() - start,
+        "run_dir": str(Path(config.run_dir)), "compile_cache_hit": run.cache_hit, "test_loss": test_loss,
         "test_perplexity": math.exp(min(20.0, test_loss)) if test_loss is not None else None,
     }
-    return summary
 
 
 def cli(argv: list[str] | None = None) -> int:
