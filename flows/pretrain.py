@@ -19,6 +19,7 @@ from prefect.states import Cancelled
 from flows import data as data_stages
 from flows.local_server import lasting_api
 from flows.plan import approval, estimate, identity, provenance
+from flows.plan.artifact import plan_table
 from flows.plan.build import Plan, make_plan, run_folder_problems
 from flows.plan.params import (
     BudgetParams,
@@ -82,14 +83,14 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     provenance.record(plan.run_dir, flow_run.get_id() or None, dict(flow_run.parameters or {}))
     print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
-    reporting.plan_table(plan, outlook.message)
+    plan_table(plan, outlook.message)
 
     dataset = data_stages.prepare(data, tokenizer, plan.layout, stages, plan.cluster)
     warnings = data_stages.check_repetition(dataset, data.split, plan.config)
     for warning in warnings:
         print(f"warning: {warning}")
     if warnings:
-        reporting.plan_table(plan, outlook.message, warnings)
+        plan_table(plan, outlook.message, warnings)
     index = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=plan.config.seq_length,
                        seed=plan.config.seed, num_samples=plan.config.num_samples(), out_dir=str(plan.layout.index()),
                        intact=index_intact)
@@ -98,7 +99,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
 
     cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
-    reporting.plan_table(plan, outlook.message, warnings, cost.rows())
+    plan_table(plan, outlook.message, warnings, cost.rows())
     why = None if outlook.kind == "trained" else approval.over_budget(cost, budget)
     if why:
         answer = approval.ask(cost, why, budget, server=lasting_api())

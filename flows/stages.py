@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from gpt.checkpoint import Checkpointer
 from gpt.data import DataIndex, MMapIndexedDataset
+
+if TYPE_CHECKING:
+    from prefect import Task
+
+    from tasks.export import ExportManifest
+    from tasks.index import IndexManifest
+    from tasks.tokenize.outputs import TokenizeManifest
+    from tasks.train.stage import TrainResult
+
+R = TypeVar("R")
 
 
 class Stages:
@@ -20,8 +30,8 @@ class Stages:
         print(f"stage {stage} skipped: {why}")
         self.records.append({"stage": stage, "state": "Skipped", "seconds": 0.0})
 
-    def run(self, stage: str, task_fn: Any, *args: Any, intact: Any = None, origins: dict[str, str] | None = None,
-            **kwargs: Any) -> Any:
+    def run(self, stage: str, task_fn: "Task[..., R]", *args: Any, intact: Callable[[R], bool] | None = None,
+            origins: dict[str, str] | None = None, **kwargs: Any) -> R:
         """Run a stage task; a cached result whose outputs are gone or damaged (``intact(result)``
         is False) runs the stage again. ``origins``: the user's name (a source path or S3 key) of
         each file the stage reads from a copy, which its error names instead of the copy."""
@@ -47,7 +57,7 @@ def named_as_given(text: str, origins: dict[str, str]) -> str:
     return text
 
 
-def tokenized_intact(manifest: Any) -> bool:
+def tokenized_intact(manifest: TokenizeManifest) -> bool:
     try:
         for prefix in manifest.prefixes.values():
             MMapIndexedDataset(prefix)
@@ -56,7 +66,7 @@ def tokenized_intact(manifest: Any) -> bool:
     return True
 
 
-def index_intact(manifest: Any) -> bool:
+def index_intact(manifest: IndexManifest) -> bool:
     try:
         files = DataIndex.read(manifest.path).files()
     except ValueError:
@@ -64,11 +74,11 @@ def index_intact(manifest: Any) -> bool:
     return all((Path(manifest.path).parent / name).is_file() for name in files)
 
 
-def trained_intact(result: Any) -> bool:
+def trained_intact(result: TrainResult) -> bool:
     """The run folder of a cached training still holds its metrics and a complete checkpoint (it may
     have been deleted since, and the same parameters train it again)."""
     return Path(result.metrics_path).is_file() and Checkpointer(Path(result.run_dir) / "checkpoints", 1, 0).latest() is not None
 
 
-def export_intact(manifest: Any) -> bool:
+def export_intact(manifest: ExportManifest) -> bool:
     return (Path(manifest.path) / "model.safetensors").is_file()

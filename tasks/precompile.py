@@ -25,7 +25,6 @@ from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import DistributedTask, JobError, submit
 from tasks.cluster.launch import job_launch
 from tasks.cluster.run_context import run_logger
-from tasks.cluster.run_owner import RunOwner
 from tasks.common.digest import digest
 from tasks.common.retry import worth_retrying
 
@@ -89,12 +88,11 @@ def precompile(config: Config, cluster: ClusterConfig) -> PrecompileManifest:
         logger.info("compile cache hit: %s (compiled on %s)", cache_dir, marker.get("nodelist") or "this host")
         return _manifest(cache_dir, True, marker, cluster.job_device)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    job = job_config(config)
-    with RunOwner(Path(job.run_dir)):
-        return _compile(job, cluster, cache_dir)
+    return _compile(job_config(config), cluster, cache_dir)
 
 
 def _compile(job: Config, cluster: ClusterConfig, cache_dir: Path) -> PrecompileManifest:
+    """The compile job (``submit`` owns its folder while it runs), then the cache's marker."""
     logger = run_logger()
     logger.info("compile cache miss: compiling %s for %d x %d %s tasks into %s",
                 job.model, cluster.nodes, cluster.tasks_per_node, cluster.job_device, cache_dir)

@@ -13,14 +13,17 @@ import json
 import math
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from gpt.files import write_atomic
-from gpt.memory import rank_memory
-from gpt.parallel.pipeline import bubble_fraction
+
+if TYPE_CHECKING:
+    from tasks.cluster.hang import Hang
+    from tasks.export import ExportManifest
+    from tasks.tokenize.outputs import TokenizeManifest
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -33,7 +36,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def dataset_rows(manifest: Any) -> list[dict[str, str]]:
+def dataset_rows(manifest: TokenizeManifest) -> list[dict[str, str]]:
     """One row per output prefix of a tokenize manifest (tasks.tokenize.stage.TokenizeManifest)."""
     skipped = sum(manifest.skipped.values()) if manifest.skipped else 0
     rows = []
@@ -46,7 +49,7 @@ def dataset_rows(manifest: Any) -> list[dict[str, str]]:
     return rows
 
 
-def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
+def dataset_table(manifest: TokenizeManifest, key: str = "pretrain-dataset") -> None:
     files = "\n".join(f"- {f}" for f in manifest.files[:20])
     more = f"\n- ... and {len(manifest.files) - 20} more" if len(manifest.files) > 20 else ""
     skipped = ", ".join(f"{k}: {v}" for k, v in (manifest.skipped or {}).items()) or "none"
@@ -57,58 +60,10 @@ def dataset_table(manifest: Any, key: str = "pretrain-dataset") -> None:
     )
 
 
-def _tokenizer(manifest: Any) -> str:
+def _tokenizer(manifest: TokenizeManifest) -> str:
     if getattr(manifest, "tokenizer_file", None):
         return f"tokenizer {manifest.tokenizer_file}"
     return f"vocab {manifest.vocab_file}, merges {manifest.merge_file}"
-
-
-def parallel_layout(c: Any, world_size: int) -> str:
-    """The mesh, and with pipeline stages their schedule and its idle share."""
-    dp = world_size // (c.tensor_parallel * c.pipeline_parallel)
-    mesh = f"pp {c.pipeline_parallel} x dp {dp} ({c.data_parallel_mode}) x tp {c.tensor_parallel}"
-    if c.pipeline_parallel == 1:
-        return mesh
-    micro = c.global_batch_size // (c.micro_batch_size * dp)
-    bubble = bubble_fraction(c.pipeline_schedule, c.pipeline_parallel, c.virtual_pipeline_stages, micro)
-    return (f"{mesh}; schedule {c.pipeline_schedule}, {c.pipeline_parallel * c.virtual_pipeline_stages} stages of "
-            f"{c.num_layers // (c.pipeline_parallel * c.virtual_pipeline_stages)} layers, {micro} micro-batches per "
-            f"step, bubble {bubble:.1%}")
-
-
-def data_stages(k: Any) -> str:
-    """Where sync and tokenize run."""
-    if not k.data_jobs:
-        return "sync and tokenize in the flow's process"
-    job = k.data_job()
-    return (f"jobs on partition {job.partition or '(the default)'}: sync as one job, tokenize as an array of "
-            f"{k.data_tasks} tasks" + (f", {job.cpus_per_task} CPUs each" if job.cpus_per_task else "")
-            + (f", mem {job.mem}" if job.mem else ""))
-
-
-def plan_rows(plan: Any, outlook: str, warnings: list[str] = (),
-              estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
-    """What the run will do, decided before any stage runs (flows.plan.build.Plan), what its folder says
-    will happen (flows.plan.outlook), what the data stages found worth a warning, and what the run will
-    take (flows.plan.estimate)."""
-    c, k = plan.config, plan.cluster
-    where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
-    rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
-            ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
-            ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
-            ("device memory", plan.device_memory),
-            ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
-            ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{_fmt(c.train_samples)} samples"),
-            ("data stages", data_stages(k)), ("compile", str(c.compile)), ("what happens", outlook)]
-    rows += [("warning", w) for w in warnings]
-    rows += list(estimate)
-    return [{"item": item, "value": value} for item, value in rows]
-
-
-def plan_table(plan: Any, outlook: str, warnings: list[str] = (), estimate: list[tuple[str, str]] = (),
-               key: str = "pretrain-plan") -> None:
-    create_table_artifact(plan_rows(plan, outlook, warnings, estimate), key=key,
-                          description="The run's plan, decided once before any stage ran")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -199,7 +154,7 @@ def samples_markdown(model: str, samples: list[dict[str, str]], export_path: str
 
 def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_length: int,
            stages: list[dict], job_ids: list[str], uploaded_to: str | None = None,
-           flow_run_url: str | None = None, exported: Any = None) -> dict:
+           flow_run_url: str | None = None, exported: ExportManifest | None = None) -> dict:
     """Create the summary, loss-curve and links artifacts; return the figures they show."""
     rows = read_metrics(metrics_path)
     create_table_artifact(
@@ -249,7 +204,7 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
 report_task = task(report, name="report")
 
 
-def hang_report(hang: Any, run_name: str) -> None:
+def hang_report(hang: Hang, run_name: str) -> None:
     """A hung job (tasks.cluster.hang.Hang) in the run's log, as a Prefect event and as an artifact naming
     the rank, node, phase and iteration, with every rank's last heartbeat."""
     from tasks.cluster.run_context import run_context, run_logger

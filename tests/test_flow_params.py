@@ -181,7 +181,7 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
     refuses it with the arithmetic and names a change that fits, which then plans; Megatron's layout
     (TP 8 x PP 16) plans with its mesh, schedule and bubble in the plan's rows."""
     import flows.plan.build
-    from tasks.report import plan_rows
+    from flows.plan.artifact import plan_rows
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
     p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})                       # A100 40 GB
@@ -229,7 +229,7 @@ def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run
 
 def test_device_memory_comes_from_the_preset_or_a_name_that_fixes_it_never_a_guess(tmp_path, monkeypatch):
     import flows.plan.build
-    from tasks.report import plan_rows
+    from flows.plan.artifact import plan_rows
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)
     out = OutputParams(root=str(tmp_path))

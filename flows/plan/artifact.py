@@ -1,0 +1,63 @@
+"""The plan as the run's first artifact (``pretrain-plan``): what the run will do, decided before
+any stage runs, shown again once the data stages have run and once the estimate is known."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prefect.artifacts import create_table_artifact
+
+from gpt.config import Config
+from gpt.memory import rank_memory
+from gpt.parallel.pipeline import bubble_fraction
+from tasks.cluster.config import ClusterConfig
+
+if TYPE_CHECKING:
+    from flows.plan.build import Plan
+
+
+def parallel_layout(c: Config, world_size: int) -> str:
+    """The mesh, and with pipeline stages their schedule and its idle share."""
+    dp = world_size // (c.tensor_parallel * c.pipeline_parallel)
+    mesh = f"pp {c.pipeline_parallel} x dp {dp} ({c.data_parallel_mode}) x tp {c.tensor_parallel}"
+    if c.pipeline_parallel == 1:
+        return mesh
+    micro = c.global_batch_size // (c.micro_batch_size * dp)
+    bubble = bubble_fraction(c.pipeline_schedule, c.pipeline_parallel, c.virtual_pipeline_stages, micro)
+    return (f"{mesh}; schedule {c.pipeline_schedule}, {c.pipeline_parallel * c.virtual_pipeline_stages} stages of "
+            f"{c.num_layers // (c.pipeline_parallel * c.virtual_pipeline_stages)} layers, {micro} micro-batches per "
+            f"step, bubble {bubble:.1%}")
+
+
+def data_stages(k: ClusterConfig) -> str:
+    """Where sync and tokenize run."""
+    if not k.data_jobs:
+        return "sync and tokenize in the flow's process"
+    job = k.data_job()
+    return (f"jobs on partition {job.partition or '(the default)'}: sync as one job, tokenize as an array of "
+            f"{k.data_tasks} tasks" + (f", {job.cpus_per_task} CPUs each" if job.cpus_per_task else "")
+            + (f", mem {job.mem}" if job.mem else ""))
+
+
+def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
+              estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
+    """What the run will do, decided before any stage runs (flows.plan.build.Plan), what its folder says
+    will happen (flows.plan.outlook), what the data stages found worth a warning, and what the run will
+    take (flows.plan.estimate)."""
+    c, k = plan.config, plan.cluster
+    where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
+    rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
+            ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
+            ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
+            ("device memory", plan.device_memory),
+            ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
+            ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{c.train_samples:,} samples"),
+            ("data stages", data_stages(k)), ("compile", str(c.compile)), ("what happens", outlook)]
+    rows += [("warning", w) for w in warnings]
+    rows += list(estimate)
+    return [{"item": item, "value": value} for item, value in rows]
+
+
+def plan_table(plan: Plan, outlook: str, warnings: list[str] = (), estimate: list[tuple[str, str]] = (),
+               key: str = "pretrain-plan") -> None:
+    create_table_artifact(plan_rows(plan, outlook, warnings, estimate), key=key,
+                          description="The run's plan, decided once before any stage ran")
