@@ -22,7 +22,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import submitit
 from submitit.core.utils import DelayedSubmission, FailedJobError, JobPaths, pickle_load
@@ -325,9 +325,12 @@ def _unfinished(record: JobRecord, job_name: str, kind: str) -> RunningJob | Non
     return None
 
 
-def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
+R = TypeVar("R")     # what a job's function returns
+
+
+def submit(fn: Callable[[], R], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
            python: str | None = None, on_poll: Callable[[], None] | None = None,
-           watch: Callable[[str], HangWatch] | None = None) -> tuple[Any, str, str]:
+           watch: Callable[[str], HangWatch] | None = None) -> tuple[R, str, str]:
     """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
     ``on_poll`` runs each time the job's state is checked (every POLL_S) and once at the end.
     ``watch(job_id)`` gives the job's HangWatch: a job that stops advancing has every rank's stack
@@ -350,8 +353,8 @@ def submit(fn: Callable[[], Any], cluster: ClusterConfig, *, run_dir: Path, job_
                        watch=watch(running.job_id) if watch is not None else None)
 
 
-def submit_array(fns: list[Callable[[], Any]], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
-                 on_poll: Callable[[], None] | None = None) -> list[Any]:
+def submit_array(fns: list[Callable[[], R]], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
+                 on_poll: Callable[[], None] | None = None) -> list[R | JobError]:
     """Submit each of ``fns`` as one task of a SLURM job array (each task ``cluster``'s resources,
     all run side by side), follow every task to its end, and return, in order, each task's result
     or the JobError it failed with: a failed task does not stop the others. The flow run cancelled,
@@ -364,7 +367,7 @@ def submit_array(fns: list[Callable[[], Any]], cluster: ClusterConfig, *, run_di
             _kill(earlier, "")
             record.state(earlier.job_id, "CANCELLED", "an earlier array's task that no process followed", "")
         running = _submit(fns, cluster, run_dir=run_dir, job_name=job_name, python=None, record=record)
-        outcomes: list[Any] = []
+        outcomes: list[R | JobError] = []
         try:
             for task in running:
                 try:
