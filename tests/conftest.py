@@ -30,13 +30,6 @@ pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtu
 SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "s3_server", "own_s3_server", "slurm_cluster"}
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: one worker more than there are cores. Much of a test's time is waiting (for SLURM
-    to start a job, a heartbeat to go silent, a server to answer): a third test on two cores runs
-    while the others wait."""
-    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 1
-
-
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
@@ -49,7 +42,13 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker("unit")
         elif not item.get_closest_marker("integration"):
             item.add_marker("integration")
-    items.sort(key=lambda item: _worker_group(item) != "slurm")     # the longest group first: never the tail
+    # The longest groups first, so that none is left for the tail: the SLURM cluster's, then the
+    # others by the time limits their tests declare (a test that says nothing takes seconds).
+    weight: dict[str, float] = {}
+    for item in items:
+        limit = item.get_closest_marker("timeout")
+        weight[_worker_group(item)] = weight.get(_worker_group(item), 0.0) + (limit.args[0] if limit and limit.args else 5)
+    items.sort(key=lambda item: (_worker_group(item) != "slurm", -weight[_worker_group(item)]))
 
 
 def _worker_group(item) -> str:
