@@ -27,7 +27,7 @@ pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtu
 
 # Tiers: e2e (marked by its modules), integration (real servers: the local SLURM cluster, the S3
 # server, a Prefect server the test starts or shares), unit (everything else).
-SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "s3_server", "own_s3_server", "slurm_cluster"}
+SERVER_FIXTURES = {"prefect_server", "own_prefect_server", "prefect_server_on_postgres", "s3_server", "own_s3_server", "slurm_cluster"}
 
 
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups

@@ -3,7 +3,9 @@
 `prefect_server` starts `prefect server start` on a free loopback port once per test session and
 yields a `PrefectServer` whose `env` points subprocesses (the CLI, `deployments/serve.py`) at it.
 `own_prefect_server` (test scope) is a `RestartablePrefectServer`, a server of the test's own that
-it may stop and start again on the same port and database.
+it may stop and start again on the same port and database. `prefect_server_on_postgres` (test scope)
+keeps its database in a PostgreSQL cluster of its own, as a lasting server with automations should:
+on SQLite, Prefect's trigger service can drop an event's evaluation in a burst of writes.
 """
 from __future__ import annotations
 
@@ -99,14 +101,16 @@ def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path, timeout: float
     raise RuntimeError(f"prefect server not healthy after {timeout}s; see {log}")
 
 
-def start_server(home: Path, port: int | None = None) -> tuple[PrefectServer, subprocess.Popen]:
-    """A server with its database in `home`, on `port` (a free one when None)."""
+def start_server(home: Path, port: int | None = None, database_url: str | None = None) -> tuple[PrefectServer, subprocess.Popen]:
+    """A server with its database in `home` (or at `database_url`), on `port` (a free one when None)."""
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = home / "server.log"
     env = prefect_env(home, None)
     env["PREFECT_UI_API_URL"] = f"{url}/api"
+    if database_url:
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
     with open(log, "a") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -135,6 +139,53 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         yield server
     finally:
         stop(proc)
+
+
+POSTGRES_BIN = Path("/usr/lib/postgresql")
+
+
+def start_postgres(data: Path) -> tuple[str, subprocess.Popen]:
+    """A PostgreSQL cluster in `data` (an empty folder outside pytest's private temporary folders,
+    which the `postgres` user cannot reach), run as that user on a free loopback port: its
+    SQLAlchemy URL for Prefect and its process."""
+    versions = sorted(POSTGRES_BIN.glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name))
+    if not versions:
+        raise RuntimeError("PostgreSQL not found: apt-get install postgresql (scripts/install does)")
+    bin_dir = versions[-1].parent
+    as_postgres = []
+    if os.geteuid() == 0:               # PostgreSQL refuses to run as root
+        shutil.chown(data, "postgres", "postgres")
+        as_postgres = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*as_postgres, bin_dir / "initdb", "-D", data / "db", "--auth=trust", "-U", "postgres"],
+                   check=True, capture_output=True, timeout=120)
+    port = free_port()
+    proc = subprocess.Popen([*as_postgres, bin_dir / "postgres", "-D", data / "db", "-p", str(port),
+                             "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={data}"],
+                            stdout=open(data / "postgres.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while subprocess.run([bin_dir / "pg_isready", "-h", "127.0.0.1", "-p", str(port)], capture_output=True).returncode:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"PostgreSQL did not start; see {data / 'postgres.log'}")
+        time.sleep(0.2)
+    return f"postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres", proc
+
+
+@pytest.fixture
+def prefect_server_on_postgres(tmp_path: Path) -> Iterator[PrefectServer]:
+    """A Prefect server of this test's own whose database is PostgreSQL."""
+    data = Path(tempfile.mkdtemp(prefix="prefect-postgres-"))
+    try:
+        database_url, postgres = start_postgres(data)
+        try:
+            server, proc = start_server(tmp_path / "prefect-home", database_url=database_url)
+            try:
+                yield server
+            finally:
+                stop(proc)
+        finally:
+            stop(postgres)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
 
 
 class RestartablePrefectServer:

@@ -1,5 +1,6 @@
-"""The alert automation against a real Prefect server: a pretrain run that fails sends one
-notification to a webhook (a local receiver here), naming the run and the stage that failed."""
+"""The alert automation against a real Prefect server on PostgreSQL, as a lasting server with
+automations should run: a pretrain run that fails sends one notification to a webhook (a local
+receiver here), naming the run and the stage that failed."""
 from __future__ import annotations
 
 import json
@@ -41,7 +42,8 @@ def webhook():
 
 
 @pytest.mark.timeout(600)
-def test_a_failed_run_sends_one_notification_naming_the_run_and_the_failed_stage(prefect_server, webhook, tmp_path):
+def test_a_failed_run_sends_one_notification_naming_the_run_and_the_failed_stage(prefect_server_on_postgres, webhook, tmp_path):
+    prefect_server = prefect_server_on_postgres
     url, received = webhook
     env = {**prefect_server.env, "PYTHONPATH": str(ROOT)}
     made = subprocess.run([sys.executable, "-m", "deployments.setup", "--webhook"], env={**env, "GPT_ALERT_WEBHOOK_URL": url},
