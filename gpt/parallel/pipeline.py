@@ -19,21 +19,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from gpt.config import Config
 from gpt.model import GPT
 from gpt.parallel.build import apply_layers, materialise
 from gpt.parallel.dims import ParallelDims
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-             "interleaved-zb": ScheduleInterleavedZeroBubble}
+# torch.distributed.pipelining, which brings TorchDynamo (a second per process), is imported by the
+# runs that build a pipeline only
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+             "interleaved-zb": "ScheduleInterleavedZeroBubble"}
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")      # one stage per rank; the others loop over several
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -124,6 +120,8 @@ class Pipeline:
 def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> Pipeline:
     """This rank's stages of the GPT, with data and tensor parallel inside each, weights initialised
     as the whole model's, and the schedule."""
+    from torch.distributed import pipelining
+
     pp, virtual = config.pipeline_parallel, config.virtual_pipeline_stages
     stages = pp * virtual
     held = stages_of_rank(env.pp_rank, pp, virtual)
@@ -135,11 +133,11 @@ def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> P
     views = [_view(model, layers[s], first=s == 0, last=s == stages - 1) for s in held]
     parts = materialise(model, views, config, env, device)
     pp_group = env.mesh["pp"].get_group()
-    pipe_stages = [PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
+    pipe_stages = [pipelining.PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
     n = config.global_batch_size // (config.micro_batch_size * env.dp_size)
     pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env))
-    kind = SCHEDULES[config.pipeline_schedule]
-    single = kind in (ScheduleGPipe, Schedule1F1B)
+    kind = getattr(pipelining.schedules, SCHEDULES[config.pipeline_schedule])
+    single = config.pipeline_schedule in SINGLE_STAGE_SCHEDULES
     pipeline.schedule = kind(pipe_stages[0] if single else pipe_stages, n_microbatches=n, loss_fn=pipeline.loss,
                              scale_grads=True)
     return pipeline
