@@ -15,6 +15,7 @@ from typing import Any, Callable
 from prefect.exceptions import CancelledRun
 from pydantic import ValidationError
 
+from flows import megatron_flags
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
@@ -44,10 +45,18 @@ def _key_values(items: list[str], fields: dict[str, Any] | None, flag: str, grou
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
-    """Flow parameters from command-line flags (unset flags keep the flow's defaults). Raises
-    ParameterError naming every bad flag value, in the plan's format."""
+    """Flow parameters from command-line flags (unset flags keep the flow's defaults; Megatron-LM's
+    flags are taken as flows.megatron_flags translates them). Raises ParameterError naming every bad
+    flag value, in the plan's format."""
+    argv = sys.argv[1:] if argv is None else argv
+    if megatron_flags.is_megatron(argv):
+        try:
+            argv = megatron_flags.translate(argv)
+        except megatron_flags.MegatronFlagError as e:
+            raise ParameterError(e.problems) from None
     p = argparse.ArgumentParser(prog="python -m flows.pretrain", description="Pretrain a GPT: the pretrain flow, run here.")
-    p.add_argument("--model", help="preset name, e.g. tiny, gpt3-125m, gpt3-1.3b")
+    p.add_argument("--model", help="preset name, e.g. tiny, gpt3-125m, gpt3-1.3b, tiny-llama, llama3-8b "
+                                   "(Megatron-LM's pretrain_gpt.py flags work too: README)")
     p.add_argument("--source", action="append", default=[], help="JSONL or Parquet input: s3:// URI, path or glob "
                                                                  "(repeatable)")
     p.add_argument("--prefix", nargs=2, action="append", default=[], metavar=("WEIGHT", "PREFIX"),

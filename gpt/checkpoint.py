@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from gpt.config import ConfigError
 from gpt.distributed import barrier
 from gpt.files import WriteError
-from gpt.model import plain_name
+from gpt.model import plain_name, tied
 from gpt.parallel.xla import sharded_names
 
 MARKER = "COMPLETE"
@@ -146,7 +146,7 @@ def optimizer_names(model: nn.Module) -> dict[str, str]:
     whole model names the tied parameter)."""
     names = part_names(model)
     inner = getattr(model, "module", model)  # unwrapped from DDP
-    if inner.wte is None and inner.lm_head is not None:
+    if inner.wte is None and inner.lm_head is not None and tied(inner.config):
         names["lm_head.weight"] = "wte.weight"
     return names
 

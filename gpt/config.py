@@ -28,6 +28,37 @@ def _gpt3(layers: int, hidden: int, heads: int, lr: float, batch: int) -> dict[s
             "micro_batch_size": 1, "global_batch_size": batch, "lr": lr, "min_lr": lr / 10, **_GPT3_SCHEDULE}
 
 
+def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, lr: float, tied: bool = False) -> dict[str, Any]:
+    """Llama 3's block (Grattafiori et al., 2024, Table 3): rotary positions (base 500,000), RMSNorm,
+    SwiGLU, grouped-query attention, no biases; 8192-token sequences, a batch of 4M tokens."""
+    return {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "num_query_groups": groups,
+            "ffn_hidden_size": ffn, "seq_length": 8192, "micro_batch_size": 1, "global_batch_size": 512,
+            "lr": lr, "min_lr": lr / 100, "train_iters": 1_200_000, "lr_warmup_iters": 8000, **LLAMA_BLOCK,
+            "untie_embeddings_and_output_weights": not tied}
+
+
+# The architecture fields and the GPT-3 block they describe (a preset that names none of them).
+GPT3_BLOCK: dict[str, Any] = {"position_embedding_type": "learned_absolute", "rotary_base": 10000,
+                              "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
+                              "untie_embeddings_and_output_weights": False, "add_bias_linear": True}
+LLAMA_BLOCK: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": 500000, "normalization": "RMSNorm",
+                               "norm_epsilon": 1e-5, "swiglu": True, "add_bias_linear": False}
+
+# What a model is: its size and its block. Weights fit a model only of the same shape.
+ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                *GPT3_BLOCK)
+
+
+def shape_differences(theirs: Config, ours: Config, also: tuple[str, ...] = ()) -> list[str]:
+    """Where two models' shapes differ (and the fields ``also`` named), as ``field: theirs there,
+    ours here``; learned positions count, rotary ones hold no weights."""
+    names = [*ARCHITECTURE, *also]
+    if ours.position_embedding_type == "learned_absolute":
+        names.append("max_position_embeddings")
+    return [f"{n}: {getattr(theirs, n)} there, {getattr(ours, n)} here" for n in names
+            if getattr(theirs, n) != getattr(ours, n)]
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough to train a few hundred iterations on two CPU cores in a minute or two.
     "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
@@ -51,6 +82,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-76.1b": _gpt3(60, 10240, 80, 0.6e-4, 1792),
     "gpt-145.6b": _gpt3(80, 12288, 96, 0.6e-4, 2304),
     "gpt-310.1b": _gpt3(96, 16384, 128, 0.6e-4, 2160),
+    # The Llama block at this machine's size: grouped K/V (2 query heads per group), untied output.
+    "tiny-llama": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2,
+                   "ffn_hidden_size": 352, "seq_length": 128, "micro_batch_size": 8, "global_batch_size": 16,
+                   "lr": 2e-3, "min_lr": 2e-4, "train_iters": 300, "lr_warmup_iters": 30, **LLAMA_BLOCK,
+                   "rotary_base": 10000, "untie_embeddings_and_output_weights": True},
+    # Llama 3.2 1B (tied embeddings) and Llama 3 / 3.1 8B, 70B, 405B: the published shapes.
+    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, 3e-4, tied=True),
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, 3e-4),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, 1.5e-4),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248, 0.8e-4),
 }
 
 # The tensor x pipeline layout each preset was published with on GPU clusters: Megatron-LM's scaling
@@ -59,6 +100,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 GPU_LAYOUTS: dict[str, tuple[int, int]] = {
     "gpt-1.7b": (1, 1), "gpt-3.6b": (2, 1), "gpt-7.5b": (4, 1), "gpt-18.4b": (8, 1), "gpt-39.1b": (8, 2),
     "gpt-76.1b": (8, 4), "gpt-145.6b": (8, 8), "gpt-310.1b": (8, 16), "gpt3-175b": (8, 16),
+    # Llama 3 (Grattafiori et al., 2024, Table 4: 405B on 8 x 16; NeMo's recipes for the others).
+    "llama3.2-1b": (1, 1), "llama3-8b": (1, 1), "llama3-70b": (4, 4), "llama3-405b": (8, 16),
 }
 
 _SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
@@ -73,6 +116,8 @@ _CHOICES = {
     "compile_scope": ("auto", "blocks", "model"),
     "activation_checkpointing_scope": ("block", "attention", "mlp"),
     "pipeline_schedule": ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"),
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
 }
 _INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")
 
@@ -100,6 +145,17 @@ class ModelSection:
     seq_length: int | None = None
     max_position_embeddings: int | None = None  # defaults to seq_length
     vocab_size: int = GPT2_VOCAB_SIZE          # tokenizer size; the model pads it (padded_vocab_size)
+    # The block, named as Megatron-LM names it; a preset fills what is left as None (GPT3_BLOCK when
+    # the preset names none of them).
+    position_embedding_type: str | None = None  # "learned_absolute" (GPT-3) or "rope" (rotary, Llama)
+    rotary_base: int | None = None             # rope's theta
+    normalization: str | None = None           # "LayerNorm" or "RMSNorm"
+    norm_epsilon: float | None = None
+    swiglu: bool | None = None                 # SiLU-gated MLP of three matrices instead of GELU's two
+    ffn_hidden_size: int | None = None         # the MLP's inner size (default 4 x hidden_size)
+    num_query_groups: int | None = None        # key/value heads, each shared by a group of query heads (default: one per head)
+    untie_embeddings_and_output_weights: bool | None = None
+    add_bias_linear: bool | None = None        # biases in the linear layers
 
 
 @dataclass(frozen=True)
@@ -164,7 +220,7 @@ class RunSection:
     keep_last: int = 2
     benchmark: bool = False                    # no evaluation
     peak_flops: float | None = None            # per device, for MFU; default from gpt.backend.PEAK_FLOPS
-    init_from_hf: str | None = None            # a HuggingFace GPT-2 folder (gpt.export) to start from
+    init_from_hf: str | None = None            # a HuggingFace GPT-2 or Llama folder (gpt.export) to start from
     init_from: str | None = None               # a checkpoint folder of another run to start a new run from
     init_from_optimizer: bool = False          # with init_from: its optimizer state too, not only the weights
     hang_timeout_s: float | None = None        # no rank advancing this long: hung (None: from the step time)
@@ -194,6 +250,13 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
                      "micro_batch_size", "global_batch_size", "lr", "min_lr"):
             if getattr(self, name) is None:
                 self._set(name, preset[name])
+        for name, default in GPT3_BLOCK.items():
+            if getattr(self, name) is None:
+                self._set(name, preset.get(name, default))
+        for name, default in (("ffn_hidden_size", 4 * self.hidden_size if isinstance(self.hidden_size, int) else None),
+                              ("num_query_groups", self.num_attention_heads)):
+            if getattr(self, name) is None:
+                self._set(name, preset.get(name, default) if self.hidden_size == preset["hidden_size"] else default)
         self._fill_schedule(preset)
         if self.max_position_embeddings is None:
             self._set("max_position_embeddings", self.seq_length)
@@ -311,7 +374,7 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
                 found.append((name, f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}"))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                      "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel",
-                     "virtual_pipeline_stages", "log_interval",
+                     "virtual_pipeline_stages", "ffn_hidden_size", "num_query_groups", "rotary_base", "log_interval",
                      "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
             if any(field == name for field, _ in found):
                 continue
@@ -327,6 +390,7 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
         if self.num_attention_heads % self.tensor_parallel:
             found.append(("num_attention_heads", f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
                          f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count"))
+        found += self._block_problems()
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         if world_size % model_parallel:
             found.append(("", f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel} x "
@@ -344,6 +408,25 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
                          f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"))
         found += self._schedule_problems()
         found += self._other_problems(dp)
+        return found
+
+    def _block_problems(self) -> list[Problem]:
+        found: list[Problem] = []
+        groups, heads, tp = self.num_query_groups, self.num_attention_heads, self.tensor_parallel
+        if heads % groups:
+            found.append(("num_query_groups", f"num_query_groups={groups} does not divide num_attention_heads={heads}: "
+                         "each key/value head serves the same number of query heads"))
+        elif groups % tp:
+            found.append(("num_query_groups", f"num_query_groups={groups} is not divisible by tensor_parallel={tp}: each "
+                         "tensor-parallel rank holds whole key/value groups; pick a tensor_parallel that divides "
+                         f"{groups}"))
+        if self.ffn_hidden_size % tp:
+            found.append(("ffn_hidden_size", f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tensor_parallel={tp}"))
+        if self.position_embedding_type == "rope" and (self.hidden_size // heads) % 2:
+            found.append(("position_embedding_type", f"rope rotates pairs of a head's dimensions: the head size "
+                         f"{self.hidden_size // heads} (hidden_size / num_attention_heads) must be even"))
+        if self.norm_epsilon <= 0:
+            found.append(("norm_epsilon", f"norm_epsilon={self.norm_epsilon}: must be positive"))
         return found
 
     def _pipeline_problems(self, dp: int) -> list[Problem]:

@@ -1,9 +1,11 @@
-"""A trained run as a HuggingFace GPT-2 folder, and such a folder back as our model.
+"""A trained run as a HuggingFace GPT-2 or Llama folder, and such a folder back as our model.
 
     python -m gpt.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--vocab-file F --merge-file F]
 
-writes ``config.json`` (GPT2LMHeadModel), ``model.safetensors`` (the real vocabulary only, no
-padding rows; the output layer tied to the embedding as GPT-2 has it), ``generation_config.json``
+writes ``config.json`` (GPT2LMHeadModel for GPT-3's block, LlamaForCausalLM for Llama's),
+``model.safetensors`` (the real vocabulary only, no padding rows; q, k and v apart as both
+architectures keep them; rotary positions in HuggingFace Llama's convention, which ours is, so the
+weights are the same numbers), ``generation_config.json``
 and the tokenizer (``vocab.json``, ``merges.txt``, ``tokenizer.json``, ``tokenizer_config.json``),
 which ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load with no code of
 ours. The checkpoint may have been saved under any parallel layout (DDP, FSDP2, tensor parallel):
@@ -30,9 +32,9 @@ from pathlib import Path
 import torch
 
 from gpt.checkpoint import Checkpointer, load_whole_model
-from gpt.config import Config
+from gpt.config import GPT3_BLOCK, Config
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
-from gpt.model import GPT, split_qkv
+from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, split_qkv, tied
 from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
@@ -48,7 +50,46 @@ class ExportError(ValueError):
 
 # ---------------------------------------------------------------- our names <-> GPT-2's
 
+def family(config: Config) -> str:
+    """The HuggingFace architecture that computes this model's block: "gpt2" or "llama"."""
+    if all(getattr(config, name) == value for name, value in GPT3_BLOCK.items()) and \
+            config.ffn_hidden_size == 4 * config.hidden_size and config.num_query_groups == config.num_attention_heads:
+        return "gpt2"
+    if config.position_embedding_type == "rope" and config.normalization == "RMSNorm" and config.swiglu:
+        return "llama"
+    raise ExportError(f"no HuggingFace architecture computes this block (position_embedding_type="
+                      f"{config.position_embedding_type}, normalization={config.normalization}, swiglu={config.swiglu}, "
+                      "...): GPT-2's is learned_absolute + LayerNorm + GELU, Llama's rope + RMSNorm + SwiGLU")
+
+
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The HuggingFace architecture's tensors for our model (see ``family``)."""
+    if family(model.config) == "llama":
+        return to_hf_llama_state_dict(model)
+    return to_hf_gpt2_state_dict(model)
+
+
+def to_hf_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's tensors: q, k and v projections apart; no lm_head where it is tied."""
+    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    config = model.config
+    vocab, heads, groups = config.vocab_size, config.num_attention_heads, config.num_query_groups
+    hf = {"model.embed_tokens.weight": ours["wte.weight"][:vocab], "model.norm.weight": ours["ln_f.weight"]}
+    if not tied(config):
+        hf["lm_head.weight"] = ours["lm_head.weight"][:vocab]
+    for i in range(config.num_layers):
+        o, h = f"h.{i}.", f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            if o + f"attn.qkv.{kind}" in ours:
+                for name, t in zip("qkv", split_qkv(ours[o + f"attn.qkv.{kind}"], heads, groups)):
+                    hf[h + f"self_attn.{name}_proj.{kind}"] = t
+            for name, theirs in LLAMA_NAMES.items():
+                if o + f"{name}.{kind}" in ours:
+                    hf[h + f"{theirs}.{kind}"] = ours[o + f"{name}.{kind}"]
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+def to_hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel's tensors (HF's Conv1D keeps weights as (in, out); all of q, then k, then v)."""
     ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     vocab, heads = model.config.vocab_size, model.config.num_attention_heads
@@ -67,6 +108,25 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def hf_config(config: Config, eod_id: int | None) -> dict:
+    """The HuggingFace configuration of our model (see ``family``)."""
+    if family(config) == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups, "head_dim": config.hidden_size // config.num_attention_heads,
+            "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+            "rms_norm_eps": config.norm_epsilon, "rope_theta": float(config.rotary_base), "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rotary_base)},
+            "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
+            "tie_word_embeddings": tied(config), "initializer_range": 0.02, "attention_dropout": 0.0,
+            "pretraining_tp": 1, "use_cache": True, "bos_token_id": eod_id, "eos_token_id": eod_id,
+            "torch_dtype": "float32",
+        }
+    return gpt2_config(config, eod_id)
+
+
+def gpt2_config(config: Config, eod_id: int | None) -> dict:
     """GPT2Config fields for our configuration (GELU with the tanh approximation is GPT-2's gelu_new)."""
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
@@ -79,10 +139,12 @@ def hf_config(config: Config, eod_id: int | None) -> dict:
 
 
 def config_from_hf(hf: dict) -> Config:
-    """Our Config for a GPT2Config; refuses what our model does not compute the same way."""
+    """Our Config for a GPT2Config or a LlamaConfig; refuses what our model does not compute the same way."""
+    if hf.get("model_type") == "llama":
+        return llama_config_from_hf(hf)
     problems = []
     if hf.get("model_type") != "gpt2":
-        problems.append(f"model_type={hf.get('model_type')!r} (only GPT-2 folders)")
+        problems.append(f"model_type={hf.get('model_type')!r} (only GPT-2 and Llama folders)")
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         problems.append(f"activation_function={hf['activation_function']!r} (ours is GELU, tanh approximation)")
     if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
@@ -98,15 +160,53 @@ def config_from_hf(hf: dict) -> Config:
                   max_position_embeddings=hf["n_positions"], mock_data=True, device="cpu", precision="fp32")
 
 
+def llama_config_from_hf(hf: dict) -> Config:
+    """Our Config for a LlamaConfig; refuses what our model does not compute the same way."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (ours is SwiGLU: SiLU)")
+    rope = hf.get("rope_parameters") or {}            # transformers 5; rope_theta and rope_scaling before
+    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+    if scaling:
+        problems.append(f"rope scaling {scaling!r} (ours rotates by the plain rope_theta frequencies)")
+    if hf.get("head_dim") not in (None, hidden // heads):
+        problems.append(f"head_dim={hf['head_dim']} (ours is hidden_size / num_attention_heads = {hidden // heads})")
+    if hf.get("pretraining_tp", 1) != 1:
+        problems.append(f"pretraining_tp={hf['pretraining_tp']}")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        problems.append("attention_bias and mlp_bias differ (ours has biases in every linear layer or in none)")
+    if problems:
+        raise ExportError("this Llama folder uses what our model does not compute: " + "; ".join(problems))
+    positions = hf.get("max_position_embeddings", 8192)
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if theta != int(theta):
+        raise ExportError(f"rope_theta={theta}: ours takes a whole number (rotary_base)")
+    return Config(model="tiny-llama", vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"],
+                  hidden_size=hidden, num_attention_heads=heads,
+                  num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+                  rotary_base=int(theta), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                  untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                  add_bias_linear=bool(hf.get("attention_bias", False)), seq_length=positions,
+                  max_position_embeddings=positions, mock_data=True, device="cpu", precision="fp32")
+
+
 def load_hf(folder: str | os.PathLike) -> GPT:
-    """Our GPT with the weights of a HuggingFace GPT-2 folder (config.json + model.safetensors)."""
+    """Our GPT with the weights of a HuggingFace GPT-2 or Llama folder (config.json + model.safetensors)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     config = config_from_hf(json.loads((folder / "config.json").read_text()))
     model = GPT(config)
-    model.load_hf_gpt2(load_file(str(folder / "model.safetensors")))
+    model.load_state_dict(ours_from_hf(load_file(str(folder / "model.safetensors")), config))
     return model
+
+
+def ours_from_hf(weights: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+    """A HuggingFace state dict of ``config``'s architecture under our names, the vocabulary padded."""
+    if family(config) == "llama":
+        return hf_llama_to_ours(weights, config.padded_vocab_size(), config)
+    return hf_to_ours(weights, config.padded_vocab_size(), config.num_attention_heads)
 
 
 # ---------------------------------------------------------------- reading a run

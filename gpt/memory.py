@@ -40,10 +40,32 @@ class RankMemory:
 
 # Activations kept per layer for one micro-batch, in units of sequence x micro-batch x hidden x 2 bytes
 # (Korthikanti et al., 2022, without dropout masks, and without attention scores, which flash
-# attention never stores): 8 held whole on every tensor-parallel rank, 24 split over them; of the
-# 32, the attention's are 10 and the MLP's 18 (the norms' 4 stay).
-_ACTIVATION_WHOLE, _ACTIVATION_SPLIT = 8, 24
-_SCOPE_SAVES = {"attention": 10 / 32, "mlp": 18 / 32}
+# attention never stores). For GPT-3's block: 8 held whole on every tensor-parallel rank, 24 split
+# over them; of the 32, the attention's are 10 and the MLP's 18 (the norms' 4 stay). Of the split
+# ones, the MLP's 16 are its two inner tensors (4 x hidden each), and the attention's 8 hold q, k and
+# v (2 each) and its output: grouped K/V shrinks k and v, SwiGLU keeps four inner tensors of
+# ffn_hidden_size (gate, up, SiLU and product).
+_ACTIVATION_WHOLE = 8
+
+
+def _split_activations(config: Config) -> tuple[float, float]:
+    """The attention's and the MLP's activations split over tensor-parallel ranks, in those units."""
+    h, groups, heads = config.hidden_size, config.num_query_groups, config.num_attention_heads
+    attention = 8 - 4 * (1 - groups / heads)
+    mlp = 16 * config.ffn_hidden_size / (4 * h) * (2 if config.swiglu else 1)
+    return attention, mlp
+
+
+def block_parameters(config: Config, t: int = 1) -> int:
+    """One block's parameters on a tensor-parallel rank of ``t``: its matrices split, norms and
+    output biases whole."""
+    h, groups, heads = config.hidden_size, config.num_query_groups, config.num_attention_heads
+    qkv = (heads + 2 * groups) * (h // heads)
+    inner = config.ffn_hidden_size * (2 if config.swiglu else 1)
+    matrices = h * qkv + h * h + h * inner + config.ffn_hidden_size * h
+    norms = (4 if config.normalization == "LayerNorm" else 2) * h
+    biases = (qkv + inner) // t + 2 * h if config.add_bias_linear else 0
+    return matrices // t + norms + biases
 
 
 def rank_memory(config: Config, world_size: int) -> RankMemory:
@@ -54,7 +76,7 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
     h, s, b = config.hidden_size, config.seq_length, config.micro_batch_size
     vocab = config.padded_vocab_size()
     layers = config.num_layers // pp
-    block = (12 * h * h) // t + 13 * h
+    block = block_parameters(config, t)
     element = 4 if config.precision == "fp32" else 2
     micro_batches = max(1, config.global_batch_size // (b * dp))
     if pp == 1:
@@ -64,9 +86,12 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
     else:   # 1F1B: the first stage holds pp micro-batches (interleaving adds (pp - 1) / (pp x v)), the last one
         first_in_flight = min(micro_batches, pp) * (1 + ((pp - 1) / (pp * v) if v > 1 else 0))
         last_in_flight = 1.0
-    per_layer = s * b * h * (_ACTIVATION_WHOLE + _ACTIVATION_SPLIT / t) * element / 2
+    attention_split, mlp_split = _split_activations(config)
+    units = _ACTIVATION_WHOLE + (attention_split + mlp_split) / t
+    per_layer = s * b * h * units * element / 2
     checkpointed = config.activation_checkpointing
-    saved = _SCOPE_SAVES.get(config.activation_checkpointing_scope, 0) if checkpointed else 0
+    scope_saves = {"attention": (2 + attention_split / t) / units, "mlp": (2 + mlp_split / t) / units}
+    saved = scope_saves.get(config.activation_checkpointing_scope, 0) if checkpointed else 0
 
     def activations(in_flight: float) -> int:
         if checkpointed and config.activation_checkpointing_scope == "block":
@@ -91,9 +116,11 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
         return RankMemory(name, params, STATE_BYTES * params // (dp if fsdp else 1), gathered,
                           activations(in_flight), in_flight, loss)
 
-    positions, final_norm = config.max_position_embeddings * h, 2 * h
+    positions = config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0
+    final_norm = (2 if config.normalization == "LayerNorm" else 1) * h
+    output = embedding if config.untie_embeddings_and_output_weights else 0     # tied: the embedding is it
     if pp == 1:
-        return stage("the only stage", embedding + positions + final_norm, 1.0, loss)
+        return stage("the only stage", embedding + positions + final_norm + output, 1.0, loss)
     return max(stage("the first stage", embedding + positions, first_in_flight, 0),
                stage("the last stage", embedding + final_norm, last_in_flight, loss), key=lambda m: m.total)
 

@@ -14,8 +14,11 @@ from gpt.files import writing
 
 
 def flops_per_token(config: Config, num_params: int) -> float:
-    """Training FLOPs per token: 6 x parameters plus attention's 12 x layers x hidden x sequence."""
-    return 6 * num_params + 12 * config.num_layers * config.hidden_size * config.seq_length
+    """Training FLOPs per token: 6 x the parameters that multiply (all but an embedding that is no
+    output layer: a lookup) plus attention's 12 x layers x hidden x sequence (query heads count;
+    grouped K/V and SwiGLU's third matrix are in the parameters)."""
+    lookup = config.padded_vocab_size() * config.hidden_size if config.untie_embeddings_and_output_weights else 0
+    return 6 * (num_params - lookup) + 12 * config.num_layers * config.hidden_size * config.seq_length
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_per_device: float | None, devices: int) -> float | None:

@@ -1,9 +1,11 @@
-"""A GPT-2/GPT-3 language model in one file.
+"""A GPT-2/GPT-3 or Llama language model in one file.
 
-Learned position embeddings, pre-LayerNorm blocks, causal self-attention through
-scaled_dot_product_attention (q, k and v from one fused projection), a 4x GELU MLP, a final
-LayerNorm and an output layer tied to the token embedding, whose cross-entropy is taken a chunk of
-tokens at a time (linear_cross_entropy): in training, the logits of a whole batch never exist.
+Pre-norm blocks, causal self-attention through scaled_dot_product_attention (q, k and v from one
+fused projection), an MLP, a final norm and an output layer whose cross-entropy is taken a chunk of
+tokens at a time (linear_cross_entropy): in training, the logits of a whole batch never exist. The
+block is GPT-3's by default (learned positions, LayerNorm, a 4x GELU MLP, multi-head attention, the
+output layer tied to the token embedding, biases) and Llama's with the Config's architecture fields
+(rotary positions, RMSNorm, SwiGLU, grouped-query attention, an output layer of its own, no biases).
 Parallelism, activation checkpointing and compilation are applied from outside (gpt.parallel).
 This file holds the math, and only what lets a layout apply itself to it: a weight's initial value
 by name (each rank keeps its part), a hook to put a split output layer back together
@@ -26,34 +28,64 @@ from gpt.config import Config
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
-        h = config.hidden_size
-        # q, k and v in one GEMM. The rows go head by head (q, k, v of head 0, then of head 1, ...):
-        # tensor parallelism splits the rows into contiguous blocks, so each rank gets whole heads.
-        self.qkv = nn.Linear(h, 3 * h)
-        self.c_proj = nn.Linear(h, h)
-        self.head_dim = h // config.num_attention_heads
+        h, heads, groups = config.hidden_size, config.num_attention_heads, config.num_query_groups
+        self.head_dim = h // heads
+        self.heads_per_group = heads // groups
+        # q, k and v in one GEMM. The rows go group by group: the query heads of key/value group 0,
+        # its key, its value, then group 1's (with one group per head: q, k, v of head 0, then of
+        # head 1, ...). Tensor parallelism splits the rows into contiguous blocks, so each rank gets
+        # whole groups.
+        self.qkv = nn.Linear(h, (heads + 2 * groups) * self.head_dim, bias=config.add_bias_linear)
+        self.c_proj = nn.Linear(h, h, bias=config.add_bias_linear)
+        self.rotary_base = config.rotary_base if config.position_embedding_type == "rope" else None
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        # -1 groups: under tensor parallelism each rank holds only its share of them.
+        qkv = self.qkv(x).view(B, T, -1, self.heads_per_group + 2, self.head_dim).permute(0, 2, 3, 1, 4)
+        q = qkv[:, :, :-2].flatten(1, 2)                     # (B, query heads, T, head_dim)
+        k, v = qkv[:, :, -2], qkv[:, :, -1]                  # (B, groups, T, head_dim)
+        if self.rotary_base is not None:
+            start = cache.length if cache is not None else 0
+            cos, sin = rotary(self.rotary_base, self.head_dim, start, T, x.device)
+            q, k = rotate(q, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
         if cache is not None:
             # Generation: a prompt (causal over itself) into an empty cache, then one token at a
             # time, which sees everything before it.
             k, v = cache.extend(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.heads_per_group > 1)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """Separate q, k and v weights (out, in) or biases (out,) as the fused projection's, head by head."""
-    return torch.stack([t.unflatten(0, (heads, -1)) for t in (q, k, v)], dim=1).flatten(0, 2)
+def rotary(base: int, head_dim: int, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (length, head_dim) of the rotary angles of positions start.. start + length: the
+    angle of dimension pair i is position / base^(2i / head_dim); a pair is (i, i + head_dim / 2),
+    the first and second half of a head (HuggingFace Llama's convention, so its weights load as they are)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(start, start + length, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
 
 
-def split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused projection's weight or bias as separate q, k and v (the inverse of fuse_qkv)."""
-    q, k, v = (t.flatten(0, 1) for t in qkv.unflatten(0, (heads, 3, -1)).unbind(dim=1))
-    return q, k, v
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, head_dim) rotated by the angles: each pair (a, b) to (a cos - b sin, b cos + a sin), in fp32."""
+    x = x.float()
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q, k and v weights (out, in) or biases (out,) as the fused projection's, group by group."""
+    return torch.cat([t.unflatten(0, (groups, -1)) for t in (q, k, v)], dim=1).flatten(0, 1)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's weight or bias as separate q, k and v (the inverse of fuse_qkv); one
+    group per head unless ``groups`` says otherwise."""
+    groups = groups or heads
+    per_group = qkv.unflatten(0, (groups, heads // groups + 2, -1))
+    q = per_group[:, :-2].flatten(0, 2)
+    return q, per_group[:, -2].flatten(0, 1), per_group[:, -1].flatten(0, 1)
 
 
 class KVCache:
@@ -76,21 +108,34 @@ class KVCache:
 
 
 class MLP(nn.Module):
+    """GELU (tanh approximation) between two matrices, or SwiGLU: SiLU of a gate times the up
+    projection (c_gate and c_fc), then the down projection."""
+
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, 4 * config.hidden_size)
-        self.c_proj = nn.Linear(4 * config.hidden_size, config.hidden_size)
+        h, inner, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        self.c_gate = nn.Linear(h, inner, bias=bias) if config.swiglu else None
+        self.c_fc = nn.Linear(h, inner, bias=bias)
+        self.c_proj = nn.Linear(inner, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.c_gate is not None:
+            return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+def norm(config: Config) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
 
 
 class Block(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.hidden_size)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -184,12 +229,14 @@ class GPT(nn.Module):
         self.config = config
         self.vocab_size = config.padded_vocab_size()
         self.wte = nn.Embedding(self.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wpe = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                    if config.position_embedding_type == "learned_absolute" else None)
         # Keyed by layer number: a pipeline stage holds some of them under their global names.
         self.h = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
-        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size)
+        self.ln_f: nn.Module | None = norm(config)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if tied(config):
+            self.lm_head.weight = self.wte.weight
         # A pipeline's last stage hands its normalised hidden states to the schedule's loss function
         # (``loss``), which takes the targets; every other stage hands on what its last block made.
         self.emits_hidden = False
@@ -207,9 +254,10 @@ class GPT(nn.Module):
         without the embedding takes hidden states for ``idx``; one without the output layer
         returns hidden states."""
         if self.wte is not None:
-            start = cache[0].length if cache is not None else 0
-            pos = torch.arange(start, start + idx.shape[1], device=idx.device)
-            x = self.wte(idx) + self.wpe(pos)
+            x = self.wte(idx)
+            if self.wpe is not None:
+                start = cache[0].length if cache is not None else 0
+                x = x + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))
         else:
             x = idx
         for i, block in enumerate(self.h.values()):
@@ -229,7 +277,7 @@ class GPT(nn.Module):
                                     self.config.vocab_size)
 
     def output_weight(self) -> torch.Tensor:
-        """The output layer's whole weight (the embedding's, tied)."""
+        """The output layer's whole weight (the embedding's, where tied)."""
         return self.whole_output(self.lm_head.weight)
 
     @torch.no_grad()
@@ -243,6 +291,37 @@ class GPT(nn.Module):
         self.load_state_dict(hf_to_ours(state_dict, self.vocab_size, self.config.num_attention_heads))
 
 
+def tied(config: Config) -> bool:
+    """Whether the output layer is the token embedding."""
+    return not config.untie_embeddings_and_output_weights
+
+
+# Our names of a block's layers -> LlamaForCausalLM's (q, k and v apart: see hf_llama_to_ours).
+LLAMA_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
+               "mlp.c_gate": "mlp.gate_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+
+
+def hf_llama_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int, config: Config) -> dict[str, torch.Tensor]:
+    """A LlamaForCausalLM state dict under our names and layout, the vocabulary padded to ``padded_vocab`` rows."""
+    hf = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    pad = lambda t: F.pad(t, (0, 0, 0, padded_vocab - t.shape[0]))  # noqa: E731
+    ours = {"wte.weight": pad(hf["embed_tokens.weight"]), "ln_f.weight": hf["norm.weight"]}
+    if tied(config):
+        ours["lm_head.weight"] = ours["wte.weight"]
+    else:
+        ours["lm_head.weight"] = pad(hf["lm_head.weight"])
+    for i in range(config.num_layers):
+        o, h = f"h.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            if h + f"self_attn.q_proj.{kind}" in hf:
+                ours[o + f"attn.qkv.{kind}"] = fuse_qkv(*(hf[h + f"self_attn.{n}_proj.{kind}"] for n in "qkv"),
+                                                       config.num_query_groups)
+            for name, theirs in LLAMA_NAMES.items():
+                if h + f"{theirs}.{kind}" in hf:
+                    ours[o + f"{name}.{kind}"] = hf[h + f"{theirs}.{kind}"]
+    return {k: v.contiguous() for k, v in ours.items()}
+
+
 def hf_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int, heads: int) -> dict[str, torch.Tensor]:
     """A GPT2LMHeadModel state dict under our names and layout, the embedding padded to ``padded_vocab`` rows."""
     ours: dict[str, torch.Tensor] = {}
@@ -253,7 +332,7 @@ def hf_to_ours(state_dict: dict[str, torch.Tensor], padded_vocab: int, heads: in
         if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
             # HF's Conv1D stores (in, out): q, k and v side by side along the last dimension.
             q, k, v = (t.t() if key.endswith("weight") else t for t in value.chunk(3, dim=-1))
-            ours[key.replace(".c_attn.", ".qkv.")] = fuse_qkv(q, k, v, heads)
+            ours[key.replace(".c_attn.", ".qkv.")] = fuse_qkv(q, k, v, heads)      # one group per head
         elif key.endswith("c_proj.weight") or key.endswith("c_fc.weight"):
             ours[key] = value.t()
         elif key == "wte.weight":
@@ -273,8 +352,8 @@ def initial_weight(name: str, shape: torch.Size, config: Config) -> torch.Tensor
     """The whole initial value of parameter ``name``, GPT-2's: N(0, 0.02), residual projections
     scaled by 1/sqrt(2 x layers), LayerNorms at one and zero, biases zero. Drawn from a generator
     seeded by (seed, name), so it is the same whatever the parallel layout."""
-    # On a pipeline's last stage the output layer is a copy of the (first stage's) embedding.
-    name = "wte.weight" if plain_name(name) == "lm_head.weight" else plain_name(name)
+    # Tied, the output layer is the embedding (on a pipeline's last stage, a copy of the first's).
+    name = "wte.weight" if plain_name(name) == "lm_head.weight" and tied(config) else plain_name(name)
     if ".ln_" in name or name.startswith("ln_f"):
         return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
     if name.endswith("bias"):

@@ -28,7 +28,7 @@ from gpt import heartbeat
 from gpt.backend import Backend, get_backend
 from gpt.checkpoint import Checkpointer, writer_id
 from gpt.compile_cache import save_compile_cache, use_compile_cache
-from gpt.config import Config, ConfigError, parse_overrides, read_config_file
+from gpt.config import Config, ConfigError, parse_overrides, read_config_file, shape_differences
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.distributed import all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
 from gpt.files import WriteError
@@ -193,20 +193,14 @@ def load_hf_weights(model: nn.Module, config: Config) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from gpt.export import config_from_hf
-    from gpt.model import hf_to_ours
+    from gpt.export import config_from_hf, ours_from_hf
 
     folder = Path(config.init_from_hf)
     theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
-    shape = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads")
-    differ = [f"{n}: {getattr(theirs, n)} there, {getattr(config, n)} here" for n in shape
-              if getattr(theirs, n) != getattr(config, n)]
-    if theirs.max_position_embeddings != config.max_position_embeddings:
-        differ.append(f"positions: {theirs.max_position_embeddings} there, {config.max_position_embeddings} here")
+    differ = shape_differences(theirs, config, also=("vocab_size",))
     if differ:
         raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
-    weights = hf_to_ours(load_file(str(folder / "model.safetensors")), config.padded_vocab_size(),
-                         config.num_attention_heads)
+    weights = ours_from_hf(load_file(str(folder / "model.safetensors")), config)
     split = {plain_name(name): shard for name, shard in sharded_names(model).items()}  # gpt.parallel.xla's
     weights = {key: split[key].cut(value) if key in split else value for key, value in weights.items()}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))

@@ -34,7 +34,7 @@ from flows.plan.params import (
 )
 from flows.plan.sizes import device_memory, disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
-from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError
+from gpt.config import ARCHITECTURE, GPU_LAYOUTS, PRESETS, Config, ConfigError, shape_differences
 from gpt.tokenizer import tokenizer_json_files
 from tasks.cluster.config import FLOAT8_GPUS, ClusterConfig, load_cluster
 from tasks.common.uri import is_s3
@@ -49,7 +49,7 @@ from tasks.tokenize.hf_encoder import tokenizer_file
 FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "compile_cache_dir", "precompile", "mock_data",
                           "vocab_size", "init_from"})
 # The preset is the model's shape: the run folder, the plan and the export all name it.
-SHAPE = ("num_layers", "hidden_size", "num_attention_heads")
+SHAPE = ARCHITECTURE
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")    # the whole name: fullmatch
 RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.plan.layout)
 
@@ -217,7 +217,7 @@ def _start_from(training: TrainingParams, layout: Layout, boundary: Boundary, co
     except ConfigError as e:
         errors.append(f"training.init_from: {e}")
         return None
-    differ = _shape_differences(theirs, config)
+    differ = shape_differences(theirs, config)
     if differ:
         errors.append(f"training.init_from: {checkpoint} holds another model ({'; '.join(differ)}); start from a "
                       f"run of {config.model} with these shapes")
@@ -228,7 +228,7 @@ def _start_from(training: TrainingParams, layout: Layout, boundary: Boundary, co
 
 
 def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[str]) -> None:
-    """A HuggingFace folder to start from is readable and holds a GPT-2 of this model's shape."""
+    """A HuggingFace folder to start from is readable and holds a GPT-2 or Llama of this model's shape."""
     if not config.init_from_hf:
         return
     from gpt.export import ExportError, config_from_hf
@@ -250,19 +250,14 @@ def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[st
     try:
         theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
     except KeyError as e:
-        errors.append(f"{field}: {folder}/config.json has no {e} field: it is not a GPT-2 model's configuration")
+        errors.append(f"{field}: {folder}/config.json has no {e} field: it is not a GPT-2 or Llama model's configuration")
         return
     except (ExportError, ValueError, TypeError) as e:
         errors.append(f"{field}: {folder}/config.json: {e}")
         return
-    differ = _shape_differences(theirs, config)
+    differ = shape_differences(theirs, config)
     if differ:
         errors.append(f"{field}: the model in {folder} has another shape ({'; '.join(differ)})")
-
-
-def _shape_differences(theirs: Config, ours: Config) -> list[str]:
-    return [f"{n}: {getattr(theirs, n)} there, {getattr(ours, n)} here"
-            for n in (*SHAPE, "max_position_embeddings") if getattr(theirs, n) != getattr(ours, n)]
 
 
 def _job_config(model: str, training: TrainingParams, where: ClusterConfig | None,
@@ -271,9 +266,10 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     would have on the cluster's ranks added to ``errors``."""
     fields = config_fields(training)
     for name in SHAPE:
-        if name in training.overrides and training.overrides[name] != PRESETS[model][name]:
+        preset = getattr(Config(model=model, mock_data=True), name)
+        if name in training.overrides and training.overrides[name] != preset:
             errors.append(f"training.overrides.{name}: {training.overrides[name]!r}, but preset {model} has "
-                          f"{PRESETS[model][name]}: a run is named after its preset and trains its shape; choose the "
+                          f"{preset}: a run is named after its preset and trains its shape; choose the "
                           "preset of the shape you want")
     world_size = 1
     if where is not None:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpt.backend import DEVICES
 from gpt.config import Config, ConfigError
-from gpt.model import GPT, initial_weight
+from gpt.model import GPT, initial_weight, tied
 from gpt.parallel import data, tensor, xla
 from gpt.parallel.dims import ParallelDims
 
@@ -63,7 +63,7 @@ def materialise(model: GPT, parts: list[GPT], config: Config, env: ParallelDims,
         for part in parts:
             if part is not model:  # a pipeline stage: its own FSDP state takes the new parameters
                 part.to_empty(device=device)
-    if model.wte is not None and model.lm_head is not None:
+    if model.wte is not None and model.lm_head is not None and tied(config):
         model.lm_head.weight = model.wte.weight  # to_empty and the TP plans re-create parameters
     xla.mark(model)
     init_weights(model)

@@ -3,9 +3,9 @@ rank of the ``pp`` mesh dimension holding one stage, or ``virtual_pipeline_stage
 (interleaved: stage s on pipeline rank s mod pp), run by one of torch's schedules.
 
 The embedding goes with the first stage; the final norm, the output layer and the chunked loss with
-the last, which holds its own copy of the (tied) embedding as ``lm_head.weight``: both start equal
-(initialised by the same name) and the two gradients are summed after each backward, as Megatron
-does, so they stay equal. Each rank keeps one GPT of its layers under their global names ("h.7"),
+the last. With the output layer tied, the last holds its own copy of the embedding as
+``lm_head.weight``: both start equal (initialised by the same name) and the two gradients are summed
+after each backward, as Megatron does, so they stay equal; untied, it is a layer of its own. Each rank keeps one GPT of its layers under their global names ("h.7"),
 which the optimizer and the checkpoints see as they see a whole model; its stages are views of it
 that share its layers. Data and tensor parallel apply inside each stage (gpt.parallel.build): FSDP2
 shards each stage; as DDP, the gradients are averaged after the schedule
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpt.config import Config
-from gpt.model import GPT
+from gpt.model import GPT, tied
 from gpt.parallel.build import apply_layers, materialise
 from gpt.parallel.dims import ParallelDims
 
@@ -112,7 +112,7 @@ class Pipeline:
     def norm_parameters(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters the gradient norm counts: the last stage's copy of the embedding once only,
         on the first stage."""
-        if self.is_last and self.model.wte is None:
+        if self.is_last and self.model.wte is None and self.tied is not None:
             return [p for p in parameters if p is not self.model.lm_head.weight]
         return parameters
 
@@ -135,7 +135,7 @@ def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> P
     pp_group = env.mesh["pp"].get_group()
     pipe_stages = [pipelining.PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
     n = config.global_batch_size // (config.micro_batch_size * env.dp_size)
-    pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env))
+    pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env) if tied(config) else None)
     kind = getattr(pipelining.schedules, SCHEDULES[config.pipeline_schedule])
     single = config.pipeline_schedule in SINGLE_STAGE_SCHEDULES
     pipeline.schedule = kind(pipe_stages[0] if single else pipe_stages, n_microbatches=n, loss_fn=pipeline.loss,
@@ -146,7 +146,7 @@ def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> P
 def _keep(model: GPT, keys: list[int], first: bool, last: bool) -> None:
     """Remove from a (meta) model what this rank's stages do not hold."""
     model.h = nn.ModuleDict({str(i): model.h[str(i)] for i in keys})
-    if last and not first:  # the output layer's own copy of the embedding
+    if last and not first and tied(model.config):  # the output layer's own copy of the embedding
         model.lm_head.weight = nn.Parameter(torch.empty_like(model.wte.weight))
     if not first:
         model.wte, model.wpe = None, None
@@ -168,6 +168,8 @@ def _view(model: GPT, layers: range, first: bool, last: bool) -> GPT:
 
 
 def _tied(model: GPT) -> nn.Parameter | None:
+    if not tied(model.config):
+        return None
     if model.wte is not None:
         return model.wte.weight
     return model.lm_head.weight if model.lm_head is not None else None

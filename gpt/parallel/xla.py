@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpt.model import GPT
+from gpt.model import GPT, tied
 from gpt.parallel.gradients import average_on_xla, average_over_group
 
 
@@ -155,30 +155,31 @@ class _GatherRows(torch.autograd.Function):
 class ColumnParallelLinear(nn.Module):
     """A Linear whose output features are split over the group; the output stays split."""
 
-    def __init__(self, in_features: int, out_features: int, group: Group) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True) -> None:
         super().__init__()
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features // group.size))
+        self.bias = nn.Parameter(torch.empty(out_features // group.size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_CopyToGroup.apply(x, self.group), self.weight, self.bias)
 
     def shards(self) -> dict[str, int]:
-        return {"weight": 0, "bias": 0}
+        return {"weight": 0, "bias": 0} if self.bias is not None else {"weight": 0}
 
 
 class RowParallelLinear(nn.Module):
     """A Linear whose input features are split over the group; the output is whole on every rank."""
 
-    def __init__(self, in_features: int, out_features: int, group: Group) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True) -> None:
         super().__init__()
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size))
-        self.bias = nn.Parameter(torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SumOverGroup.apply(F.linear(x, self.weight), self.group) + self.bias
+        y = _SumOverGroup.apply(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
     def shards(self) -> dict[str, int]:
         return {"weight": 1}
@@ -209,14 +210,20 @@ PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 def apply(model: GPT, group: Group) -> None:
     """Replace the model's (meta) layers with their split versions; ``mark`` the parameters once
     they exist on the device."""
-    hidden = model.config.hidden_size
+    config = model.config
+    hidden, inner, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
     model.wte = VocabParallelEmbedding(model.vocab_size, hidden, group)
     for block in model.h.values():
-        block.attn.qkv = ColumnParallelLinear(hidden, 3 * hidden, group)
-        block.attn.c_proj = RowParallelLinear(hidden, hidden, group)
-        block.mlp.c_fc = ColumnParallelLinear(hidden, 4 * hidden, group)
-        block.mlp.c_proj = RowParallelLinear(4 * hidden, hidden, group)
-    model.lm_head.weight = model.wte.weight
+        block.attn.qkv = ColumnParallelLinear(hidden, block.attn.qkv.out_features, group, bias)
+        block.attn.c_proj = RowParallelLinear(hidden, hidden, group, bias)
+        block.mlp.c_fc = ColumnParallelLinear(hidden, inner, group, bias)
+        if block.mlp.c_gate is not None:
+            block.mlp.c_gate = ColumnParallelLinear(hidden, inner, group, bias)
+        block.mlp.c_proj = RowParallelLinear(inner, hidden, group, bias)
+    if tied(config):
+        model.lm_head.weight = model.wte.weight
+    else:
+        model.lm_head = ColumnParallelLinear(hidden, model.vocab_size, group, bias=False)
     model.whole_output = _gathered
 
 

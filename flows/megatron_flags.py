@@ -1,0 +1,205 @@
+"""Megatron-LM's `pretrain_gpt.py` flags, as a Megatron user writes them, for `python -m flows.pretrain`.
+
+    python -m flows.pretrain --tensor-model-parallel-size 8 --num-layers 36 --hidden-size 4096 \\
+        --num-attention-heads 32 --seq-length 2048 --micro-batch-size 1 --global-batch-size 512 \\
+        --lr 1.2e-4 --lr-decay-samples 126953125 --data-path 0.7 corpus_a 0.3 corpus_b --bf16
+
+``translate`` rewrites them into this command's own flags (``--tp``, ``--prefix``, ``--set FIELD=VALUE``)
+before they are parsed, so both spellings give the same run. Without ``--model``, the preset of the
+shape the flags give is chosen. A Megatron flag this project does not support is refused by name;
+one that a run's folder or cluster preset decides here is refused naming what does it instead.
+"""
+from __future__ import annotations
+
+from gpt.config import ARCHITECTURE, PRESETS, Config, ConfigError
+
+# Megatron flag -> this command's flag taking the same value.
+SAME_VALUE = {
+    "--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-size": "--pp",
+    "--micro-batch-size": "--micro-batch-size", "--global-batch-size": "--global-batch-size",
+    "--seq-length": "--seq-length", "--train-iters": "--train-iters", "--train-samples": "--train-samples",
+    "--seed": "--seed", "--split": "--split", "--vocab-file": "--vocab-file", "--merge-file": "--merge-file",
+    "--tokenizer-model": "--tokenizer-model",
+}
+# Megatron flag -> the gpt Config field of the same meaning (set with --set).
+CONFIG_FIELD = {
+    "--num-layers": "num_layers", "--hidden-size": "hidden_size", "--num-attention-heads": "num_attention_heads",
+    "--ffn-hidden-size": "ffn_hidden_size", "--max-position-embeddings": "max_position_embeddings",
+    "--num-query-groups": "num_query_groups", "--position-embedding-type": "position_embedding_type",
+    "--normalization": "normalization", "--norm-epsilon": "norm_epsilon", "--rotary-base": "rotary_base",
+    "--lr": "lr", "--min-lr": "min_lr", "--lr-decay-style": "lr_decay_style", "--lr-decay-iters": "lr_decay_iters",
+    "--lr-decay-samples": "lr_decay_samples", "--lr-warmup-iters": "lr_warmup_iters",
+    "--lr-warmup-samples": "lr_warmup_samples", "--weight-decay": "weight_decay", "--adam-beta1": "adam_beta1",
+    "--adam-beta2": "adam_beta2", "--adam-eps": "adam_eps", "--clip-grad": "clip_grad",
+    "--log-interval": "log_interval", "--eval-interval": "eval_interval", "--eval-iters": "eval_iters",
+    "--save-interval": "save_interval",
+}
+# Megatron switch (no value) -> this command's flags.
+SWITCHES = {
+    "--bf16": ["--precision", "bf16"], "--fp16": ["--precision", "fp16"],
+    "--swiglu": ["--set", "swiglu=true"], "--disable-bias-linear": ["--set", "add_bias_linear=false"],
+    "--untie-embeddings-and-output-weights": ["--set", "untie_embeddings_and_output_weights=true"],
+    "--group-query-attention": [],      # --num-query-groups gives the groups
+}
+# Megatron flags whose job something else does here.
+DECIDED_HERE = {
+    "--save": "the run's folder keeps its checkpoints (--root and --run-name name it)",
+    "--load": "a run resumes from its own folder; --init-from starts a new run from another",
+    "--distributed-backend": "the cluster preset's device decides it (NCCL on GPUs, gloo on CPUs)",
+    "--tensorboard-dir": "every run writes <run>/tensorboard",
+    "--data-cache-path": "the index stage keeps the sample order beside the data (--root)",
+    "--use-mcore-models": "the model is the gpt package's",
+    "--transformer-impl": "the model is the gpt package's",
+    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks the flash kernel itself",
+    "--exit-duration-in-mins": "the cluster preset's time limit ends a job, which saves and requeues",
+}
+TOKENIZER_TYPES = {"GPT2BPETokenizer": "--vocab-file and --merge-file",
+                   "HuggingFaceTokenizer": "--tokenizer-model (a tokenizer.json)"}
+INIT_METHOD_STD = 0.02
+
+
+class MegatronFlagError(ValueError):
+    """Megatron flags that cannot be taken as written; one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def is_megatron(argv: list[str]) -> bool:
+    """Whether the command line uses any flag that only Megatron-LM spells this way."""
+    ours = set(SAME_VALUE.values())
+    return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *DECIDED_HERE, "--data-path",
+                            "--tokenizer-type", "--lr-warmup-fraction", "--init-method-std") and _name(a) not in ours
+               for a in argv)
+
+
+def translate(argv: list[str]) -> list[str]:
+    """``argv`` with Megatron's flags rewritten as this command's; MegatronFlagError names each
+    flag that cannot be. Flags that are this command's own pass unchanged."""
+    out: list[str] = []
+    problems: list[str] = []
+    fields: dict[str, str] = {}
+    warmup_fraction: str | None = None
+    i = 0
+    while i < len(argv):
+        start, (flag, inline) = i, _split(argv[i])
+        values, i = _values(argv, i, inline)
+        if flag in SAME_VALUE:
+            out += [SAME_VALUE[flag], *_one(flag, values, problems)]
+        elif flag in CONFIG_FIELD:
+            for value in _one(flag, values, problems):
+                fields[CONFIG_FIELD[flag]] = value
+        elif flag in SWITCHES:
+            out += SWITCHES[flag]
+            if values:
+                problems.append(f"{flag}: takes no value (got {' '.join(values)})")
+        elif flag in DECIDED_HERE:
+            problems.append(f"{flag}: not used here: {DECIDED_HERE[flag]}")
+        elif flag == "--data-path":
+            out += _data_path(values, problems)
+        elif flag == "--tokenizer-type":
+            for value in _one(flag, values, problems):
+                if value not in TOKENIZER_TYPES:
+                    problems.append(f"--tokenizer-type {value}: not supported; use "
+                                    + " or ".join(f"{k} ({v})" for k, v in TOKENIZER_TYPES.items()))
+        elif flag == "--lr-warmup-fraction":
+            warmup_fraction = next(iter(_one(flag, values, problems)), None)
+        elif flag == "--init-method-std":
+            for value in _one(flag, values, problems):
+                if _number(value) != INIT_METHOD_STD:
+                    problems.append(f"--init-method-std {value}: this project initialises with std {INIT_METHOD_STD} "
+                                    "(GPT-2's, Megatron's default); drop the flag")
+        else:
+            out += argv[start:i]         # this command's own flag, as it was written
+    if warmup_fraction is not None:
+        fields.update(_warmup_from_fraction(warmup_fraction, fields, out, problems))
+    if problems:
+        raise MegatronFlagError(problems)
+    if "--model" not in out and any(f in ARCHITECTURE for f in fields):
+        out += ["--model", preset_of_shape(fields)]
+    return out + [a for name, value in fields.items() for a in ("--set", f"{name}={value}")]
+
+
+def preset_of_shape(fields: dict[str, str]) -> str:
+    """The preset whose architecture is the one the fields give (the fields it leaves out as the
+    preset has them); MegatronFlagError when no preset or several have it."""
+    given = {name: value for name, value in fields.items() if name in ARCHITECTURE}
+    matches = []
+    for name in PRESETS:
+        preset = Config(model=name, mock_data=True)
+        try:
+            shaped = Config(**{**preset.to_dict(), **{k: v for k, v in given.items()}})
+        except ConfigError:
+            continue
+        if all(getattr(shaped, n) == getattr(preset, n) for n in ARCHITECTURE):
+            matches.append(name)
+    if len(matches) == 1:
+        return matches[0]
+    shape = ", ".join(f"{k}={v}" for k, v in given.items())
+    if not matches:
+        raise MegatronFlagError([f"no preset has this shape ({shape}); choose one with --model (python -m flows.pretrain "
+                                 f"--help lists them) and give only the flags it agrees with"])
+    raise MegatronFlagError([f"several presets have this shape ({shape}): {', '.join(matches)}; choose one with --model"])
+
+
+def _warmup_from_fraction(fraction: str, fields: dict[str, str], out: list[str], problems: list[str]) -> dict[str, str]:
+    """Megatron's warmup as a fraction of the decay: the warmup in the decay's unit."""
+    for unit in ("iters", "samples"):
+        decay = fields.get(f"lr_decay_{unit}") or _flag_value(out, f"--train-{unit}")
+        if decay is not None:
+            number = _number(fraction)
+            if number is None or not 0 <= number <= 1:
+                problems.append(f"--lr-warmup-fraction {fraction}: expected a number between 0 and 1")
+                return {}
+            return {f"lr_warmup_{unit}": str(int(number * int(float(decay))))}
+    problems.append("--lr-warmup-fraction: give --lr-decay-iters or --train-iters (or their samples) with it, of "
+                    "which it is a fraction")
+    return {}
+
+
+def _data_path(values: list[str], problems: list[str]) -> list[str]:
+    """--data-path PREFIX, or WEIGHT PREFIX pairs, as --prefix pairs."""
+    if len(values) == 1:
+        return ["--prefix", "1", values[0]]
+    if not values or len(values) % 2 or any(_number(w) is None for w in values[::2]):
+        problems.append(f"--data-path {' '.join(values)}: expected one prefix, or weight and prefix pairs")
+        return []
+    return [a for w, prefix in zip(values[::2], values[1::2]) for a in ("--prefix", w, prefix)]
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+
+def _one(flag: str, values: list[str], problems: list[str]) -> list[str]:
+    if len(values) != 1:
+        problems.append(f"{flag}: expected one value (got {len(values)})")
+        return []
+    return values
+
+
+def _values(argv: list[str], i: int, inline: str | None) -> tuple[list[str], int]:
+    """The values after argv[i] up to the next flag (or its ``=value``), and the index after them."""
+    if inline is not None:
+        return [inline], i + 1
+    j = i + 1
+    while j < len(argv) and not (argv[j].startswith("--") and len(argv[j]) > 2):
+        j += 1
+    return argv[i + 1:j], j
+
+
+def _split(arg: str) -> tuple[str, str | None]:
+    flag, sep, value = arg.partition("=")
+    return (flag, value) if sep and flag.startswith("--") else (arg, None)
+
+
+def _name(arg: str) -> str:
+    return _split(arg)[0]
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None

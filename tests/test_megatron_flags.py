@@ -1,0 +1,83 @@
+"""Megatron-LM's pretrain_gpt.py flags as a Megatron user pastes them: the same flow parameters
+(and so the same run) as this command's own flags; what is not supported is refused by name."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flows.cli import parse_args
+from flows.plan.params import ParameterError
+from tests.fixtures_gpt import ROOT
+
+# A GPT-3-style sbatch's arguments (Megatron's scaling-table 7.5B: 36 layers, 4096 hidden, 32 heads).
+GPT3_MEGATRON = """--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --num-layers 36 --hidden-size 4096
+--num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 512
+--train-samples 146484375 --lr-decay-samples 126953125 --lr-warmup-samples 183105 --lr 1.2e-4 --min-lr 1.2e-5
+--lr-decay-style cosine --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0
+--init-method-std 0.02 --data-path 0.7 /data/a_text_document 0.3 /data/b_text_document --split 969,30,1
+--tokenizer-type GPT2BPETokenizer --vocab-file /data/gpt2-vocab.json --merge-file /data/gpt2-merges.txt --bf16
+--log-interval 10 --eval-interval 1000 --eval-iters 10 --save-interval 1000 --seed 1234""".split()
+GPT3_OURS = """--model gpt-7.5b --tp 4 --pp 1 --seq-length 2048 --micro-batch-size 1 --global-batch-size 512
+--train-samples 146484375 --prefix 0.7 /data/a_text_document --prefix 0.3 /data/b_text_document --split 969,30,1
+--vocab-file /data/gpt2-vocab.json --merge-file /data/gpt2-merges.txt --precision bf16 --seed 1234
+--set num_layers=36 --set hidden_size=4096 --set num_attention_heads=32 --set max_position_embeddings=2048
+--set lr_decay_samples=126953125 --set lr_warmup_samples=183105 --set lr=1.2e-4 --set min_lr=1.2e-5
+--set lr_decay_style=cosine --set weight_decay=0.1 --set adam_beta1=0.9 --set adam_beta2=0.95 --set adam_eps=1e-8
+--set clip_grad=1.0 --set log_interval=10 --set eval_interval=1000 --set eval_iters=10
+--set save_interval=1000""".split()
+
+# Llama 3 8B as Megatron writes it.
+LLAMA_MEGATRON = """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention
+--num-query-groups 8 --ffn-hidden-size 14336 --position-embedding-type rope --rotary-base 500000
+--normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --seq-length 8192
+--micro-batch-size 1 --global-batch-size 512 --train-iters 1000 --lr 3e-4 --lr-warmup-fraction 0.01
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model /data/llama3/tokenizer.json --data-path /data/c_text_document
+--bf16""".split()
+
+
+def _resolved(params: dict) -> dict:
+    """The parameters with the overrides as a mapping (the order flags came in does not matter)."""
+    return {**params, "training": params["training"].model_dump()}
+
+
+def test_a_gpt3_sbatchs_megatron_flags_give_the_parameters_of_our_own():
+    assert _resolved(parse_args(GPT3_MEGATRON)) == _resolved(parse_args(GPT3_OURS))
+
+
+def test_llama3_8b_in_megatrons_flags_is_the_llama3_8b_preset():
+    params = parse_args(LLAMA_MEGATRON)
+    assert params["model"] == "llama3-8b"
+    overrides = params["training"].overrides
+    assert overrides["lr_warmup_iters"] == 10 and overrides["num_query_groups"] == 8 and overrides["swiglu"] is True
+    assert params["tokenizer"].tokenizer_model == "/data/llama3/tokenizer.json"
+    assert [(p.weight, p.prefix) for p in params["data"].prefixes] == [(1.0, "/data/c_text_document")]
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--save", "/ckpt"], "--save: not used here: the run's folder keeps its checkpoints"),
+    (["--distributed-backend", "nccl"], "--distributed-backend: not used here: the cluster preset's device"),
+    (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer: not supported"),
+    (["--init-method-std", "0.006"], "--init-method-std 0.006: this project initialises with std 0.02"),
+    (["--lr-warmup-fraction", "0.01"], "--lr-warmup-fraction: give --lr-decay-iters or --train-iters"),
+    (["--data-path", "0.5", "a", "b"], "--data-path 0.5 a b: expected one prefix, or weight and prefix pairs"),
+])
+def test_what_cannot_be_taken_as_written_is_refused_by_name(flag, message):
+    with pytest.raises(ParameterError) as e:
+        parse_args(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", *flag])
+    assert any(line.startswith(message) for line in e.value.errors), e.value.errors
+
+
+def test_a_shape_no_preset_has_is_refused_naming_it():
+    with pytest.raises(ParameterError, match="no preset has this shape \\(num_layers=7"):
+        parse_args(["--num-layers", "7", "--hidden-size", "768", "--num-attention-heads", "12"])
+
+
+@pytest.mark.timeout(120)
+def test_an_unsupported_megatron_flag_is_one_line_from_the_command():
+    """From the command line: one line naming the flag, no traceback, nothing run."""
+    run = subprocess.run([sys.executable, "-m", "flows.pretrain", "--tensor-model-parallel-size", "2",
+                          "--load", "/ckpt"], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert run.returncode != 0 and "Traceback" not in run.stderr + run.stdout
+    assert "--load: not used here: a run resumes from its own folder" in run.stdout + run.stderr
