@@ -16,6 +16,7 @@ from prefect.exceptions import CancelledRun
 from pydantic import ValidationError
 
 from flows import megatron_flags
+from flows.plan.build import Plan
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
@@ -98,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
                    help="log the run to this experiment tracker (repeatable; credentials from the environment)")
     p.add_argument("--budget-node-hours", type=float, help="above this estimate, wait for approval in the Prefect UI")
     p.add_argument("--budget-cost", type=float, help="the same for the estimated cost (the cluster preset's currency)")
+    p.add_argument("--dry-run", action="store_true", default=None,
+                   help="print the plan (layout, memory per rank, time and cost) and stop: nothing is synced, "
+                        "tokenized or submitted")
     a = p.parse_args(argv)
 
     def pick(**kw: Any) -> dict:
@@ -112,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
             errors.extend(parameter_errors(e, name))
             return None
 
-    params: dict[str, Any] = pick(model=a.model)
+    params: dict[str, Any] = pick(model=a.model, dry_run=a.dry_run)
     params["data"] = group("data", DataParams, **pick(
         sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url, split=a.split,
         prefixes=[{"weight": w, "prefix": pr} for w, pr in a.prefix]))
@@ -136,18 +140,18 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     return params
 
 
-def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any]) -> Path:
+def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any]) -> Plan:
     """The flow's own plan-time checks, made before a Prefect server starts for the run, so that a
     mistake is answered at once; the flow makes them again (its parameters may come from elsewhere).
-    Returns the run folder."""
+    Returns the plan."""
     from flows.plan.approval import with_operator_caps
     from flows.plan.build import make_plan
 
     given = inspect.signature(getattr(pretrain, "fn", pretrain)).bind(**params)
     given.apply_defaults()
-    plan = make_plan(**{name: value for name, value in given.arguments.items() if name != "budget"})
+    plan = make_plan(**{name: value for name, value in given.arguments.items() if name not in ("budget", "dry_run")})
     with_operator_caps(given.arguments["budget"])
-    return plan.run_dir
+    return plan
 
 
 class _WithoutTraceback(logging.Formatter):
@@ -193,10 +197,17 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         params = parse_args(argv)
-        run_dir = refuse_before_prefect(pretrain, params)
+        plan = refuse_before_prefect(pretrain, params)
     except ParameterError as e:
         print(e, file=sys.stderr)
         return 2
+    if params.get("dry_run"):               # the plan is all: no Prefect server, nothing run
+        from flows.plan.artifact import dry_run_rows
+
+        for row in dry_run_rows(plan):
+            print(f"{row['item']:>16}: {row['value']}")
+        return 0
+    run_dir = plan.run_dir
     from deployments.zombies import heartbeats_from_this_process
     from flows.local_server import ensure_api, lasting_api
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process

@@ -19,7 +19,7 @@ from prefect.states import Cancelled
 from flows import data as data_stages
 from flows.local_server import lasting_api
 from flows.plan import approval, estimate, identity, provenance
-from flows.plan.artifact import plan_table
+from flows.plan.artifact import dry_run_table, plan_table
 from flows.plan.build import Plan, make_plan, run_folder_problems
 from flows.plan.params import (
     BudgetParams,
@@ -53,6 +53,7 @@ def pretrain(
     cluster: ClusterParams = ClusterParams(),
     output: OutputParams = OutputParams(),
     budget: BudgetParams = BudgetParams(),
+    dry_run: bool = False,
 ) -> dict:
     """Pretrain a GPT: data from S3 or local files to a trained model and its report.
 
@@ -64,9 +65,13 @@ def pretrain(
         cluster: Where training runs: a preset from deployments/clusters plus overrides.
         output: Root folder on shared storage, run name, and an s3:// URI to upload the run to.
         budget: Node-hours or cost above which the run waits for approval before anything is submitted.
+        dry_run: Only plan: the plan artifact (layout, memory per rank against the device, time and
+            cost) and nothing synced, tokenized or submitted.
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
+    if dry_run:
+        return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
     with RunOwner(plan.run_dir, wait=progress_of_owner(plan.run_dir, plan.config.total_iters)):
         return _pretrain(plan, model, data, tokenizer, output, budget)

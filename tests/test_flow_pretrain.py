@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -167,3 +168,30 @@ def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(har
     assert "holds checkpoints trained on" in changed.message and "set output.run_name" in changed.message.lower()
     states = _task_states(changed.state_details.flow_run_id)
     assert states["tokenize"] == "Completed" and states["index"] == "Completed"
+
+
+@pytest.mark.timeout(300)
+def test_a_dry_run_records_the_plan_and_runs_nothing(harness, tmp_path):
+    """From the UI (the flow's dry_run parameter): the plan artifact with the layout, the memory per
+    rank and the estimate, and nothing synced, tokenized or written under the root. From the command
+    line: the same rows printed, and no Prefect server started."""
+    import subprocess
+    import sys
+
+    from tests.fixtures_gpt import ROOT
+
+    root = tmp_path / "root"
+    state = pretrain(model="tiny-llama", output=OutputParams(root=str(root)), dry_run=True, return_state=True)
+    assert state.is_completed(), state.message
+    rows = {r["item"]: r["value"] for r in state.result()["plan"]}
+    assert rows["model"] == "tiny-llama" and rows["what happens"].startswith("dry run, nothing synced")
+    assert "memory per rank" in rows and "tokens to train" in rows
+    table = _artifacts(state.state_details.flow_run_id)["pretrain-plan"]
+    assert "dry run" in json.dumps(table.data)
+    assert not root.exists()
+    printed = subprocess.run([sys.executable, "-m", "flows.pretrain", "--model", "tiny-llama", "--root", str(root),
+                              "--dry-run"], cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+                             capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert "memory per rank: " in printed.stdout and "Starting temporary server" not in printed.stdout + printed.stderr
+    assert not root.exists()

@@ -256,7 +256,8 @@ def test_the_flow_with_its_data_stages_as_jobs_and_a_tokenizer_json_trains_on_th
     s3_server.put_tree(bucket, "", {f"corpus/part-{i}.jsonl": "".join(lines[i::3]).encode() for i in range(3)})
     model = _tokenizer_json(tmp_path, bpe_vocab)               # with no tokenizer_config.json: its own end-of-text
     s3_server.put(bucket, "llama/tokenizer.json", model)
-    state = pretrain(
+    state = pretrain(                                 # the Llama block, as a Llama tokenizer.json asks
+        model="tiny-llama",
         data=DataParams(sources=[f"s3://{bucket}/corpus/"], endpoint_url=s3_server.endpoint_url, no_sign_request=True),
         tokenizer=TokenizerParams(tokenizer_model=f"s3://{bucket}/llama/"),
         training=TrainingParams(train_iters=2, eval_interval=2, eval_iters=1, log_interval=1,
@@ -276,7 +277,8 @@ def test_the_flow_with_its_data_stages_as_jobs_and_a_tokenizer_json_trains_on_th
     exported = Path(out["export"])                    # the export carries the tokenizer.json and its end of text
     assert (exported / "tokenizer.json").read_bytes() == model.read_bytes()
     assert json.loads((exported / "tokenizer_config.json").read_text())["eos_token"] == "<|end_of_text|>"
-    assert json.loads((exported / "config.json").read_text())["eos_token_id"] == one.eod_id
+    hf_config = json.loads((exported / "config.json").read_text())
+    assert hf_config["eos_token_id"] == one.eod_id and hf_config["architectures"] == ["LlamaForCausalLM"]
     names = [j["name"] for path in (tmp_path / "runs").rglob("*.jobs") for j in job_records(path)]
     assert sorted(names) == ["sync", "tokenize", "tokenize", "tokenize"], names
     assert [j["final"] for j in job_records(Path(out["run_dir"]))] == ["COMPLETED"]      # and training, as ever

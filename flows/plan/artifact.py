@@ -57,6 +57,24 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
     return [{"item": item, "value": value} for item, value in rows]
 
 
+def dry_run_rows(plan: Plan) -> list[dict[str, str]]:
+    """The plan as a dry run shows it: what its folder says will happen and the estimate of time and
+    cost, with the vocabulary as configured (the tokenizer's is known once the data stages ran)."""
+    from flows.plan.estimate import estimate, read_history
+
+    outlook = plan.outlook()
+    cost = estimate(plan.config, plan.cluster, outlook.done, read_history(plan.layout.root))
+    return plan_rows(plan, f"dry run, nothing synced, tokenized or submitted; a run would: {outlook.message}",
+                     estimate=cost.rows())
+
+
+def dry_run_table(plan: Plan) -> list[dict[str, str]]:
+    """The dry run's plan as the run's artifact; its rows."""
+    rows = dry_run_rows(plan)
+    create_table_artifact(rows, key="pretrain-plan", description="The run's plan, a dry run: nothing ran")
+    return rows
+
+
 def plan_table(plan: Plan, outlook: str, warnings: list[str] = (), estimate: list[tuple[str, str]] = (),
                key: str = "pretrain-plan") -> None:
     create_table_artifact(plan_rows(plan, outlook, warnings, estimate), key=key,
