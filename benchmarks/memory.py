@@ -8,8 +8,9 @@ glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), so that a large buffer fr
 all-gathers, one per block and step) goes back to the system, as a GPU's caching allocator reuses it:
 with the default dynamic threshold the heap keeps them, and FSDP2's peak on CPU reads 1.5x higher.
 
-``python -m benchmarks.memory [--model gpt3-125m] [--seq-length 256]`` prints JSON: per layout the
-estimate, the measured peak, and their ratio.
+``python -m benchmarks.memory [--model gpt3-125m] [--seq-length 256] [--set FIELD=VALUE ...]`` prints
+JSON: per layout the estimate, the measured peak, and their ratio. ``--set`` gives any Config field, such
+as a Llama block of GPT-3 125M's size (``--model tiny-llama --set num_layers=12 --set hidden_size=768 ...``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpt.config import Config
+from gpt.config import Config, parse_overrides
 from gpt.distributed import free_port
 from gpt.memory import GIB, rank_memory
 from gpt.tokenizer import GPT2_VOCAB_SIZE
@@ -77,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any gpt Config field")
     args = parser.parse_args(argv)
+    overrides, problems = parse_overrides(args.set)
+    if problems:
+        parser.error("; ".join(message for _, message in problems))
     base = {"model": args.model, "seq_length": args.seq_length, "micro_batch_size": args.micro_batch,
             "global_batch_size": 4 * args.micro_batch, "train_iters": args.iters, "lr_warmup_iters": 0,
             "mock_data": True, "benchmark": True, "device": "cpu", "precision": "fp32", "vocab_size": GPT2_VOCAB_SIZE,
-            "log_interval": args.iters, "save_interval": 10 ** 6}
+            "log_interval": args.iters, "save_interval": 10 ** 6, **overrides}
     rows = []
     for world, change in LAYOUTS:
         fields = {**base, **change}
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                      "measured_gib": round(measured / GIB, 3), "estimate_over_measured": round(estimate.total / measured, 3),
                      "stage": estimate.stage})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"model": args.model, "seq_length": args.seq_length, "micro_batch": args.micro_batch,
+    print(json.dumps({"model": args.model, "overrides": overrides, "seq_length": args.seq_length, "micro_batch": args.micro_batch,
                       "peak": "resident set above the rank's start (VmHWM)", "rows": rows}, indent=1))
     return 0
 

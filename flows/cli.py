@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-model", help="a HuggingFace tokenizer.json (path or s3:// URI) instead of "
                                              "--vocab-file and --merge-file")
+    p.add_argument("--add-bos-token", action="store_true", default=None,
+                   help="with --tokenizer-model: begin each document with the tokenizer's beginning-of-text token")
     p.add_argument("--train-iters", type=int, help="iterations; more than a run reached extends it")
     p.add_argument("--train-samples", type=int)
     p.add_argument("--micro-batch-size", type=int)
@@ -120,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     params["data"] = group("data", DataParams, **pick(
         sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url, split=a.split,
         prefixes=[{"weight": w, "prefix": pr} for w, pr in a.prefix]))
-    params["tokenizer"] = group("tokenizer", TokenizerParams, vocab_file=a.vocab_file, merge_file=a.merge_file,
-                                tokenizer_model=a.tokenizer_model)
+    params["tokenizer"] = group("tokenizer", TokenizerParams, **pick(vocab_file=a.vocab_file, merge_file=a.merge_file,
+                                tokenizer_model=a.tokenizer_model, add_bos_token=a.add_bos_token))
     params["training"] = group("training", TrainingParams, **pick(
         train_iters=a.train_iters, train_samples=a.train_samples, micro_batch_size=a.micro_batch_size,
         global_batch_size=a.global_batch_size, seq_length=a.seq_length, tensor_parallel=a.tensor_parallel,

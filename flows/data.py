@@ -79,11 +79,12 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                               f"the {len(raw.files)} files synced to {raw.dest}"])
     vocab_file, merge_file, tokenizer_file = files
     out_prefix = layout.tokenized(raw.digest, vocab_file, merge_file, data.json_keys,
-                                  tokenizer.train_vocab_size, *filter(None, [tokenizer_file]))
+                                  tokenizer.train_vocab_size, *filter(None, [tokenizer_file]),
+                                  *(["add_bos_token"] if tokenizer.add_bos_token else []))
     train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
     tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), cluster=cluster, vocab_file=vocab_file,
                            merge_file=merge_file, tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
-                           train_vocab_size=train_vocab, intact=tokenized_intact,
+                           train_vocab_size=train_vocab, add_bos_token=tokenizer.add_bos_token, intact=tokenized_intact,
                            origins={str(Path(raw.local_dir) / f.path): f.key for f in raw.files})
     reporting.dataset_table(tokenized)
     warnings = [f"data.sources: {len(names)} {what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"

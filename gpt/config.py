@@ -100,8 +100,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 GPU_LAYOUTS: dict[str, tuple[int, int]] = {
     "gpt-1.7b": (1, 1), "gpt-3.6b": (2, 1), "gpt-7.5b": (4, 1), "gpt-18.4b": (8, 1), "gpt-39.1b": (8, 2),
     "gpt-76.1b": (8, 4), "gpt-145.6b": (8, 8), "gpt-310.1b": (8, 16), "gpt3-175b": (8, 16),
-    # Llama 3 (Grattafiori et al., 2024, Table 4: 405B on 8 x 16; NeMo's recipes for the others).
-    "llama3.2-1b": (1, 1), "llama3-8b": (1, 1), "llama3-70b": (4, 4), "llama3-405b": (8, 16),
+    # Llama 3: NeMo's recipes; 405B in 9 even stages of 14 layers (Meta's 16 stages are uneven, which
+    # this pipeline does not split).
+    "llama3.2-1b": (1, 1), "llama3-8b": (1, 1), "llama3-70b": (4, 4), "llama3-405b": (8, 9),
 }
 
 _SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")

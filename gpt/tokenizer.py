@@ -158,6 +158,17 @@ class Tokenizer:
             return [(self.vocab_file, "vocab.json"), (self.merge_file, "merges.txt")]  # type: ignore[list-item]
         return list(zip(tokenizer_json_files(self.tokenizer_file), ("tokenizer.json", "tokenizer_config.json")))
 
+    def bos_ids(self) -> list[int]:
+        """The ids the tokenizer's post-processor puts before a document's text (Llama 3's
+        ``<|begin_of_text|>``); empty for GPT-2's pair and for a tokenizer.json that adds none."""
+        if self.tokenizer_file is None:
+            return []
+        tok = self.load()
+        plain = tok.encode("a", add_special_tokens=False).ids
+        framed = tok.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(framed) - len(plain) + 1) if framed[i:i + len(plain)] == plain), 0)
+        return framed[:at]
+
     def load(self) -> Any:
         if self.tokenizer_file is not None:
             return load_tokenizer_json(self.tokenizer_file)

@@ -198,3 +198,13 @@ def test_a_run_resumes_under_other_layouts_and_exports_as_one_process(one_proces
     assert ours.keys() == theirs.keys() and not torch.equal(ours["wte.weight"], ours["lm_head.weight"])
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_every_published_layout_runs_its_preset():
+    """Each preset's default GPU layout (TP x PP) passes the plan's checks on 8 data-parallel replicas:
+    the heads, the K/V groups and the layers split as the layout asks."""
+    from gpt.config import GPU_LAYOUTS
+
+    for model, (tp, pp) in GPU_LAYOUTS.items():
+        config = Config(model=model, mock_data=True, tensor_parallel=tp, pipeline_parallel=pp)
+        assert config.problems(tp * pp * 8) == [], model

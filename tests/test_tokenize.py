@@ -412,3 +412,36 @@ def test_a_huggingface_tokenizer_json_gives_its_ids_and_its_end_of_text(tmp_path
     with pytest.raises(TokenizeError, match="replaces --vocab-file"):
         tokenize([src], str(tmp_path / "both"), tokenizer_model=str(path), vocab_file=str(bpe_vocab[0]),
                  merge_file=str(bpe_vocab[1]))
+
+
+@pytest.mark.timeout(120)
+def test_add_bos_token_begins_each_document_as_the_tokenizer_does_at_inference(tmp_path, bpe_vocab):
+    """A tokenizer.json whose post-processor puts <|begin_of_text|> before the text (as Llama 3's does):
+    with add_bos_token every document is that token, the text's ids and the end of text, the ids
+    ``encode`` gives at inference; without it, the documents are as before. GPT-2's files, which add
+    none, are one line naming the option."""
+    from tokenizers import AddedToken, processors
+
+    from gpt.tokenizer import Tokenizer
+
+    path = _tokenizer_json(tmp_path, bpe_vocab)
+    tok = Tokenizer.from_json(path).load()
+    tok.add_special_tokens([AddedToken("<|begin_of_text|>", special=True)])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(path))
+    docs = ["To be, or not to be", "that is the question"]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    framed = tokenize([str(src)], str(tmp_path / "bos" / "corpus"), tokenizer_model=str(path), append_eod=True,
+                      add_bos_token=True)
+    plain = tokenize([str(src)], str(tmp_path / "plain" / "corpus"), tokenizer_model=str(path), append_eod=True)
+    eod = framed.eod_id
+    got = [list(d) for d in MMapIndexedDataset(framed.prefixes["text"])]
+    assert got == [tok.encode(d).ids + [eod] for d in docs] and all(d[0] == bos for d in got)
+    assert [list(d) for d in MMapIndexedDataset(plain.prefixes["text"])] == [
+        tok.encode(d, add_special_tokens=False).ids + [eod] for d in docs]
+    assert framed.digest != plain.digest
+    with pytest.raises(TokenizeError, match="tokenizer.add_bos_token: the tokenizer .* adds no beginning-of-text"):
+        tokenize([str(src)], str(tmp_path / "gpt2" / "corpus"), vocab_file=str(bpe_vocab[0]),
+                 merge_file=str(bpe_vocab[1]), add_bos_token=True)

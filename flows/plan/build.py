@@ -382,6 +382,9 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     _refused("data.profile", boundary.profile(data.profile), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
+    if tokenizer.add_bos_token and not tokenizer.tokenizer_model:
+        errors.append("tokenizer.add_bos_token: GPT-2's files add no beginning-of-text token; it needs a "
+                      "tokenizer_model (a tokenizer.json whose post-processor adds one, as Llama 3's does)")
     if tokenizer.tokenizer_model and tokenizer.vocab_file:
         errors.append("tokenizer.tokenizer_model: a tokenizer.json replaces vocab_file and merge_file; give one or "
                       "the other")

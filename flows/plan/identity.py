@@ -38,7 +38,7 @@ MAY_CHANGE = ("train_iters", "train_samples", "micro_batch_size", "tensor_parall
 
 # Tokenizer parameters added after runs began: they count in a run's identity only when given, so
 # that runs started before them keep their folders.
-ADDED_TOKENIZER = ("tokenizer_model",)
+ADDED_TOKENIZER = ("tokenizer_model", "add_bos_token")
 
 
 def run_identity(model: str, data: DataParams, tokenizer: TokenizerParams, config: Config,
@@ -51,7 +51,7 @@ def run_identity(model: str, data: DataParams, tokenizer: TokenizerParams, confi
     return {"model": model,
             "data": {name: v for name, v in data.model_dump(mode="json").items() if name in DATA},
             "tokenizer": {name: v for name, v in tokenizer.model_dump(mode="json").items()
-                          if v is not None or name not in ADDED_TOKENIZER},
+                          if v not in (None, False) or name not in ADDED_TOKENIZER},
             "training": training}
 
 

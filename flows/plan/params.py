@@ -109,6 +109,9 @@ class TokenizerParams(_Params):
     tokenizer_model: str | None = Field(
         None, description="A HuggingFace tokenizer.json (path or s3:// URI; a tokenizer_config.json beside it "
                           "names the end-of-text token), in place of vocab_file and merge_file")
+    add_bos_token: bool = Field(
+        False, description="Begin each document with the beginning-of-text token the tokenizer.json's "
+                           "post-processor adds (Llama 3's <|begin_of_text|>), as the model sees text at inference")
     train_vocab_size: int | None = Field(
         None, ge=257, description=f"Entries of the BPE trained when no vocab_file is given (empty: {GPT2_VOCAB_SIZE}, "
                                   f"or {SAMPLE_VOCAB_SIZE} for the bundled sample corpus)")

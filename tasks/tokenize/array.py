@@ -49,7 +49,8 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
                         vocab_file: str | None = None, merge_file: str | None = None,
                         json_keys: tuple[str, ...] | list[str] = ("text",), append_eod: bool = True,
                         strict: bool = False, train_vocab_size: int = GPT2_VOCAB_SIZE, train_bytes: int = 256 << 20,
-                        tokenizer_model: str | None = None, tasks: int | None = None) -> TokenizeManifest:
+                        tokenizer_model: str | None = None, tasks: int | None = None,
+                        add_bos_token: bool = False) -> TokenizeManifest:
     """``tasks.tokenize.stage.tokenize`` as an array of ``tasks`` (default: the preset's
     ``data_array_tasks``, or one per node) tasks of ``cluster.data_job()``: the same outputs and
     manifest. The job records and logs are kept in ``<output_prefix>.jobs/``."""
@@ -60,11 +61,11 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
     shards_planned = plan_shards(files, tasks or cluster.data_tasks)
     folder = Path(os.path.abspath(output_prefix) + ".jobs")
     plan = digest({"inputs": [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-                   "tokenizer": [file_digest(f) for f in tokenizer.files], "args": [list(json_keys), append_eod, strict],
+                   "tokenizer": [file_digest(f) for f in tokenizer.files], "args": [list(json_keys), append_eod, strict, *(["add_bos_token"] if add_bos_token else [])],
                    "shards": [[dataclasses.asdict(p) for p in s] for s in shards_planned]}, length=16)
     shard_dir = folder / "shards" / plan
     shard_dir.mkdir(parents=True, exist_ok=True)
-    shards = [Shard(i, tuple(pieces), str(shard_dir / f"{i:05d}"), tokenizer, json_keys, append_eod, strict)
+    shards = [Shard(i, tuple(pieces), str(shard_dir / f"{i:05d}"), tokenizer, json_keys, append_eod, strict, add_bos_token)
               for i, pieces in enumerate(shards_planned)]
     records = run_shards(shards, cluster.data_job(), folder)
     skipped = {kind: sum(r["skipped"][kind] for r in records) for kind in records[0]["skipped"]}
@@ -82,7 +83,8 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
         "join_s": round(joined_s, 3)})
     shutil.rmtree(folder / "shards", ignore_errors=True)      # this plan's, and any an earlier plan left
     _say_skipped(shards, records, skipped)
-    return manifest(files, prefixes, tokenizer, append_eod=append_eod, documents=sum(r["documents"] for r in records),
+    return manifest(files, prefixes, tokenizer, append_eod=append_eod, add_bos_token=add_bos_token,
+                    documents=sum(r["documents"] for r in records),
                     tokens=sum(r["tokens"] for r in records), skipped=skipped)
 
 

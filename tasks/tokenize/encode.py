@@ -72,9 +72,10 @@ class _Encoder:
     """The engine and what to encode, shared by the encoding threads."""
 
     def __init__(self, new_engine: Callable[[], Engine], keys: tuple[str, ...], append_eod: bool,
-                 eod_id: int, dtype: np.dtype, name: str = "tokenizer") -> None:
+                 eod_id: int, dtype: np.dtype, name: str = "tokenizer", bos_ids: tuple[int, ...] = ()) -> None:
         self.new_engine, self.name = new_engine, name
         self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, dtype
+        self.bos_ids = np.asarray(bos_ids, dtype=dtype)
         self.engine = new_engine()
         self.base_rss = _rss_bytes()
 
@@ -116,18 +117,24 @@ class _Encoder:
         return failed
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Flat tokens (with EOD after each document if asked) and per-document lengths."""
+        """Flat tokens (with the beginning-of-text ids before each document and EOD after it, if
+        asked) and per-document lengths."""
         content, lengths = self.engine(texts)
-        if not self.append_eod:
+        before, after = len(self.bos_ids), int(self.append_eod)
+        if not before and not after:
             return content.astype(self.dtype), lengths
-        n = len(lengths)
-        out = np.empty(content.size + n, dtype=self.dtype)
-        ends = np.cumsum(lengths + 1) - 1
+        framed = lengths + before + after
+        out = np.empty(int(framed.sum()), dtype=self.dtype)
+        starts = np.cumsum(framed) - framed
         keep = np.ones(out.size, dtype=bool)
-        keep[ends] = False
+        for i, token in enumerate(self.bos_ids):
+            out[starts + i] = token
+            keep[starts + i] = False
+        if after:
+            out[starts + framed - 1] = self.eod_id
+            keep[starts + framed - 1] = False
         out[keep] = content
-        out[ends] = self.eod_id
-        return out, lengths + 1
+        return out, framed
 
     def chunk(self, data) -> dict:
         """Parse and encode one chunk (bytes of JSONL lines, or a batch of Parquet rows); problems are
@@ -228,6 +235,16 @@ def _result(index: int, future: Future, timeout_s: float) -> dict:
                             "the tokenizer engine is stuck; rerun, and report it if it happens again") from None
 
 
+def bos_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The beginning-of-text ids the tokenizer's post-processor adds; TokenizeError when it adds none."""
+    ids = tuple(tokenizer.bos_ids())
+    if not ids:
+        raise TokenizeError(f"tokenizer.add_bos_token: the tokenizer {tokenizer.tokenizer_file or '(GPT-2 BPE)'} adds "
+                            "no beginning-of-text token to a document (its post-processor names none); drop "
+                            "add_bos_token")
+    return ids
+
+
 def engine_factory(tokenizer: Tokenizer) -> tuple[Callable[[], Engine], bool]:
     """A maker of fresh engines for ``tokenizer``, and whether the engine runs its own threads (one
     chunk at a time then)."""
@@ -251,7 +268,7 @@ class Encoded:
 
 def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: Tokenizer, *, append_eod: bool,
            workers: int, strict: bool, on_chunk: Callable[[], None] = lambda: None,
-           allow_empty: bool = False) -> Encoded:
+           allow_empty: bool = False, add_bos_token: bool = False) -> Encoded:
     """Encode ``pieces`` in order into one ``.bin/.idx`` pair per key of ``prefixes``, written under
     temporary names and renamed once complete; ``on_chunk`` runs after each chunk is written. No
     usable document is an error unless ``allow_empty`` (a shard of a larger input)."""
@@ -264,7 +281,7 @@ def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: Tokenizer, 
     try:
         items = ((i, chunk) for i, piece in enumerate(pieces) for chunk in read_pieces(piece, json_keys))
         encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, best_dtype(tokenizer.vocab_size),
-                           tokenizer.tokenizer_file or "GPT-2 BPE")
+                           tokenizer.tokenizer_file or "GPT-2 BPE", bos_ids(tokenizer) if add_bos_token else ())
         for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
             encoder.renew_if_grown()
             piece = pieces[result["file"]]

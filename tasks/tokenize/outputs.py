@@ -55,12 +55,12 @@ def check_output_folder(output_prefix: str) -> str:
 
 
 def manifest(files: list[str], prefixes: dict[str, str], tokenizer: Tokenizer, *, append_eod: bool,
-             documents: int, tokens: int, skipped: dict[str, int]) -> TokenizeManifest:
+             documents: int, tokens: int, skipped: dict[str, int], add_bos_token: bool = False) -> TokenizeManifest:
     """The manifest of a complete output, however it was written (in this process or joined from shards)."""
     stamp = {
         "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
         "tokenizer": [file_digest(path) for path in tokenizer.files],
-        "args": [list(prefixes), append_eod], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
+        "args": [list(prefixes), append_eod, *(["add_bos_token"] if add_bos_token else [])], "outputs": [file_digest(p + ".idx") for p in prefixes.values()],
     }
     return TokenizeManifest(
         prefixes=prefixes, documents=documents, tokens=tokens, dtype=best_dtype(tokenizer.vocab_size).name,

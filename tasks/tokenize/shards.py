@@ -89,6 +89,7 @@ class Shard:
     json_keys: tuple[str, ...]
     append_eod: bool
     strict: bool
+    add_bos_token: bool = False
 
     @property
     def prefixes(self) -> dict[str, str]:
@@ -109,7 +110,8 @@ class Shard:
         started = time.perf_counter()
         try:
             encoded = encode(list(self.pieces), self.prefixes, self.tokenizer, append_eod=self.append_eod,
-                             workers=cores, strict=self.strict, on_chunk=self._fault, allow_empty=True)
+                             workers=cores, strict=self.strict, on_chunk=self._fault, allow_empty=True,
+                             add_bos_token=self.add_bos_token)
         except TokenizeError as e:
             return ReturnedError(e)
         record = {"pieces": [dataclasses.asdict(p) for p in self.pieces], "documents": encoded.documents,

@@ -47,14 +47,15 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
              merge_file: str | None = None, json_keys: tuple[str, ...] | list[str] = ("text",),
              append_eod: bool = True, workers: int | None = None, strict: bool = False,
              train_vocab_size: int = GPT2_VOCAB_SIZE, train_bytes: int = 256 << 20,
-             tokenizer_model: str | None = None) -> TokenizeManifest:
+             tokenizer_model: str | None = None, add_bos_token: bool = False) -> TokenizeManifest:
     """Tokenize JSONL or Parquet files into one ``.bin/.idx`` pair per JSON key (Parquet: per column).
 
     ``tokenizer_model`` (a HuggingFace tokenizer.json, or its folder) encodes in place of GPT-2's
     files, on the ``tokenizers`` library's threads. Without any tokenizer, a byte-level BPE of
     ``train_vocab_size`` entries is trained on the first ``train_bytes`` of text and saved as
     ``vocab.json``/``merges.txt`` beside the output. ``strict`` stops at the first bad line
-    instead of skipping it.
+    instead of skipping it. ``add_bos_token`` puts the beginning-of-text token a tokenizer.json's
+    post-processor adds (Llama 3's) before each document, as the model will see text at inference.
     """
     json_keys = tuple(json_keys)
     files, tokenizer = inputs_and_tokenizer(inputs, output_prefix, json_keys, vocab_file=vocab_file,
@@ -63,10 +64,11 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     prefixes = output_prefixes(output_prefix, json_keys)
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     encoded = encode([Piece(f) for f in files], prefixes, tokenizer, append_eod=append_eod, workers=workers,
-                     strict=strict)
+                     strict=strict, add_bos_token=add_bos_token)
     if any(encoded.skipped.values()):
         print(f"Skipped lines: {nonzero_counts(encoded.skipped)}", flush=True)
-    return manifest(files, prefixes, tokenizer, append_eod=append_eod, documents=encoded.documents,
+    return manifest(files, prefixes, tokenizer, append_eod=append_eod, add_bos_token=add_bos_token,
+                    documents=encoded.documents,
                     tokens=encoded.tokens, skipped=encoded.skipped)
 
 
@@ -74,14 +76,15 @@ def tokenize_stage(inputs: list[str] | str, output_prefix: str, *, cluster: Clus
                    vocab_file: str | None = None, merge_file: str | None = None,
                    json_keys: tuple[str, ...] | list[str] = ("text",), append_eod: bool = True, strict: bool = False,
                    train_vocab_size: int = GPT2_VOCAB_SIZE, train_bytes: int = 256 << 20,
-                   tokenizer_model: str | None = None, workers: int | None = None) -> TokenizeManifest:
+                   tokenizer_model: str | None = None, workers: int | None = None,
+                   add_bos_token: bool = False) -> TokenizeManifest:
     """The stage as the flow runs it: in this process (on ``workers`` threads), or as a job array on
     the cluster's data partition when its preset says ``data_jobs: true`` (tasks.tokenize.array);
     the same outputs. The options are ``tokenize``'s, named as there, so that the cache key reads
     them alike."""
     options = dict(vocab_file=vocab_file, merge_file=merge_file, json_keys=json_keys, append_eod=append_eod,
                    strict=strict, train_vocab_size=train_vocab_size, train_bytes=train_bytes,
-                   tokenizer_model=tokenizer_model)
+                   tokenizer_model=tokenizer_model, add_bos_token=add_bos_token)
     if cluster is not None and cluster.data_jobs:
         from tasks.tokenize.array import tokenize_on_cluster
 
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizer.json, or the folder holding one")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="the JSON fields, or Parquet columns, to tokenize")
     p.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
+    p.add_argument("--add-bos-token", action="store_true",
+                   help="begin each document with the beginning-of-text token the tokenizer.json adds (Llama 3's)")
     p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE, help="size of the BPE trained when no vocab is given")
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         m = tokenize(a.input, a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,
                      json_keys=a.json_keys, append_eod=a.append_eod, workers=a.workers, strict=a.strict,
-                     train_vocab_size=a.vocab_size, tokenizer_model=a.tokenizer_model)
+                     train_vocab_size=a.vocab_size, tokenizer_model=a.tokenizer_model, add_bos_token=a.add_bos_token)
     except TokenizeError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
