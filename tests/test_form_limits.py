@@ -178,19 +178,25 @@ def test_what_the_ranks_or_the_disk_cannot_hold_is_refused_before_anything_runs(
 def test_a_huggingface_folder_to_start_from_must_be_a_model_of_this_shape(tmp_path):
     folder = tmp_path / "not-a-model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
     assert any(e.startswith("training.overrides.init_from_hf:") and "no model.safetensors" in e for e in errors)
     (folder / "model.safetensors").write_bytes(b"")
     errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
-    assert any("has no 'n_embd' field: it is not a GPT-2 model's configuration" in e for e in errors)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "n_embd": 128}))
+    assert any("has no 'n_embd' field: it is not a GPT-2 or Llama model's configuration" in e for e in errors)
+    (folder / "config.json").write_text(json.dumps({"model_type": "mistral", "n_embd": 128}))
     errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
-    assert any("model_type='llama'" in e for e in errors)
+    assert any("model_type='mistral'" in e for e in errors)
+    (folder / "config.json").write_text(json.dumps({     # a Llama: another block than the tiny GPT's
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 128}))
+    errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
+    assert any("another shape (num_query_groups: 2 there, 4 here; ffn_hidden_size: 352 there, 512 here; "
+               "position_embedding_type: rope there, learned_absolute here" in e for e in errors), errors
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4,
                                                     "n_positions": 128, "vocab_size": 1000}))
     errors = _errors(tmp_path, training=TrainingParams(overrides={"init_from_hf": str(folder)}))
-    assert any("another shape (hidden_size: 64 there, 128 here)" in e for e in errors)
+    assert any("another shape (hidden_size: 64 there, 128 here; ffn_hidden_size: 256 there, 512 here)" in e for e in errors)
 
 
 def test_a_read_only_output_root_is_named(disk):

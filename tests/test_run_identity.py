@@ -92,7 +92,7 @@ def test_init_from_names_a_run_and_starts_from_its_newest_intact_checkpoint(tmp_
         _plan(tmp_path, TrainingParams(init_from="nowhere"))
     _train_a_little(tmp_path / "wide", hidden_size=64)
     with pytest.raises(ParameterError, match=r"training.init_from: .* holds another model \(hidden_size: 64 there, "
-                                             r"128 here\)"):
+                                             r"128 here; ffn_hidden_size: 256 there, 512 here\)"):
         _plan(tmp_path, TrainingParams(init_from="wide"))
 
 
@@ -103,8 +103,10 @@ def test_every_config_field_either_defines_the_run_or_may_change_and_the_readme_
     from flows.plan.build import FLOW_DECIDED
     from gpt.config import Config
 
+    from gpt.config import ARCHITECTURE     # the preset's: a run is named after it
+
     classified = {*identity.DEFINING, *identity.SCHEDULE, *identity.START, *identity.MAY_CHANGE, *FLOW_DECIDED,
-                  "num_layers", "hidden_size", "num_attention_heads", "precompile_iters", "compile_cache_dir"}
+                  *ARCHITECTURE, "precompile_iters", "compile_cache_dir"}
     assert {f.name for f in dataclasses.fields(Config)} - classified == set()
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     table = readme[readme.index("| define the run"):readme.index("The list lives in `flows/plan/identity.py`")]
