@@ -101,9 +101,7 @@ def test_every_config_field_either_defines_the_run_or_may_change_and_the_readme_
 
     from flows.plan import identity
     from flows.plan.build import FLOW_DECIDED
-    from gpt.config import Config
-
-    from gpt.config import ARCHITECTURE     # the preset's: a run is named after it
+    from gpt.config import ARCHITECTURE, Config  # the architecture is the preset's: a run is named after it
 
     classified = {*identity.DEFINING, *identity.SCHEDULE, *identity.START, *identity.MAY_CHANGE, *FLOW_DECIDED,
                   *ARCHITECTURE, "precompile_iters", "compile_cache_dir"}
