@@ -211,7 +211,7 @@ def test_served_nightly_benchmark_carries_its_schedule(served):
     assert deployment["parameters"]["history"] == str(served.work / "benchmarks")
     pretrain = served.server.api("/deployments/name/pretrain/gpt3")
     schema = pretrain["parameter_openapi_schema"]
-    assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget"]
+    assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget", "dry_run"]
 
 
 def test_bad_parameters_are_rejected_before_a_run_is_created(served):
