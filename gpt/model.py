@@ -286,10 +286,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(initial_weight(name, p.shape, self.config))
 
-    def load_hf_gpt2(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a HuggingFace GPT2LMHeadModel state dict (same sizes; vocab rows padded with zeros)."""
-        self.load_state_dict(hf_to_ours(state_dict, self.vocab_size, self.config.num_attention_heads))
-
 
 def tied(config: Config) -> bool:
     """Whether the output layer is the token embedding."""

@@ -5,6 +5,7 @@ import torch
 
 from gpt.config import Config
 from gpt.data import MockGPTDataset
+from gpt.export import ours_from_hf
 from gpt.model import GPT
 from gpt.parallel.dims import ParallelDims
 from gpt.train import micro_batches
@@ -25,7 +26,7 @@ def test_logits_and_loss_match_huggingface_gpt2(vocab, hidden, layers, heads):
                 p.add_(0.1 * torch.randn_like(p))
     config = Config(vocab_size=vocab, seq_length=64, num_layers=layers, hidden_size=hidden, num_attention_heads=heads)
     ours = GPT(config).eval()
-    ours.load_hf_gpt2(hf.state_dict())
+    ours.load_state_dict(ours_from_hf(hf.state_dict(), config))
     assert ours.lm_head.weight is ours.wte.weight
     idx = torch.randint(0, vocab, (2, 64))
     with torch.no_grad():
