@@ -133,6 +133,16 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20)
 
 
 @pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """Flows run in the test's own process report to one temporary Prefect server (SQLite) that
+    every such test of the session shares; tests tell their runs apart by their ids."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     server, proc = start_server(tmp_path_factory.mktemp("prefect-home"))
     try:

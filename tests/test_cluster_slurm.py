@@ -38,14 +38,6 @@ def tiny(**overrides: Any) -> Config:
     return Config.from_preset("tiny", **{**settings, **overrides})
 
 
-@pytest.fixture(scope="module")
-def prefect_api() -> Any:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def flow_logs(flow_run_id: Any) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -88,7 +80,7 @@ def rank_pid(job_id: str, rank: int) -> int | None:
     return None
 
 
-def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: Any, tmp_path: Path) -> None:
+def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_harness: None, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
 
     @flow(name="cluster-two-node")
@@ -115,7 +107,7 @@ def test_two_node_training_streams_to_prefect(slurm_cluster: dict, prefect_api: 
     assert any(f"job {job['job_id']} RUNNING on node[1-2]" in m for m in messages), messages
 
 
-def test_pipeline_stages_on_the_two_nodes_train_as_one_process(slurm_cluster: dict, prefect_api: Any,
+def test_pipeline_stages_on_the_two_nodes_train_as_one_process(slurm_cluster: dict, prefect_harness: None,
                                                                tmp_path: Path) -> None:
     """Pipeline parallel 2 across the local cluster's two nodes, a stage on each, through a flow's
     train task: its checkpoint keeps every tensor under its global name, and the weights are those
@@ -143,7 +135,7 @@ def test_pipeline_stages_on_the_two_nodes_train_as_one_process(slurm_cluster: di
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, prefect_api: Any,
+def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, prefect_harness: None,
                                                           tmp_path: Path, monkeypatch) -> None:
     run_dir = tmp_path / "run"
     iters = 80
@@ -179,7 +171,7 @@ def test_killed_rank_fails_the_task_and_the_retry_resumes(slurm_cluster: dict, p
     assert_weights_equal_an_uninterrupted_run(run_dir)
 
 
-def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_api: Any, tmp_path: Path) -> None:
+def test_cancelling_the_flow_run_scancels_the_job(slurm_cluster: dict, prefect_harness: None, tmp_path: Path) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 

@@ -6,16 +6,9 @@ import json
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.benchmark import QUICK, BenchmarkSpec, benchmark
 from tasks import benchmark_history as bh
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def _artifacts(state) -> dict:
@@ -29,7 +22,7 @@ def _record(metrics: dict[str, float], key: str = "cpu|2|None|0|0") -> dict:
     return {"time": bh.now(), "machine": {"key": key}, "metrics": metrics}
 
 
-def test_quick_suite_appends_one_line_with_every_metric(harness, tmp_path):
+def test_quick_suite_appends_one_line_with_every_metric(prefect_harness, tmp_path):
     state = benchmark(suite=QUICK, history=str(tmp_path), return_state=True)
     assert state.is_completed(), state.message
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
@@ -50,7 +43,7 @@ def test_quick_suite_appends_one_line_with_every_metric(harness, tmp_path):
     assert "data:image/png;base64," in arts["benchmark-trends"].data
 
 
-def test_synthetic_regression_is_flagged_in_the_table(harness, tmp_path):
+def test_synthetic_regression_is_flagged_in_the_table(prefect_harness, tmp_path):
     key = bh.machine_facts()["key"]
     history = [_record({"train-tiny.tokens_per_s": 1e9, "train-tiny.step_time_ms": 1e-6}, key),
                _record({"train-tiny.tokens_per_s": 2e9, "train-tiny.step_time_ms": 1e-6}, "other|machine")]

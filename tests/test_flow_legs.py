@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
 from flows.pretrain import pretrain
@@ -35,12 +34,11 @@ def _leg(small_corpus: Path, root: Path, iters: int, cluster: ClusterParams) -> 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
-def test_legs_on_other_layouts_resume_one_run_with_the_uninterrupted_losses(slurm_cluster, small_corpus, tmp_path):
+def test_legs_on_other_layouts_resume_one_run_with_the_uninterrupted_losses(slurm_cluster, small_corpus, tmp_path, prefect_harness):
     legs = [(10, ClusterParams(preset="slurm-local")),
             (20, ClusterParams(preset="slurm-local", overrides={"nodes": 1, "tasks_per_node": 2})),
             (ITERS, ClusterParams(preset="local"))]
-    with prefect_test_harness(server_startup_timeout=120):
-        runs = [_leg(small_corpus, tmp_path, iters, cluster) for iters, cluster in legs]
+    runs = [_leg(small_corpus, tmp_path, iters, cluster) for iters, cluster in legs]
     run_dir = Path(runs[0]["run_dir"])
     assert {r["run_dir"] for r in runs} == {str(run_dir)}
     assert [len(r["job_ids"]) for r in runs] == [1, 2, 3]          # one job per leg, in one run folder

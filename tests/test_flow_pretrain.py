@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.plan.params import (
     ClusterParams,
@@ -20,12 +19,6 @@ from flows.plan.params import (
     TrainingParams,
 )
 from flows.pretrain import pretrain
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def _run(small_corpus: Path, root: Path, **training):
@@ -52,7 +45,7 @@ def _artifacts(flow_run_id) -> dict[str, object]:
     return {a.key: a for a in arts if a.key}
 
 
-def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, small_corpus, tmp_path):
+def test_runs_every_stage_then_skips_them_with_the_same_parameters(prefect_harness, small_corpus, tmp_path):
     state = _run(small_corpus, tmp_path)
     assert state.is_completed(), state.message
     out = state.result()
@@ -94,7 +87,7 @@ def test_runs_every_stage_then_skips_them_with_the_same_parameters(harness, smal
     assert third.result()["run_dir"] != out["run_dir"]
 
 
-def test_bad_parameters_fail_the_run_before_any_task(harness, tmp_path):
+def test_bad_parameters_fail_the_run_before_any_task(prefect_harness, tmp_path):
     state = pretrain(data=DataParams(sources=[str(tmp_path / "missing.jsonl")]),
                      training=TrainingParams(micro_batch_size=5), output=OutputParams(root=str(tmp_path)),
                      return_state=True)
@@ -107,7 +100,7 @@ def test_bad_parameters_fail_the_run_before_any_task(harness, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_tokenized_prefixes_and_vocabulary_from_s3(harness, small_corpus, tmp_path, s3_server, monkeypatch):
+def test_tokenized_prefixes_and_vocabulary_from_s3(prefect_harness, small_corpus, tmp_path, s3_server, monkeypatch):
     from tasks.tokenize.stage import tokenize
 
     for k, v in s3_server.env.items():
@@ -136,7 +129,7 @@ def test_tokenized_prefixes_and_vocabulary_from_s3(harness, small_corpus, tmp_pa
     assert config["vocab_size"] == made.vocab_size and config["data_index"] == out["index"]
 
 
-def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(harness, small_corpus, tmp_path):
+def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(prefect_harness, small_corpus, tmp_path):
     src = tmp_path / "small_corpus.jsonl"
     src.write_text(small_corpus.read_text())
     root = tmp_path / "root"
@@ -171,7 +164,7 @@ def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(har
 
 
 @pytest.mark.timeout(300)
-def test_a_dry_run_records_the_plan_and_runs_nothing(harness, tmp_path):
+def test_a_dry_run_records_the_plan_and_runs_nothing(prefect_harness, tmp_path):
     """From the UI (the flow's dry_run parameter): the plan artifact with the layout, the memory per
     rank and the estimate, and nothing synced, tokenized or written under the root. From the command
     line: the same rows printed, and no Prefect server started."""

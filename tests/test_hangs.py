@@ -90,12 +90,11 @@ def test_a_hang_on_a_job_that_holds_every_node_resumes_on_the_nodes_there_are(sl
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_hung_in_data_loading_is_found_and_the_prefect_run_shows_where(tmp_path, monkeypatch):
+def test_a_rank_hung_in_data_loading_is_found_and_the_prefect_run_shows_where(tmp_path, monkeypatch, prefect_harness):
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.events.filters import EventFilter, EventNameFilter
-    from prefect.testing.utilities import prefect_test_harness
 
     from tasks.train.stage import train_task
 
@@ -107,21 +106,20 @@ def test_a_rank_hung_in_data_loading_is_found_and_the_prefect_run_shows_where(tm
     def training() -> object:
         return train_task(config, load_cluster("local", tasks_per_node=2))
 
-    with prefect_test_harness(server_startup_timeout=120):
-        state = training(return_state=True)
-        assert state.is_completed(), state.message
-        result = state.result()
-        with get_client(sync_client=True) as client:
-            artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-            (artifact,) = [a for a in artifacts if a.key == "training-hang"]
-            events = []
-            hangs = EventFilter(event=EventNameFilter(name=["gpt.training.hang"]))
-            for _ in range(30):        # events reach the server a moment after they are sent
-                events = client.read_events(hangs, limit=10).events
-                if events:
-                    break
-                time.sleep(1)
+    state = training(return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        (artifact,) = [a for a in artifacts if a.key == "training-hang"]
+        events = []
+        hangs = EventFilter(event=EventNameFilter(name=["gpt.training.hang"]))
+        for _ in range(30):        # events reach the server a moment after they are sent
+            events = client.read_events(hangs, limit=10).events
+            if events:
+                break
+            time.sleep(1)
     (report,) = _hang_reports(Path(result.run_dir))
     assert (report["rank"], report["phase"], report["iteration"]) == (0, "data", 6)
     assert "in at" in _stacks(report)[0]

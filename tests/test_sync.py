@@ -479,13 +479,6 @@ def test_upload_to_missing_bucket(s3: S3Server, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- the Prefect task
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, corpus, tmp_path: Path,
                                                                   prefect_harness) -> None:
     from prefect import flow

@@ -166,9 +166,8 @@ def test_cli_matches_megatron_flags(tmp_path, bpe_vocab):
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr
 
 
-def test_prefect_tasks_are_cached_on_inputs(tmp_path, bpe_vocab):
+def test_prefect_tasks_are_cached_on_inputs(tmp_path, bpe_vocab, prefect_harness):
     from prefect import flow
-    from prefect.testing.utilities import prefect_test_harness
 
     from tasks.index import index_task
     from tasks.tokenize.stage import tokenize_task
@@ -185,12 +184,11 @@ def test_prefect_tasks_are_cached_on_inputs(tmp_path, bpe_vocab):
                               return_state=True) for _ in range(2)]
         return [s.name for s in states]
 
-    with prefect_test_harness():
-        names = pipeline()
-        assert names == ["Completed", "Cached", "Completed", "Cached"]
-        with open(src, "a") as f:  # new input: the cache no longer applies
-            f.write(json.dumps({"text": "more"}) + "\n")
-        assert pipeline()[:2] == ["Completed", "Cached"]
+    names = pipeline()
+    assert names == ["Completed", "Cached", "Completed", "Cached"]
+    with open(src, "a") as f:  # new input: the cache no longer applies
+        f.write(json.dumps({"text": "more"}) + "\n")
+    assert pipeline()[:2] == ["Completed", "Cached"]
 
 
 def test_tiny_chunks_and_engine_rebuilds_keep_ids(tmp_path, bpe_vocab, monkeypatch):
@@ -204,12 +202,11 @@ def test_tiny_chunks_and_engine_rebuilds_keep_ids(tmp_path, bpe_vocab, monkeypat
     assert read_docs(pieces.prefixes["text"]) == read_docs(whole.prefixes["text"])
 
 
-def test_tokenize_task_in_a_flow_many_times_in_a_row_never_forks(tmp_path, bpe_vocab, monkeypatch):
+def test_tokenize_task_in_a_flow_many_times_in_a_row_never_forks(tmp_path, bpe_vocab, monkeypatch, prefect_harness):
     """Forking inside a flow run's threads deadlocked here once; the stage must never fork."""
     import threading
 
     from prefect import flow
-    from prefect.testing.utilities import prefect_test_harness
 
     from tasks.tokenize.stage import tokenize_task
 
@@ -231,8 +228,7 @@ def test_tokenize_task_in_a_flow_many_times_in_a_row_never_forks(tmp_path, bpe_v
             runs.append((state.name, state.result().documents))
         return runs
 
-    with prefect_test_harness():
-        assert repeat(25) == [("Completed", len(TRICKY) * 20)] * 25
+    assert repeat(25) == [("Completed", len(TRICKY) * 20)] * 25
     assert not [t for t in threading.enumerate() if t.name.startswith("tokenize")]
 
 

@@ -217,16 +217,8 @@ def test_a_huggingface_tokenizer_json_on_parquet_shards_and_a_killed_task_reruns
     shutil.rmtree(tmp_path / "array")
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def test_the_sync_job_mirrors_a_bucket_and_verifies_every_file_as_the_flow_process_does(tmp_path, slurm_cluster,
-                                                                                       s3_server, harness):
+                                                                                       s3_server, prefect_harness):
     from tasks.sync import sync, sync_on_cluster
 
     bucket = s3_server.new_bucket(public=True)
@@ -246,7 +238,7 @@ def test_the_sync_job_mirrors_a_bucket_and_verifies_every_file_as_the_flow_proce
 
 
 def test_the_flow_with_its_data_stages_as_jobs_and_a_tokenizer_json_trains_on_the_bytes_of_the_in_process_stages(
-        tmp_path, slurm_cluster, s3_server, harness, shakespeare_jsonl, bpe_vocab):
+        tmp_path, slurm_cluster, s3_server, prefect_harness, shakespeare_jsonl, bpe_vocab):
     from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from flows.pretrain import pretrain
     from tasks.sync import sync

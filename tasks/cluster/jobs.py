@@ -33,6 +33,7 @@ from gpt.config import Config
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig, ClusterError, credential_variables
 from tasks.cluster.hang import Hang, HangWatch
+from tasks.cluster.processes import command_line, process_state, process_tree
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_context import flow_run_cancelled, flow_run_id, run_logger
 from tasks.cluster.run_owner import RunOwner
@@ -273,7 +274,7 @@ class RunningJob:
         if self.kind == "slurm":
             scancel(self.job_id)
         else:
-            for pid in _process_tree(int(self.job_id)):
+            for pid in process_tree(int(self.job_id)):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
 
@@ -291,24 +292,7 @@ class RunningJob:
 
 def _local_alive(pid: int) -> bool:
     """Whether the submitit controller of a local job (or the shell that runs it) still runs."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"submitit" in cmdline
-
-
-def _process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (Linux /proc)."""
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError):
-                todo += [int(c) for c in (task / "children").read_text().split()]
-    return tree
+    return process_state(pid) not in (None, "Z") and b"submitit" in command_line(pid)
 
 
 def _unfinished(record: JobRecord, job_name: str, kind: str) -> RunningJob | None:

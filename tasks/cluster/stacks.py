@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpt import heartbeat
+from tasks.cluster.processes import STATE_WORDS, process_state
 
 STACK_WAIT_S = 3.0       # for the ranks to write their stacks after the signal
 OUTSIDE_TIMEOUT_S = 60.0
@@ -76,12 +77,7 @@ def _from_outside(beat: dict[str, Any], slurm_job: str | None) -> tuple[str | No
 
 def _process_state(beat: dict[str, Any]) -> str:
     """", stopped" and the like, where the rank's process is on this host (the local executor)."""
-    try:
-        if beat.get("host") != socket.gethostname():
-            return ""
-        stat = Path(f"/proc/{beat['pid']}/stat").read_text()
-    except (OSError, KeyError):
+    if beat.get("host") != socket.gethostname() or "pid" not in beat:
         return ""
-    code = stat.rsplit(")", 1)[1].split()[0]
-    return {"T": ", stopped", "t": ", stopped by a debugger", "D": ", waiting in the kernel (uninterruptible)",
-            "Z": ", exited"}.get(code, "")
+    word = STATE_WORDS.get(process_state(beat["pid"]) or "")
+    return f", {word}" if word else ""
