@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from gpt.config import Config, parse_overrides
-from gpt.distributed import free_port
 from gpt.memory import GIB, rank_memory
+from gpt.parallel.process_group import free_port
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent

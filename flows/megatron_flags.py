@@ -11,7 +11,7 @@ one that a run's folder or cluster preset decides here is refused naming what do
 """
 from __future__ import annotations
 
-from gpt.config import ARCHITECTURE, PRESETS, Config, ConfigError
+from gpt.config import ARCHITECTURE, PRESETS, Config, ConfigError, nearest_preset, split_assignment
 
 # Megatron flag -> this command's flag taking the same value.
 SAME_VALUE = {
@@ -37,9 +37,12 @@ CONFIG_FIELD = {
 # Megatron switch (no value) -> this command's flags.
 SWITCHES = {
     "--bf16": ["--precision", "bf16"], "--fp16": ["--precision", "fp16"],
-    "--swiglu": ["--set", "swiglu=true"], "--disable-bias-linear": ["--set", "add_bias_linear=false"],
-    "--untie-embeddings-and-output-weights": ["--set", "untie_embeddings_and_output_weights=true"],
     "--group-query-attention": [],      # --num-query-groups gives the groups
+}
+# Megatron switch (no value) -> the Config field it sets, and its value.
+FIELD_SWITCHES = {
+    "--swiglu": ("swiglu", "true"), "--disable-bias-linear": ("add_bias_linear", "false"),
+    "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
 }
 # Megatron flags whose job something else does here.
 DECIDED_HERE = {
@@ -69,7 +72,7 @@ class MegatronFlagError(ValueError):
 def is_megatron(argv: list[str]) -> bool:
     """Whether the command line uses any flag that only Megatron-LM spells this way."""
     ours = set(SAME_VALUE.values())
-    return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *DECIDED_HERE, "--data-path",
+    return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *FIELD_SWITCHES, *DECIDED_HERE, "--data-path",
                             "--tokenizer-type", "--lr-warmup-fraction", "--init-method-std") and _name(a) not in ours
                for a in argv)
 
@@ -90,8 +93,11 @@ def translate(argv: list[str]) -> list[str]:
         elif flag in CONFIG_FIELD:
             for value in _one(flag, values, problems):
                 fields[CONFIG_FIELD[flag]] = value
-        elif flag in SWITCHES:
-            out += SWITCHES[flag]
+        elif flag in SWITCHES or flag in FIELD_SWITCHES:
+            if flag in SWITCHES:
+                out += SWITCHES[flag]
+            else:
+                fields[FIELD_SWITCHES[flag][0]] = FIELD_SWITCHES[flag][1]
             if values:
                 problems.append(f"{flag}: takes no value (got {' '.join(values)})")
         elif flag in DECIDED_HERE:
@@ -123,7 +129,9 @@ def translate(argv: list[str]) -> list[str]:
 
 def preset_of_shape(fields: dict[str, str]) -> str:
     """The preset whose architecture is the one the fields give (the fields it leaves out as the
-    preset has them); MegatronFlagError when no preset or several have it."""
+    preset has them); for a shape no preset has, the preset of its block nearest to it in size,
+    whose learning rate, batch and schedule fill what the flags leave out (the run is named by its
+    shape, gpt.config.model_name). MegatronFlagError when several presets have it."""
     given = {name: value for name, value in fields.items() if name in ARCHITECTURE}
     matches = []
     for name in PRESETS:
@@ -137,10 +145,12 @@ def preset_of_shape(fields: dict[str, str]) -> str:
     if len(matches) == 1:
         return matches[0]
     shape = ", ".join(f"{k}={v}" for k, v in given.items())
-    if not matches:
-        raise MegatronFlagError([f"no preset has this shape ({shape}); choose one with --model (python -m flows.pretrain "
-                                 f"--help lists them) and give only the flags it agrees with"])
-    raise MegatronFlagError([f"several presets have this shape ({shape}): {', '.join(matches)}; choose one with --model"])
+    if matches:
+        raise MegatronFlagError([f"several presets have this shape ({shape}): {', '.join(matches)}; choose one with --model"])
+    try:
+        return nearest_preset(Config(**{**Config(mock_data=True).to_dict(), **given}))
+    except ConfigError as e:
+        raise MegatronFlagError([f"this shape ({shape}) is no model: {e}"]) from None
 
 
 def _warmup_from_fraction(fraction: str, fields: dict[str, str], out: list[str], problems: list[str]) -> dict[str, str]:
@@ -190,8 +200,8 @@ def _values(argv: list[str], i: int, inline: str | None) -> tuple[list[str], int
 
 
 def _split(arg: str) -> tuple[str, str | None]:
-    flag, sep, value = arg.partition("=")
-    return (flag, value) if sep and flag.startswith("--") else (arg, None)
+    flag, value = split_assignment(arg)
+    return (flag, value) if flag.startswith("--") else (arg, None)
 
 
 def _name(arg: str) -> str:

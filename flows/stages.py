@@ -81,4 +81,6 @@ def trained_intact(result: TrainResult) -> bool:
 
 
 def export_intact(manifest: ExportManifest) -> bool:
-    return (Path(manifest.path) / "model.safetensors").is_file()
+    from gpt.export import weight_files
+
+    return bool(weight_files(manifest.path))

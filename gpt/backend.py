@@ -6,6 +6,10 @@ torch.compile backends, DDP, FSDP2 and DTensor as on CUDA). The code reaches the
 ``torch.accelerator`` and device-type strings; TorchNeuron has not run on the machines this
 project is tested on.
 
+Each device's compiler keeps its graphs in ``Config.compile_cache_dir`` on shared storage:
+torch.compile's (inductor and triton, plus the artifacts the precompile run saved) or, on Trainium,
+the Neuron compiler's per-node cache (``use_compile_cache``, ``save_compile_cache``).
+
 The lazy XLA device is Trainium through torch-neuronx 2.x on torch_xla (Trn1), and XLA:CPU in CI.
 Each training step is traced into one graph cut by ``torch_xla.sync()``; gradients are all-reduced
 explicitly before the norm, the optimizer is torch_xla's sync-free AdamW, and the graphs come from
@@ -14,13 +18,18 @@ that trace (``neuron_parallel_compile`` on Trainium), not from torch.compile.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import resource
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gpt.config import Config
+from gpt.files import write_atomic
 
 # Dense peak FLOP/s per device, from the vendors' data sheets, for MFU.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -248,3 +257,33 @@ def _has_torch_xla() -> bool:
     except ImportError:
         return False
     return True
+
+
+def use_compile_cache(config: Config, backend: Backend, rank: int) -> bool:
+    """Point the compilers at ``compile_cache_dir`` and preload saved artifacts. Returns True on a hit."""
+    if not config.compile_cache_dir:
+        return False
+    root = Path(config.compile_cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    if backend.name == "neuron":
+        # One cache per node (the Neuron cache's file locks are unreliable on NFS); a launcher that
+        # already passed --cache_dir in NEURON_CC_FLAGS chose the same <root>/<node> layout.
+        node_cache = root / (os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0])
+        flags = os.environ.get("NEURON_CC_FLAGS", "")
+        if "--cache_dir" not in flags:
+            os.environ["NEURON_CC_FLAGS"] = f"{flags} --cache_dir={node_cache}".strip()
+        return any(node_cache.glob("**/*.neff"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+    artifacts = root / f"artifacts-rank{rank}.bin"
+    if artifacts.exists():
+        torch.compiler.load_cache_artifacts(artifacts.read_bytes())
+        return True
+    return False
+
+
+def save_compile_cache(config: Config, rank: int) -> None:
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return
+    write_atomic(Path(config.compile_cache_dir) / f"artifacts-rank{rank}.bin", saved[0])

@@ -41,13 +41,13 @@ from torch import nn
 
 from gpt.backend import Backend, get_backend
 from gpt.config import Config
-from gpt.distributed import free_port, gather_objects, init_distributed, shutdown
 from gpt.metrics import flops_per_token, mfu
 from gpt.model import param_count
 from gpt.optim import LossScaler, build_optimizer
 from gpt.parallel.build import build_model, compile_scope
 from gpt.parallel.dims import ParallelDims
 from gpt.parallel.pipeline import Pipeline, bubble_fraction, build_pipeline
+from gpt.parallel.process_group import free_port, gather_objects, init_distributed, shutdown
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from gpt.train import train_step
 

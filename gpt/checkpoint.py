@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpt.config import ConfigError
-from gpt.distributed import barrier
 from gpt.files import WriteError
 from gpt.model import plain_name, tied
+from gpt.parallel.process_group import barrier
 from gpt.parallel.xla import sharded_names
 
 MARKER = "COMPLETE"
@@ -324,14 +324,14 @@ def newest_intact(directory: str | os.PathLike) -> tuple[Path | None, list[str]]
 
 def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint, whole, in one process, shaped as ``template`` (a plain
-    model's state dict): tensors saved whole or in DTensor shards are read as they are, tensors saved
+    model's state dict, or some of its tensors; on the meta device, they are made here): tensors saved whole or in DTensor shards are read as they are, tensors saved
     in parts (``.tpXofN``) are read part by part and joined along the dimension they were split."""
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted: dict[str, torch.Tensor] = {}
     parts: dict[str, list[str]] = {}
     for key, tensor in template.items():
         if f"model.{key}" in saved:
-            wanted[key] = tensor
+            wanted[key] = torch.empty(tensor.shape, dtype=tensor.dtype) if tensor.is_meta else tensor
             continue
         found = sorted((k.removeprefix("model.") for k in saved if re.fullmatch(rf"model\.{re.escape(key)}\.tp\d+of\d+", k)),
                        key=lambda k: int(re.search(r"tp(\d+)of", k).group(1)))

@@ -59,6 +59,47 @@ def shape_differences(theirs: Config, ours: Config, also: tuple[str, ...] = ()) 
             if getattr(theirs, n) != getattr(ours, n)]
 
 
+
+def block_family(config: Config) -> str:
+    """``gpt3`` for GPT-3's block (learned positions, LayerNorm, GELU), ``llama`` for Llama's (rotary
+    positions, RMSNorm, SwiGLU), ``custom`` for any other mix of the block's fields."""
+    if (config.position_embedding_type, config.normalization, config.swiglu) == ("learned_absolute", "LayerNorm", False):
+        return "gpt3"
+    if (config.position_embedding_type, config.normalization, config.swiglu) == ("rope", "RMSNorm", True):
+        return "llama"
+    return "custom"
+
+
+def shape_name(config: Config) -> str:
+    """A model named by what it is: its block's family, layers, hidden size and heads, then its
+    key/value groups and MLP width where they are not one per head and 4 x hidden
+    (``llama-16l-2048h-32a-8g-8192f``)."""
+    name = f"{block_family(config)}-{config.num_layers}l-{config.hidden_size}h-{config.num_attention_heads}a"
+    if config.num_query_groups != config.num_attention_heads:
+        name += f"-{config.num_query_groups}g"
+    if config.ffn_hidden_size != 4 * config.hidden_size:
+        name += f"-{config.ffn_hidden_size}f"
+    return name
+
+
+def model_name(config: Config) -> str:
+    """The preset's name where the model has its preset's architecture, else the name of its shape:
+    a run never carries a preset's name on another model."""
+    preset = Config(model=config.model, mock_data=True)
+    return config.model if all(getattr(config, n) == getattr(preset, n) for n in ARCHITECTURE) else shape_name(config)
+
+
+def nearest_preset(config: Config) -> str:
+    """The preset of this model's block family whose size is nearest to its own: where the fields a
+    model of its own shape leaves empty (learning rate, batch, schedule) come from."""
+    def size(c: Config) -> float:
+        return c.num_layers * c.hidden_size ** 2
+    family = block_family(config)
+    candidates = [Config(model=name, mock_data=True) for name in PRESETS]
+    same = [c for c in candidates if block_family(c) == family] or candidates
+    return min(same, key=lambda c: abs(math.log(size(c) / size(config)))).model
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough to train a few hundred iterations on two CPU cores in a minute or two.
     "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
@@ -576,6 +617,13 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 _NULL = ("", "null", "none", "~")
 
 
+def split_assignment(text: str) -> tuple[str, str | None]:
+    """``name=value`` as (name, value); (text, None) where there is no ``=``. The one reading of an
+    assignment: ``--set KEY=VALUE``, ``--cluster-set``, and long options written ``--flag=value``."""
+    name, sep, value = text.partition("=")
+    return (name, value) if sep else (text, None)
+
+
 def parse_overrides(items: Iterable[str], fields: Mapping[str, Any] | None = None,
                     flag: str = "--set") -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """``KEY=VALUE`` texts (``--set lr=3e-4``) as values typed by their field: a number for a numeric
@@ -587,9 +635,9 @@ def parse_overrides(items: Iterable[str], fields: Mapping[str, Any] | None = Non
     values: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
     for item in items:
-        key, sep, text = item.partition("=")
+        key, text = split_assignment(item)
         key = key.strip()
-        if not sep or not key:
+        if text is None or not key:
             problems.append(("", f"{flag} {item!r}: expected KEY=VALUE"))
             continue
         try:

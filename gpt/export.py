@@ -1,15 +1,19 @@
 """A trained run as a HuggingFace GPT-2 or Llama folder, and such a folder back as our model.
 
     python -m gpt.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--vocab-file F --merge-file F]
+                         [--dtype bf16] [--max-shard-size 5GB]
 
-writes ``config.json`` (GPT2LMHeadModel for GPT-3's block, LlamaForCausalLM for Llama's),
-``model.safetensors`` (the real vocabulary only, no padding rows; q, k and v apart as both
-architectures keep them; rotary positions in HuggingFace Llama's convention, which ours is, so the
-weights are the same numbers), ``generation_config.json``
+writes ``config.json`` (GPT2LMHeadModel for GPT-3's block, LlamaForCausalLM for Llama's), the
+weights (the real vocabulary only, no padding rows; q, k and v apart as both architectures keep
+them; rotary positions in HuggingFace Llama's convention, which ours is, so the weights are the same
+numbers) in the run's training precision: ``model.safetensors``, or shards of at most 5 GB with
+``model.safetensors.index.json`` as HuggingFace writes them, read from the checkpoint one layer at a
+time so that the exporting process holds a layer and a shard whatever the model's size;
+``generation_config.json``
 and the tokenizer (``vocab.json``, ``merges.txt``, ``tokenizer.json``, ``tokenizer_config.json``),
 which ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load with no code of
 ours. The checkpoint may have been saved under any parallel layout (DDP, FSDP2, tensor parallel):
-torch.distributed.checkpoint reads it into one plain model, in one process, on the CPU.
+torch.distributed.checkpoint reads each layer whole, in one process, on the CPU.
 ``load_hf`` reads such a folder back (``Config.init_from_hf`` starts training from it).
 
 Every export also holds ``export.json``, naming this tool and the checkpoint it was made from (every
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable
@@ -32,15 +37,20 @@ from pathlib import Path
 import torch
 
 from gpt.checkpoint import Checkpointer, load_whole_model
-from gpt.config import GPT3_BLOCK, Config
+from gpt.config import GPT3_BLOCK, Config, model_name
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
-from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, split_qkv, tied
+from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, param_count, split_qkv, tied
 from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOOL = "python -m gpt.export"
 MARKER = "export.json"
-EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
+WEIGHTS = "model.safetensors"                  # the weights in one file, or ...
+INDEX = "model.safetensors.index.json"         # ... the map of the shards that hold them
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SHARD_BYTES = 5 * 10**9                        # HuggingFace's default largest shard ("5GB")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXPORT_FILES = frozenset({"config.json", WEIGHTS, INDEX, "generation_config.json", "vocab.json", "merges.txt",
                           "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", MARKER})
 
 
@@ -64,20 +74,31 @@ def family(config: Config) -> str:
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """The HuggingFace architecture's tensors for our model (see ``family``)."""
-    if family(model.config) == "llama":
-        return to_hf_llama_state_dict(model)
-    return to_hf_gpt2_state_dict(model)
+    return to_hf_tensors({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
 
 
-def to_hf_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def to_hf_tensors(ours: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+    """The HuggingFace tensors that ``ours`` (all of a model's tensors, or some of its layers, or the
+    tensors outside its layers) make, under HuggingFace's names."""
+    hf = _llama_tensors(ours, config) if family(config) == "llama" else _gpt2_tensors(ours, config)
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+def _layers(ours: dict[str, torch.Tensor]) -> list[int]:
+    return sorted({int(k.split(".")[1]) for k in ours if k.startswith("h.")})
+
+
+def _llama_tensors(ours: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM's tensors: q, k and v projections apart; no lm_head where it is tied."""
-    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    config = model.config
     vocab, heads, groups = config.vocab_size, config.num_attention_heads, config.num_query_groups
-    hf = {"model.embed_tokens.weight": ours["wte.weight"][:vocab], "model.norm.weight": ours["ln_f.weight"]}
-    if not tied(config):
+    hf = {}
+    if "wte.weight" in ours:
+        hf["model.embed_tokens.weight"] = ours["wte.weight"][:vocab]
+    if "ln_f.weight" in ours:
+        hf["model.norm.weight"] = ours["ln_f.weight"]
+    if "lm_head.weight" in ours and not tied(config):
         hf["lm_head.weight"] = ours["lm_head.weight"][:vocab]
-    for i in range(config.num_layers):
+    for i in _layers(ours):
         o, h = f"h.{i}.", f"model.layers.{i}."
         for kind in ("weight", "bias"):
             if o + f"attn.qkv.{kind}" in ours:
@@ -86,16 +107,19 @@ def to_hf_llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
             for name, theirs in LLAMA_NAMES.items():
                 if o + f"{name}.{kind}" in ours:
                     hf[h + f"{theirs}.{kind}"] = ours[o + f"{name}.{kind}"]
-    return {k: v.contiguous() for k, v in hf.items()}
+    return hf
 
 
-def to_hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def _gpt2_tensors(ours: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel's tensors (HF's Conv1D keeps weights as (in, out); all of q, then k, then v)."""
-    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    vocab, heads = model.config.vocab_size, model.config.num_attention_heads
-    hf = {"transformer.wte.weight": ours["wte.weight"][:vocab], "transformer.wpe.weight": ours["wpe.weight"],
-          "transformer.ln_f.weight": ours["ln_f.weight"], "transformer.ln_f.bias": ours["ln_f.bias"]}
-    for i in range(model.config.num_layers):
+    vocab, heads = config.vocab_size, config.num_attention_heads
+    hf = {}
+    if "wte.weight" in ours:
+        hf["transformer.wte.weight"] = ours["wte.weight"][:vocab]
+    for name in ("wpe.weight", "ln_f.weight", "ln_f.bias"):
+        if name in ours:
+            hf["transformer." + name] = ours[name]
+    for i in _layers(ours):
         o, h = f"h.{i}.", f"transformer.h.{i}."
         for ln in ("ln_1", "ln_2"):
             hf[h + ln + ".weight"], hf[h + ln + ".bias"] = ours[o + ln + ".weight"], ours[o + ln + ".bias"]
@@ -104,11 +128,11 @@ def to_hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         for layer in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             hf[h + layer + ".weight"] = ours[o + layer + ".weight"].t()
             hf[h + layer + ".bias"] = ours[o + layer + ".bias"]
-    return {k: v.contiguous() for k, v in hf.items()}
+    return hf
 
 
-def hf_config(config: Config, eod_id: int | None) -> dict:
-    """The HuggingFace configuration of our model (see ``family``)."""
+def hf_config(config: Config, eod_id: int | None, dtype: str = "fp32") -> dict:
+    """The HuggingFace configuration of our model (see ``family``), its weights stored in ``dtype``."""
     if family(config) == "llama":
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
@@ -121,9 +145,9 @@ def hf_config(config: Config, eod_id: int | None) -> dict:
             "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
             "tie_word_embeddings": tied(config), "initializer_range": 0.02, "attention_dropout": 0.0,
             "pretraining_tp": 1, "use_cache": True, "bos_token_id": eod_id, "eos_token_id": eod_id,
-            "torch_dtype": "float32",
+            "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."),
         }
-    return gpt2_config(config, eod_id)
+    return {**gpt2_config(config, eod_id), "torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
 
 
 def gpt2_config(config: Config, eod_id: int | None) -> dict:
@@ -192,14 +216,31 @@ def llama_config_from_hf(hf: dict) -> Config:
 
 
 def load_hf(folder: str | os.PathLike) -> GPT:
-    """Our GPT with the weights of a HuggingFace GPT-2 or Llama folder (config.json + model.safetensors)."""
-    from safetensors.torch import load_file
-
+    """Our GPT with the weights of a HuggingFace GPT-2 or Llama folder (config.json and its weights)."""
     folder = Path(folder)
     config = config_from_hf(json.loads((folder / "config.json").read_text()))
     model = GPT(config)
-    model.load_state_dict(ours_from_hf(load_file(str(folder / "model.safetensors")), config))
+    model.load_state_dict(ours_from_hf(hf_weights(folder), config))
     return model
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a HuggingFace folder: ``model.safetensors``, or the shards its
+    index names; empty where it has neither."""
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        return [folder / name for name in sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))]
+    return [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else []
+
+
+def hf_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a HuggingFace folder, one file or its shards, in fp32."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        weights.update({name: tensor.float() for name, tensor in load_file(str(path)).items()})
+    return weights
 
 
 def ours_from_hf(weights: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
@@ -241,13 +282,14 @@ def load_checkpoint(checkpoint: Path, config: Config) -> GPT:
 
 
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file: str | None = None,
-           merge_file: str | None = None, tokenizer_file: str | None = None) -> Path:
+           merge_file: str | None = None, tokenizer_file: str | None = None, dtype: str | None = None,
+           shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the HuggingFace folder for a run or a checkpoint; returns the folder. The tokenizer files
     (GPT-2's pair, or a HuggingFace ``tokenizer_file``) default to those in ``<run>/tokenizer/``. Written to a temporary folder beside ``out_dir`` and renamed onto
     it when complete; ``out_dir`` must be new, empty or an earlier export (ExportError otherwise), and a
-    full or read-only disk raises WriteError naming it. Either way nothing is left half-written."""
-    from safetensors.torch import save_file
-
+    full or read-only disk raises WriteError naming it. Either way nothing is left half-written.
+    The weights are stored in ``dtype`` (default: the run's training precision, ``export_precision``)
+    in files of at most ``shard_bytes`` (``write_weights``)."""
     checkpoint, config = find_checkpoint(source)
     run_dir = checkpoint.parent.parent
     tokenizer = _tokenizer(run_dir / "tokenizer", vocab_file, merge_file, tokenizer_file)
@@ -259,18 +301,81 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file:
     check_out_dir(out, run_dir, checkpoint)
     try:
         with replaced_folder(out, foreign_to_export, TOOL) as tmp:
-            model = load_checkpoint(checkpoint, config)
-            with as_os_error(tmp / "model.safetensors"):
-                save_file(to_hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(hf_config(config, eod), indent=2) + "\n")
+            precision = dtype or export_precision(config)
+            write_weights(checkpoint, config, tmp, DTYPES[precision], shard_bytes)
+            (tmp / "config.json").write_text(json.dumps(hf_config(config, eod, precision), indent=2) + "\n")
             (tmp / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": eod, "eos_token_id": eod, "max_length": config.max_position_embeddings}, indent=2) + "\n")
             write_tokenizer(tmp, tokenizer, config.max_position_embeddings)
             (tmp / MARKER).write_text(json.dumps(
-                {"tool": TOOL, "checkpoint": str(checkpoint), "model": config.model}, indent=2) + "\n")
+                {"tool": TOOL, "checkpoint": str(checkpoint), "model": model_name(config)}, indent=2) + "\n")
     except NotReplaceable as e:
         raise ExportError(str(e)) from None
     return out
+
+
+def export_bytes(config: Config, dtype: str | None = None) -> tuple[int, int]:
+    """How large an export of this model is (bytes of weights) and the most one layer holds (the
+    exporting process reads a layer in fp32 at a time), before any checkpoint exists."""
+    from gpt.memory import block_parameters
+
+    size = DTYPES[dtype or export_precision(config)].itemsize
+    return param_count(config) * size, block_parameters(config) * 4
+
+
+def export_precision(config: Config) -> str:
+    """What an export stores the weights in: the precision the run trained in (bf16 for fp8 runs,
+    whose float8 matmuls keep bf16 weights)."""
+    return "bf16" if config.precision == "fp8" else config.precision
+
+
+def write_weights(checkpoint: Path, config: Config, folder: Path, dtype: torch.dtype, shard_bytes: int) -> list[str]:
+    """The checkpoint's weights as HuggingFace tensors in ``dtype``: ``model.safetensors``, or shards
+    of at most ``shard_bytes`` each (a larger tensor alone in its shard) with their index. Read part
+    by part (the tensors outside the layers, then one layer after another), so that the process
+    holds one layer and one shard at a time, whatever the model's size. Returns the files."""
+    from safetensors.torch import save_file
+
+    plain = Config(**{**config.to_dict(), "device": "cpu", "precision": "fp32", "compile": False,
+                      "activation_checkpointing": False})
+    with torch.device("meta"):
+        template = GPT(plain).state_dict()
+    groups = [[k for k in template if not k.startswith("h.")]]
+    groups += [[k for k in template if k.startswith(f"h.{i}.")] for i in range(config.num_layers)]
+    shards: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+
+    def write() -> None:
+        path = folder / f"part-{len(shards):05d}.safetensors"
+        with as_os_error(path):
+            save_file(shard, str(path), metadata={"format": "pt"})
+        shards.append(list(shard))
+
+    for group in groups:
+        try:
+            ours = load_whole_model(checkpoint, {k: template[k] for k in group})
+        except ValueError as e:
+            raise ExportError(str(e)) from e
+        for name, tensor in to_hf_tensors(ours, config).items():
+            tensor = tensor.to(dtype).contiguous()
+            if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > shard_bytes:
+                write()
+                shard = {}
+            shard[name] = tensor
+            total += tensor.nbytes
+        del ours
+    if shard:
+        write()
+    if len(shards) == 1:
+        os.rename(folder / "part-00000.safetensors", folder / WEIGHTS)
+        return [WEIGHTS]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, name in enumerate(names):
+        os.rename(folder / f"part-{i:05d}.safetensors", folder / name)
+    weight_map = {tensor: name for name, tensors in zip(names, shards) for tensor in tensors}
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return [*names, INDEX]
 
 
 def check_out_dir(out: Path, run_dir: Path, checkpoint: Path) -> None:
@@ -295,7 +400,7 @@ def foreign_to_export(folder: Path) -> Iterable[str]:
         return names
     if not isinstance(marker, dict) or "checkpoint" not in marker or marker.get("tool", TOOL) != TOOL:
         return names
-    return [n for n in names if n not in EXPORT_FILES]
+    return [n for n in names if n not in EXPORT_FILES and not SHARD.fullmatch(n)]
 
 
 def _tokenizer(folder: Path, vocab_file: str | None, merge_file: str | None, tokenizer_file: str | None) -> Tokenizer:
@@ -348,6 +453,14 @@ def write_gpt2_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_len
         {"bos_token": EOD, "eos_token": EOD, "unk_token": EOD}, indent=2) + "\n")
 
 
+def shard_size(text: str) -> int:
+    """A size in bytes as HuggingFace writes ``max_shard_size``: a number of bytes, or with KB, MB, GB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(|B|KB|MB|GB)\s*", text.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size such as 5GB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[match.group(2)])
+
+
 def cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpt.export", description=__doc__.splitlines()[0])
     p.add_argument("source", help="a run folder (its newest checkpoint) or a checkpoint folder")
@@ -356,10 +469,14 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-file", help="default: <run>/tokenizer/merges.txt")
     p.add_argument("--tokenizer-file", help="a HuggingFace tokenizer.json instead (default: <run>/tokenizer/"
                                             "tokenizer.json when the run has no vocab.json)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="what the weights are stored in (default: the run's "
+                                                          "training precision; bf16 for fp8 runs)")
+    p.add_argument("--max-shard-size", type=shard_size, default=SHARD_BYTES, metavar="SIZE",
+                   help="the largest weights file, as HuggingFace's max_shard_size: 5GB (the default), 500MB, ...")
     a = p.parse_args(argv)
     try:
         out = export(a.source, a.out_dir, vocab_file=a.vocab_file, merge_file=a.merge_file,
-                     tokenizer_file=a.tokenizer_file)
+                     tokenizer_file=a.tokenizer_file, dtype=a.dtype, shard_bytes=a.max_shard_size)
     except (ExportError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ExportError) else 1

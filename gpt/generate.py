@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gpt.export import find_checkpoint, load_checkpoint, load_hf
+from gpt.export import find_checkpoint, load_checkpoint, load_hf, weight_files
 from gpt.model import GPT, KVCache
 from gpt.tokenizer import Tokenizer
 
@@ -24,7 +24,7 @@ from gpt.tokenizer import Tokenizer
 def load(source: str | Path) -> tuple[GPT, Tokenizer]:
     """The model and its tokenizer, from an export or from a run folder or checkpoint."""
     source = Path(source)
-    if (source / "model.safetensors").is_file():
+    if weight_files(source):
         return load_hf(source).eval(), Tokenizer.in_folder(source)
     checkpoint, config = find_checkpoint(source)
     return load_checkpoint(checkpoint, config), Tokenizer.in_folder(checkpoint.parent.parent / "tokenizer")

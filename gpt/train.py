@@ -25,12 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from gpt import heartbeat
-from gpt.backend import Backend, get_backend
+from gpt.backend import Backend, get_backend, save_compile_cache, use_compile_cache
 from gpt.checkpoint import Checkpointer, writer_id
-from gpt.compile_cache import save_compile_cache, use_compile_cache
 from gpt.config import Config, ConfigError, parse_overrides, read_config_file, shape_differences
 from gpt.data import GPTDataset, MockGPTDataset
-from gpt.distributed import all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
@@ -41,6 +39,7 @@ from gpt.parallel.data import gradient_sync
 from gpt.parallel.dims import ParallelDims
 from gpt.parallel.gradients import clip_grads, scale_grads
 from gpt.parallel.pipeline import Pipeline, build_pipeline
+from gpt.parallel.process_group import all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
 from gpt.parallel.xla import sharded_names
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
@@ -190,17 +189,16 @@ class StopSignal:
 
 def load_hf_weights(model: nn.Module, config: Config) -> None:
     """Every rank loads the whole HuggingFace state dict and keeps its own shard of it."""
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from gpt.export import config_from_hf, ours_from_hf
+    from gpt.export import config_from_hf, hf_weights, ours_from_hf
 
     folder = Path(config.init_from_hf)
     theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
     differ = shape_differences(theirs, config, also=("vocab_size",))
     if differ:
         raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
-    weights = ours_from_hf(load_file(str(folder / "model.safetensors")), config)
+    weights = ours_from_hf(hf_weights(folder), config)
     split = {plain_name(name): shard for name, shard in sharded_names(model).items()}  # gpt.parallel.xla's
     weights = {key: split[key].cut(value) if key in split else value for key, value in weights.items()}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))

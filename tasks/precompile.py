@@ -19,7 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
-from gpt.config import Config
+from gpt.config import ARCHITECTURE, Config, model_name
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import DistributedTask, JobError, submit
@@ -51,7 +51,10 @@ def cache_key(config: Config, cluster: ClusterConfig) -> str:
     parts: dict[str, Any] = {f: getattr(config, f) for f in GRAPH_FIELDS}
     parts.update(padded_vocab_size=config.padded_vocab_size(), nodes=cluster.nodes,
                  tasks_per_node=cluster.tasks_per_node, torch=torch.__version__, device=cluster.job_device)
-    return f"{config.model}-{cluster.job_device}-{cluster.nodes}x{cluster.tasks_per_node}-{digest(parts, length=12)}"
+    name = model_name(config)
+    if name != config.model:           # a shape of its own: the preset's name does not say it
+        parts.update({f: getattr(config, f) for f in ARCHITECTURE})
+    return f"{name}-{cluster.job_device}-{cluster.nodes}x{cluster.tasks_per_node}-{digest(parts, length=12)}"
 
 
 def _manifest(cache_dir: Path, hit: bool, marker: dict[str, Any], device: str) -> PrecompileManifest:
@@ -72,7 +75,7 @@ def sbatch_script(config: Config, cluster: ClusterConfig) -> str:
     """The batch script the compile job would be submitted with (nothing is submitted)."""
     work = Path(job_config(config).run_dir)
     launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=True)
-    return launch.sbatch_script(work / "jobs", job_name=f"precompile-{config.model}", python=python)
+    return launch.sbatch_script(work / "jobs", job_name=f"precompile-{model_name(config)}", python=python)
 
 
 def precompile(config: Config, cluster: ClusterConfig) -> PrecompileManifest:

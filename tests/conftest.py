@@ -30,13 +30,6 @@ pytest_plugins = [f"tests.{p.stem}" for p in sorted((ROOT / "tests").glob("fixtu
 SERVER_FIXTURES = {"prefect_harness", "prefect_server", "own_prefect_server", "prefect_server_on_postgres", "s3_server", "own_s3_server", "slurm_cluster"}
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: one worker more than there are cores. The local SLURM cluster's tests wait on the
-    cluster about half their time, and tests that start processes one after another leave a core
-    idle while each imports; a third worker on two cores fills those gaps."""
-    return (os.cpu_count() or 1) + 1
-
-
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt.distributed import free_port
+from gpt.parallel.process_group import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

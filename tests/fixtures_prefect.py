@@ -25,7 +25,7 @@ from typing import Iterator
 
 import pytest
 
-from gpt.distributed import free_port
+from gpt.parallel.process_group import free_port
 
 
 @dataclass

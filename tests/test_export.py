@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -185,7 +186,8 @@ def test_export_replaces_its_own_earlier_export(small_run, tmp_path):
     out = export(small_run, tmp_path / "hf")
     marker = json.loads((out / "export.json").read_text())
     checkpoint, _ = find_checkpoint(small_run)
-    assert marker == {"tool": "python -m gpt.export", "checkpoint": str(checkpoint), "model": "tiny"}
+    # The small run's shape is not the tiny preset's: the export names the model by its shape.
+    assert marker == {"tool": "python -m gpt.export", "checkpoint": str(checkpoint), "model": "gpt3-2l-32h-4a"}
 
     earlier = checkpoint.parent / "iter_0000004"
     assert export(earlier, out) == out
@@ -238,3 +240,82 @@ def test_export_command_refuses_in_one_line_with_exit_code_2(small_run, tmp_path
     result = subprocess.run([sys.executable, "-m", "gpt.export", str(small_run), str(tmp_path / "hf")], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == str(tmp_path / "hf"), result.stderr
+
+
+# A Llama-block model of 361 million parameters (1.4 GB in fp32, 0.7 GB in bf16) with random
+# weights, saved as a run's checkpoint: large beside one of its layers (45 MB in fp32).
+BIG = {"model": "tiny-llama", "num_layers": 32, "hidden_size": 1024, "num_attention_heads": 8, "num_query_groups": 2,
+       "ffn_hidden_size": 2816, "vocab_size": 256, "seq_length": 64, "precision": "bf16", "device": "cpu",
+       "mock_data": True}
+MAKE_BIG = """
+import json, sys, torch
+from pathlib import Path
+from gpt.checkpoint import Checkpointer
+from gpt.config import Config
+from gpt.model import GPT
+run = Path(sys.argv[1])
+config = Config(**json.loads(sys.argv[2]), run_dir=str(run))
+(run / "config.json").write_text(json.dumps(config.to_dict()))
+with torch.device("meta"):
+    model = GPT(config)
+model.to_empty(device="cpu")
+torch.manual_seed(0)
+for p in model.parameters():
+    p.data.uniform_(-0.05, 0.05)
+Checkpointer(run / "checkpoints", 1, 0).save(1, model, torch.optim.SGD(model.parameters(), lr=0.1), {"iteration": 1})
+"""
+EXPORT_MEASURED = """
+import json, sys
+from pathlib import Path
+from gpt.export import export
+def status(field):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+before = status("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")       # the peak from here on
+export(sys.argv[1], sys.argv[2], shard_bytes=int(sys.argv[3]))
+print(json.dumps({"before": before, "peak": status("VmHWM")}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_large_model_exports_in_bf16_shards_reading_one_layer_at_a_time(small_run, tmp_path):
+    from safetensors import safe_open
+
+    from gpt.export import hf_weights, to_hf_tensors
+    from gpt.model import param_count
+
+    run, hf_dir, shard = tmp_path / "run", tmp_path / "hf", 64 * 10**6
+    (run / "tokenizer").mkdir(parents=True)
+    for name in ("vocab.json", "merges.txt"):
+        (run / "tokenizer" / name).write_bytes((small_run / "tokenizer" / name).read_bytes())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", MAKE_BIG, str(run), json.dumps(BIG)], check=True, env=env, timeout=240)
+    made = subprocess.run([sys.executable, "-c", EXPORT_MEASURED, str(run), str(hf_dir), str(shard)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert made.returncode == 0, made.stderr[-3000:]
+    memory = json.loads(made.stdout.strip().splitlines()[-1])
+    checkpoint, config = find_checkpoint(run)
+    fp32_bytes = 4 * param_count(config)
+    # The process held about a layer and a shard, never the model: a quarter of it is a generous bound.
+    assert memory["peak"] - memory["before"] < fp32_bytes / 4, (memory, fp32_bytes)
+
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in hf_dir.glob("model-*.safetensors"))
+    assert len(shards) >= 10 and shards == sorted(set(index["weight_map"].values())) and not (hf_dir / "model.safetensors").exists()
+    assert all((hf_dir / s).stat().st_size <= shard + 10**5 for s in shards)
+    assert json.loads((hf_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(hf_dir / shards[0]), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert index["metadata"]["total_size"] == 2 * sum(v.numel() for v in hf_weights(hf_dir).values())
+
+    # Every tensor is the checkpoint's, rounded to bf16; transformers reads the shards, all of them.
+    expected = to_hf_tensors(load_checkpoint(checkpoint, config).state_dict(), config)
+    written = hf_weights(hf_dir)
+    assert set(written) == set(expected) == set(index["weight_map"])
+    assert all(torch.equal(written[k], expected[k].to(torch.bfloat16).float()) for k in expected)
+    del expected
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and theirs.dtype == torch.bfloat16
+    assert torch.equal(theirs.state_dict()["model.layers.31.mlp.down_proj.weight"].float(),
+                       written["model.layers.31.mlp.down_proj.weight"])

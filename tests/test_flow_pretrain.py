@@ -179,6 +179,7 @@ def test_a_dry_run_records_the_plan_and_runs_nothing(prefect_harness, tmp_path):
     rows = {r["item"]: r["value"] for r in state.result()["plan"]}
     assert rows["model"] == "tiny-llama" and rows["what happens"].startswith("dry run, nothing synced")
     assert "memory per rank" in rows and "tokens to train" in rows
+    assert rows["export"].startswith("llama, 0.05 GiB of fp32 weights in 1 file(s)")
     table = _artifacts(state.state_details.flow_run_id)["pretrain-plan"]
     assert "dry run" in json.dumps(table.data)
     assert not root.exists()
@@ -187,4 +188,12 @@ def test_a_dry_run_records_the_plan_and_runs_nothing(prefect_harness, tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0, printed.stderr
     assert "memory per rank: " in printed.stdout and "Starting temporary server" not in printed.stdout + printed.stderr
+    # A shape of its own is named by it, from the preset it started from.
+    custom = subprocess.run([sys.executable, "-m", "flows.pretrain", "--model", "tiny-llama", "--root", str(root),
+                             "--set", "num_layers=2", "--dry-run"], cwd=ROOT,
+                            env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+                            capture_output=True, text=True, timeout=120)
+    assert custom.returncode == 0, custom.stderr
+    assert "model: llama-2l-128h-4a-2g-352f (the other fields from preset tiny-llama)" in custom.stdout
+    assert f"run folder: {root}/llama-2l-128h-4a-2g-352f-" in custom.stdout
     assert not root.exists()

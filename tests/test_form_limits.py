@@ -151,7 +151,8 @@ def test_by_default_everything_under_the_current_folder_and_no_other_endpoint(tm
     (TrainingParams(overrides={"lr": float("nan")}), "training.overrides.lr", "finite"),
     (TrainingParams(overrides={"clip_grad": float("inf")}), "training.overrides.clip_grad", "finite"),
     (TrainingParams(overrides={"seed": -1}), "training.overrides.seed", "between 0 and 2**32 - 1"),
-    (TrainingParams(overrides={"num_layers": 24}), "training.overrides.num_layers", "preset tiny has 4"),
+    (TrainingParams(overrides={"num_layers": 24, "num_attention_heads": 5}), "training",
+     "not divisible by num_attention_heads=5"),
     (TrainingParams(overrides={"model": "gpt3-1.3b"}), "training.overrides.model", "decided by the flow"),
     (TrainingParams(overrides={"compile": "yes"}), "training.overrides.compile", "true or false"),
 ], ids=["bool-as-number", "nan", "inf", "seed", "preset-shape", "preset-name", "text-as-bool"])

@@ -69,9 +69,13 @@ def test_what_cannot_be_taken_as_written_is_refused_by_name(flag, message):
     assert any(line.startswith(message) for line in e.value.errors), e.value.errors
 
 
-def test_a_shape_no_preset_has_is_refused_naming_it():
-    with pytest.raises(ParameterError, match="no preset has this shape \\(num_layers=7"):
-        parse_args(["--num-layers", "7", "--hidden-size", "768", "--num-attention-heads", "12"])
+def test_a_shape_no_preset_has_takes_the_rest_from_the_nearest_preset_of_its_block():
+    args = parse_args(["--num-layers", "7", "--hidden-size", "768", "--num-attention-heads", "12"])
+    assert args["model"] == "gpt3-125m" and args["training"].overrides["num_layers"] == 7
+    llama = parse_args(["--num-layers", "20", "--hidden-size", "4096", "--num-attention-heads", "32",
+                        "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "14336",
+                        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"])
+    assert llama["model"] == "llama3-8b" and llama["training"].overrides["num_layers"] == 20
 
 
 @pytest.mark.timeout(120)

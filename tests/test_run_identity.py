@@ -43,6 +43,24 @@ def test_fields_that_define_the_run_name_another_folder(tmp_path, training):
     assert _plan(tmp_path, training).run_dir != _plan(tmp_path).run_dir
 
 
+def test_a_shape_of_its_own_is_named_by_it_and_keeps_the_presets_names_for_the_presets_shape(tmp_path):
+    """Architecture fields that differ from the preset's give a model named by its block and shape,
+    in the run folder, the identity and the plan; the preset's own shape keeps the preset's name
+    and the identity it always had."""
+    preset = _plan(tmp_path)
+    same = _plan(tmp_path, TrainingParams(overrides={"num_layers": 4, "hidden_size": 128}))
+    assert same.run_dir == preset.run_dir and preset.run_dir.name.startswith("tiny-") and "shape" not in preset.identity
+    two = _plan(tmp_path, TrainingParams(overrides={"num_layers": 2}))
+    assert two.run_dir.name.startswith("gpt3-2l-128h-4a-") and two.identity["model"] == "gpt3-2l-128h-4a"
+    assert two.identity["shape"]["preset"] == "tiny" and two.identity["shape"]["num_layers"] == 2
+    assert two.config.num_layers == 2 and two.config.model == "tiny"
+    wider = _plan(tmp_path, TrainingParams(overrides={"num_layers": 2, "ffn_hidden_size": 384}))
+    assert wider.run_dir.name.startswith("gpt3-2l-128h-4a-384f-") and wider.run_dir != two.run_dir
+    llama = make_plan("tiny-llama", DataParams(), TokenizerParams(), TrainingParams(overrides={"num_query_groups": 4}),
+                      ClusterParams(), OutputParams(root=str(tmp_path)))
+    assert llama.run_dir.name.startswith("llama-4l-128h-4a-352f-")
+
+
 def _train_a_little(run_dir: Path, **config) -> None:
     """A real run folder of the tiny preset, trained by the train stage on the local executor: its
     config.json, a checkpoint and the summary of a run trained to its length."""

@@ -16,7 +16,7 @@ from tests.fixtures_gpt import SMALL, read_metrics
 # Every rank joins the process group as usual, then trains with gpt.parallel.xla's groups and
 # no DeviceMesh, as on an XLA device; device 'neuron' (its configuration checks) computes on the CPU.
 EXPLICIT = """
-import gpt.distributed as _dist, gpt.parallel.dims as _dims, gpt.train as _train
+import gpt.parallel.process_group as _dist, gpt.parallel.dims as _dims, gpt.train as _train
 from gpt.parallel import xla as _tp
 from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed

@@ -110,3 +110,22 @@ def test_tensor_parallel_layers_run_in_the_step_graph(probe):
     # XLA's counters run from the start of the process: nothing is added to them by these steps.
     assert steps[-1]["fallbacks"] == tp["fallbacks_before"]
     assert len({s["transfers"] for s in steps}) == 1, "a step read a value from the device"
+
+
+def test_the_llama_block_is_one_graph_a_step_with_the_cpu_paths_losses(probe):
+    """Rotary positions, RMSNorm, SwiGLU, grouped K/V and an untied output layer on the XLA path:
+    the losses and norms of the CPU path, one graph per step, nothing falling back to the CPU;
+    split over a group of one, the gate and the output layer are split too and change nothing."""
+    xla, cpu, tp = probe["llama"]["xla"], probe["llama"]["cpu"], probe["llama"]["tensor_parallel"]
+    assert xla["loss"] == pytest.approx(cpu["loss"], rel=1e-5)
+    assert xla["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-5)
+    assert cpu["loss"][-1] != cpu["loss"][0] and all(xla["stepped"])
+    steps = xla["per_step"]
+    assert [b["executions"] - a["executions"] for a, b in zip(steps, steps[1:])] == [1] * (len(steps) - 1)
+    assert steps[-1]["compiles"] == steps[2]["compiles"]
+    assert len({s["transfers"] for s in steps}) == 1, "a step read a value from the device"
+    assert steps[-1]["fallbacks"] == probe["llama"]["fallbacks_before"]
+    assert {"h.0.mlp.c_gate.weight", "h.0.mlp.c_fc.weight", "lm_head.weight"} <= set(tp["split"])
+    assert tp["train"]["loss"] == pytest.approx(xla["loss"], rel=1e-6)
+    assert tp["train"]["grad_norm"] == pytest.approx(xla["grad_norm"], rel=1e-6)
+    assert tp["train"]["per_step"][-1]["fallbacks"] == tp["fallbacks_before"]

@@ -33,6 +33,9 @@ SMALL = {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_attention_hea
          "vocab_size": 256, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8,
          "lr_warmup_iters": 2, "lr": 3e-3, "min_lr": 3e-4, "mock_data": True, "precision": "fp32",
          "log_interval": 4, "eval_interval": 100, "eval_iters": 1, "save_interval": 4}
+# The Llama block at the same size: rotary positions, RMSNorm, SwiGLU, two key/value groups for
+# four heads, an untied output layer, no biases (the tiny-llama preset fills the rest).
+LLAMA = {"model": "tiny-llama", "num_query_groups": 2, "ffn_hidden_size": 88}
 STEPS = 6
 ONE = ParallelDims(0, 1, 0, None)
 
@@ -58,9 +61,9 @@ def setup(device: str, env: ParallelDims = ONE, **overrides: Any) -> tuple[Confi
     return config, backend, where, model, build_optimizer(model, config, backend), LossScaler(False, where)
 
 
-def train(device: str, count_each_step: bool, env: ParallelDims = ONE) -> dict[str, Any]:
+def train(device: str, count_each_step: bool, env: ParallelDims = ONE, **overrides: Any) -> dict[str, Any]:
     """STEPS iterations through gpt.train.train_step, the figures read once at the end."""
-    config, backend, where, model, optimizer, scaler = setup(device, env)
+    config, backend, where, model, optimizer, scaler = setup(device, env, **overrides)
     data = MockGPTDataset(STEPS * config.global_batch_size, config.seq_length, config.vocab_size, config.seed)
     held, per_step = [], []
     for it in range(1, STEPS + 1):
@@ -177,23 +180,30 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "train"}
 
 
-def tensor_parallel_in_one_graph() -> dict[str, Any]:
+def tensor_parallel_in_one_graph(**overrides: Any) -> dict[str, Any]:
     """The split layers of gpt.parallel.xla over a group of one rank, their all-reduces and
     all-gather in the graph (XLA:CPU runs no collective across processes; tests/test_tensor_parallel.py
     runs the layers on real ranks)."""
     os.environ["XLA_ALWAYS_ALLREDUCE"] = "1"  # torch_xla leaves them out for one rank otherwise
     try:
         env = ParallelDims(0, 1, 0, None, xla.Group(0, 1, [[0]], lazy=True))
-        config, backend, where, model, _, _ = setup("neuron", env)
+        config, backend, where, model, _, _ = setup("neuron", env, **overrides)
         tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1)).to(where)
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(tokens[:, :-1], tokens[:, 1:])])
         torch_xla.sync()
         split = sorted(name for name, p in model.named_parameters() if hasattr(p, "tp_shard"))
         before = counters()["fallbacks"]
-        return {"train": train("neuron", count_each_step=True, env=env), "fallbacks_before": before, "split": split,
-                "all_reduce": hlo.count("all-reduce("), "all_gather": hlo.count("all-gather(")}
+        return {"train": train("neuron", count_each_step=True, env=env, **overrides), "fallbacks_before": before,
+                "split": split, "all_reduce": hlo.count("all-reduce("), "all_gather": hlo.count("all-gather(")}
     finally:
         del os.environ["XLA_ALWAYS_ALLREDUCE"]
+
+
+def llama_block() -> dict[str, Any]:
+    """The Llama block on the XLA path and the CPU path, and split over a group of one."""
+    before = counters()["fallbacks"]
+    return {"fallbacks_before": before, "xla": train("neuron", count_each_step=True, **LLAMA),
+            "cpu": train("cpu", count_each_step=False, **LLAMA), "tensor_parallel": tensor_parallel_in_one_graph(**LLAMA)}
 
 
 def compile_refused() -> str:
@@ -209,7 +219,8 @@ def run(work: Path) -> dict[str, Any]:
             "xla": train("neuron", count_each_step=True), "cpu": train("cpu", count_each_step=False),
             "checkpoint": checkpoint(work), "bf16_in_graph": bf16_in_graph(), "peer": peer_reduction(),
             "resume": resume(work), "compile_refused": compile_refused(),
-            "tensor_parallel": tensor_parallel_in_one_graph()}
+            "tensor_parallel": tensor_parallel_in_one_graph(),
+            "llama": llama_block()}
 
 
 if __name__ == "__main__":

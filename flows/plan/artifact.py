@@ -2,12 +2,14 @@
 any stage runs, shown again once the data stages have run and once the estimate is known."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from prefect.artifacts import create_table_artifact
 
-from gpt.config import Config
-from gpt.memory import rank_memory
+from gpt.config import Config, model_name
+from gpt.export import SHARD_BYTES, ExportError, export_bytes, export_precision, family
+from gpt.memory import GIB, rank_memory
 from gpt.parallel.pipeline import bubble_fraction
 from tasks.cluster.config import ClusterConfig
 
@@ -38,6 +40,19 @@ def data_stages(k: ClusterConfig) -> str:
             + (f", mem {job.mem}" if job.mem else ""))
 
 
+def export_row(config: Config) -> str:
+    """What the HuggingFace export will write, how big, and from where."""
+    try:
+        architecture = family(config)
+    except ExportError:
+        return "none: no HuggingFace architecture computes this block"
+    weights, layer = export_bytes(config)
+    files = max(1, math.ceil(weights / SHARD_BYTES))
+    return (f"{architecture}, {weights / GIB:,.2f} GiB of {export_precision(config)} weights in {files} file(s) of at "
+            f"most {SHARD_BYTES / 10**9:g} GB, read from the checkpoint by the flow's process one layer "
+            f"({layer / GIB:,.2f} GiB in fp32) at a time")
+
+
 def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
               estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
     """What the run will do, decided before any stage runs (flows.plan.build.Plan), what its folder says
@@ -45,13 +60,16 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
     take (flows.plan.estimate)."""
     c, k = plan.config, plan.cluster
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
-    rows = [("model", c.model), ("run folder", str(plan.run_dir)), ("cluster", where),
+    called = model_name(c)
+    rows = [("model", called if called == c.model else f"{called} (the other fields from preset {c.model})"),
+            ("run folder", str(plan.run_dir)), ("cluster", where),
             ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
             ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
             ("device memory", plan.device_memory),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{c.train_samples:,} samples"),
-            ("data stages", data_stages(k)), ("compile", str(c.compile)), ("what happens", outlook)]
+            ("data stages", data_stages(k)), ("compile", str(c.compile)), ("export", export_row(c)),
+            ("what happens", outlook)]
     rows += [("warning", w) for w in warnings]
     rows += list(estimate)
     return [{"item": item, "value": value} for item, value in rows]

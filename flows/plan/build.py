@@ -34,7 +34,7 @@ from flows.plan.params import (
 )
 from flows.plan.sizes import device_memory, disk_problem, existing_parent, memory_problem
 from gpt.checkpoint import MARKER, Checkpointer, damage, newest_intact
-from gpt.config import ARCHITECTURE, GPU_LAYOUTS, PRESETS, Config, ConfigError, shape_differences
+from gpt.config import GPU_LAYOUTS, PRESETS, Config, ConfigError, shape_differences
 from gpt.tokenizer import tokenizer_json_files
 from tasks.cluster.config import FLOAT8_GPUS, ClusterConfig, load_cluster
 from tasks.common.uri import is_s3
@@ -48,8 +48,6 @@ from tasks.tokenize.hf_encoder import tokenizer_file
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
 FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "compile_cache_dir", "precompile", "mock_data",
                           "vocab_size", "init_from"})
-# The preset is the model's shape: the run folder, the plan and the export all name it.
-SHAPE = ARCHITECTURE
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")    # the whole name: fullmatch
 RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.plan.layout)
 
@@ -121,8 +119,8 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     config = _job_config(model, training, where, errors) if model in PRESETS else None
     if config is None or where is None:
         raise ParameterError(errors)
-    identity = run_identity.run_identity(model, data, tokenizer, config, config_fields(training))
-    run_dir = layout.run(_run_name(output, model, identity, errors))
+    identity = run_identity.run_identity(data, tokenizer, config, config_fields(training))
+    run_dir = layout.run(_run_name(output, identity["model"], identity, errors))
     config = dataclasses.replace(config, run_dir=str(run_dir),
                                  init_from=_start_from(training, layout, boundary, config, errors))
     _check_start(config, boundary, root, errors)
@@ -231,7 +229,7 @@ def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[st
     """A HuggingFace folder to start from is readable and holds a GPT-2 or Llama of this model's shape."""
     if not config.init_from_hf:
         return
-    from gpt.export import ExportError, config_from_hf
+    from gpt.export import INDEX, WEIGHTS, ExportError, config_from_hf, weight_files
 
     field = "training.overrides.init_from_hf"
     folder = Path(local_path(config.init_from_hf))
@@ -239,13 +237,23 @@ def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[st
     if problem:
         errors.append(f"{field}: {problem}")
         return
-    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    missing = [n for n in ("config.json",) if not (folder / n).is_file()]
+    if not (folder / WEIGHTS).is_file() and not (folder / INDEX).is_file():
+        missing.append(WEIGHTS)
     if missing:
         errors.append(f"{field}: {folder} is not a HuggingFace model folder (no {' or '.join(missing)}); give a "
                       "folder written by gpt.export or save_pretrained")
         return
-    if any([_refused(field, boundary.local_input(str(folder / n), root), errors)      # every file it reads
-            for n in ("config.json", "model.safetensors")]):
+    index = [folder / INDEX] if (folder / INDEX).is_file() else []
+    if any([_refused(field, boundary.local_input(str(path), root), errors)      # every file it reads
+            for path in (folder / "config.json", *index)]):
+        return
+    try:
+        weights = weight_files(folder)
+    except (OSError, ValueError, KeyError) as e:
+        errors.append(f"{field}: {folder / INDEX} cannot be read ({e}); export the model again")
+        return
+    if any([_refused(field, boundary.local_input(str(path), root), errors) for path in weights]):
         return
     try:
         theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
@@ -265,12 +273,6 @@ def _job_config(model: str, training: TrainingParams, where: ClusterConfig | Non
     """The training job's gpt Config from the preset and the parameters, with every problem it
     would have on the cluster's ranks added to ``errors``."""
     fields = config_fields(training)
-    for name in SHAPE:
-        preset = getattr(Config(model=model, mock_data=True), name)
-        if name in training.overrides and training.overrides[name] != preset:
-            errors.append(f"training.overrides.{name}: {training.overrides[name]!r}, but preset {model} has "
-                          f"{preset}: a run is named after its preset and trains its shape; choose the "
-                          "preset of the shape you want")
     world_size = 1
     if where is not None:
         world_size = where.world_size

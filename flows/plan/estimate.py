@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt.backend import names_device, peak_flops
-from gpt.config import Config
+from gpt.config import Config, model_name
 from gpt.metrics import flops_per_token
 from gpt.model import param_count
 from tasks.benchmark_history import History, machine_facts, reference
@@ -114,7 +114,7 @@ def _newest_measurement(config: Config, cluster: ClusterConfig,
             except (KeyError, TypeError, ValueError, AttributeError):   # another version's record, or not one
                 continue
             if achieved > 0:
-                found.append((r["model"] == config.model, str(record.get("time") or ""), label, r, achieved))
+                found.append((r["model"] == model_name(config), str(record.get("time") or ""), label, r, achieved))
     if not found:
         return None
     _, when, label, r, achieved = max(found, key=lambda f: (f[0], f[1]))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.plan.params import DataParams, TokenizerParams
-from gpt.config import Config
+from gpt.config import ARCHITECTURE, Config, model_name
 from gpt.files import write_json
 from tasks.common.digest import digest
 
@@ -41,14 +41,18 @@ MAY_CHANGE = ("train_iters", "train_samples", "micro_batch_size", "tensor_parall
 ADDED_TOKENIZER = ("tokenizer_model", "add_bos_token")
 
 
-def run_identity(model: str, data: DataParams, tokenizer: TokenizerParams, config: Config,
+def run_identity(data: DataParams, tokenizer: TokenizerParams, config: Config,
                  given: dict[str, Any]) -> dict[str, Any]:
     """The identity of the run these parameters train: ``config`` resolved from them, ``given``
-    the Config fields the parameters set explicitly."""
+    the Config fields the parameters set explicitly. A model of its own shape is named by it and
+    keeps its whole architecture, and the preset its other fields came from."""
     training = {name: getattr(config, name) for name in DEFINING}
     training.update({name: given[name] for name in SCHEDULE + START
                      if given.get(name) is not None and given[name] is not False})
-    return {"model": model,
+    called = model_name(config)
+    shape = {} if called == config.model else {
+        "shape": {"preset": config.model, **{field: getattr(config, field) for field in ARCHITECTURE}}}
+    return {"model": called, **shape,
             "data": {name: v for name, v in data.model_dump(mode="json").items() if name in DATA},
             "tokenizer": {name: v for name, v in tokenizer.model_dump(mode="json").items()
                           if v not in (None, False) or name not in ADDED_TOKENIZER},

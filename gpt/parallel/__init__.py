@@ -13,4 +13,6 @@ only the math.
 - ``pipeline``: stages on torch.distributed.pipelining and their schedules;
 - ``gradients``: averaging the gradients over the replicas where no DDP or FSDP module does, the
   global gradient norm over every shard and stage, clipping.
+- ``process_group``: the process group a job's ranks join, and the small collectives the
+  training loop calls (sums and gathers of values, the barrier).
 """

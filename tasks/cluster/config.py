@@ -35,6 +35,8 @@ from pydantic import (
     model_validator,
 )
 
+from gpt.config import split_assignment
+
 PRESET_DIR = Path(__file__).resolve().parents[2] / "deployments" / "clusters"
 PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"
 
@@ -388,11 +390,11 @@ def check_overrides(overrides: dict[str, Any]) -> None:
                                f"{', '.join(sorted(SBATCH_OPTIONS))}")
         _option_value("sbatch_extra", name, value, SBATCH_OPTIONS[name])
     for item in overrides.get("srun_extra") or []:
-        name, eq, value = str(item).removeprefix("--").partition("=")
+        name, value = split_assignment(str(item).removeprefix("--"))
         if not str(item).startswith("--") or name not in SRUN_OPTIONS:
             raise ClusterError(f"srun_extra option {item!r} cannot be set from parameters; allowed: "
                                f"{', '.join('--' + o for o in sorted(SRUN_OPTIONS))}")
-        _option_value("srun_extra", name, value if eq else None, SRUN_OPTIONS[name])
+        _option_value("srun_extra", name, value, SRUN_OPTIONS[name])
     for name, value in (overrides.get("env") or {}).items():
         if name not in ENV_VARIABLES:
             raise ClusterError(f"env variable {name!r} cannot be set from parameters (only tuning variables such as "

@@ -13,7 +13,7 @@ from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
-from gpt.config import Config
+from gpt.config import Config, model_name
 from gpt.data import DataIndex
 from gpt.files import write_json
 from gpt.metrics import train_line, valid_line
@@ -190,7 +190,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                  precompiled: "PrecompileManifest | None", tracked: Trackers) -> TrainResult:
     logger = run_logger()
     total = config.total_iters
-    progress = Progress(f"{config.model} on {cluster.name}", "iterations", items=total,
+    progress = Progress(f"{model_name(config)} on {cluster.name}", "iterations", items=total,
                         artifact_key="training-progress", log_every_s=None)
     records = MetricsTail(run_dir / "metrics.jsonl")
     stragglers = Stragglers()
@@ -233,7 +233,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
         launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
         try:
             summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
-                                            job_name=f"train-{config.model}", python=python, on_poll=on_poll,
+                                            job_name=f"train-{model_name(config)}", python=python, on_poll=on_poll,
                                             watch=watch)
             if not stopped_without_requeue(summary, cluster, run_dir, job_id) or resubmitted >= cluster.max_requeues:
                 break
