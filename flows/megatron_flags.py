@@ -94,10 +94,8 @@ def translate(argv: list[str]) -> list[str]:
             for value in _one(flag, values, problems):
                 fields[CONFIG_FIELD[flag]] = value
         elif flag in SWITCHES or flag in FIELD_SWITCHES:
-            if flag in SWITCHES:
-                out += SWITCHES[flag]
-            else:
-                fields[FIELD_SWITCHES[flag][0]] = FIELD_SWITCHES[flag][1]
+            out += SWITCHES.get(flag, [])
+            fields.update([FIELD_SWITCHES[flag]] if flag in FIELD_SWITCHES else [])
             if values:
                 problems.append(f"{flag}: takes no value (got {' '.join(values)})")
         elif flag in DECIDED_HERE:

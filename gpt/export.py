@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from gpt.checkpoint import Checkpointer, load_whole_model
-from gpt.config import GPT3_BLOCK, Config, model_name
+from gpt.config import GPT3_BLOCK, Config, block_family, model_name
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
 from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, param_count, split_qkv, tied
 from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
@@ -65,7 +65,7 @@ def family(config: Config) -> str:
     if all(getattr(config, name) == value for name, value in GPT3_BLOCK.items()) and \
             config.ffn_hidden_size == 4 * config.hidden_size and config.num_query_groups == config.num_attention_heads:
         return "gpt2"
-    if config.position_embedding_type == "rope" and config.normalization == "RMSNorm" and config.swiglu:
+    if block_family(config) == "llama":
         return "llama"
     raise ExportError(f"no HuggingFace architecture computes this block (position_embedding_type="
                       f"{config.position_embedding_type}, normalization={config.normalization}, swiglu={config.swiglu}, "
