@@ -6,6 +6,12 @@ share one) and renamed only after every rank finished writing and the marker is 
 killed half-way leaves a ``.tmp-*`` folder that is never resumed from (and is removed by a later
 save of a newer iteration).
 
+An asynchronous save (``Config.async_save``) blocks training only while the state is copied to host
+memory; a thread writes that copy while training goes on, over a process group of its own. DCP's
+coordinator (rank 0) writes the metadata only after every rank reported its shards written, so rank
+0 then marks and renames the folder. At most one save is in flight: the next one, the end of
+training and a stop signal wait for it first (``finish``).
+
 Resuming verifies the newest checkpoint (marker, DCP metadata, every shard file as long as the
 metadata says) and falls back to the newest intact one, saying which and why.
 
@@ -23,8 +29,12 @@ import pickle
 import random
 import re
 import shutil
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpt.config import ConfigError
+from gpt.faults import FAULT
 from gpt.files import WriteError
 from gpt.model import plain_name, tied
 from gpt.parallel.process_group import barrier
@@ -170,19 +181,48 @@ def _renamed_optimizer(entries: dict[str, Any], names: dict[str, str]) -> dict[s
     return out
 
 
+@dataclass
+class Saved:
+    """A save that is complete: how long it held training up, and how long its write went on while
+    training continued (0 for a synchronous save)."""
+    iteration: int
+    path: Path
+    blocking_s: float
+    background_s: float
+
+
+@dataclass
+class _Writing:
+    iteration: int
+    tmp: Path
+    final: Path
+    blocking_s: float = 0.0
+    future: Future | None = None
+    returned: float = 0.0               # perf_counter when save returned to training
+    written: float = 0.0                # perf_counter when the write ended (and rank 0 marked it)
+    ended: threading.Event = field(default_factory=threading.Event)
+    failure: BaseException | None = None
+
+
 class Checkpointer:
     """Saves and loads one run's checkpoints. ``to_host`` moves a state dict's device tensors to the
-    host at once where that is one transfer instead of one per tensor (XLA: gpt.backend.Backend.to_host)."""
+    host at once where that is one transfer instead of one per tensor (XLA: gpt.backend.Backend.to_host).
+    ``asynchronous``: ``save`` returns once the state is staged and its write goes on in a thread."""
 
     def __init__(self, directory: str | os.PathLike, keep_last: int, rank: int,
                  to_host: Callable[[dict[str, Any]], dict[str, Any]] = lambda state: state,
-                 layout: dict[str, Any] | None = None) -> None:
+                 layout: dict[str, Any] | None = None, asynchronous: bool = False) -> None:
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
         self.writer = writer_id()
         self.to_host = to_host
         self.layout = layout or {}      # how the saving job was laid out, kept in each marker (saved_layout)
+        self.asynchronous = asynchronous
+        # The writes' collectives run beside training's: a group of their own keeps them apart.
+        self._group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        self._writing: _Writing | None = None      # the save in flight, or ended and not yet collected
+        self._saved: list[Saved] = []
 
     def complete(self) -> list[Path]:
         """Checkpoints with their marker, newest first."""
@@ -220,41 +260,96 @@ class Checkpointer:
         return None, train_state
 
     def save(self, iteration: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             train_state: dict[str, Any]) -> Path:
-        """Write on every rank; returns the final folder once it is complete. A folder already at
-        the final name (a damaged checkpoint this run fell back from) is kept for inspection under
-        ``iter_N.damaged-<writer>``, a name no resume picks up. A save that fails (a full or
-        read-only disk) leaves no temporary folder and raises WriteError naming the folder."""
+             train_state: dict[str, Any]) -> None:
+        """Write on every rank: at once, or (asynchronous) from a copy staged in host memory while
+        training continues; ``completed`` tells when it is complete. A save still in flight is finished
+        first. A folder already at the final name (a damaged checkpoint this run fell back from) is
+        kept for inspection under ``iter_N.damaged-<writer>``, a name no resume picks up. A save that
+        fails (a full or read-only disk) leaves no temporary folder and raises WriteError naming the
+        folder (an asynchronous one from ``finish`` or ``completed``)."""
+        self.finish()
         final = self.dir / f"iter_{iteration:07d}"
-        tmp = self.dir / f"{final.name}.tmp-{self.writer}"
+        writing = _Writing(iteration, self.dir / f"{final.name}.tmp-{self.writer}", final)
+        started = time.perf_counter()
         try:
             if self.rank == 0:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(writing.tmp, ignore_errors=True)
             barrier()
             # per rank RNG: DCP keeps one copy of identical keys
-            state = self.to_host(self._state(model, optimizer, {"train": train_state,
+            state = self.to_host(self._state(model, optimizer, {"train": dict(train_state),
                                                                 f"rng_rank{self.rank}": rng_state()}))
             with _single_process_quiet():
-                dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-            barrier()  # every rank's shards are on disk
-            if self.rank == 0:
-                _write_marker(tmp, {"iteration": iteration, "layout": self.layout})
-                if final.exists():
-                    os.rename(final, final.with_name(f"{final.name}.damaged-{self.writer}"))
-                os.rename(tmp, final)
-                self._prune(iteration)
+                if self.asynchronous:
+                    writing.future = dcp.async_save(state, checkpoint_id=writing.tmp, process_group=self._group,
+                                                    no_dist=not dist.is_initialized())
+                else:
+                    dcp.save(state, checkpoint_id=writing.tmp, no_dist=not dist.is_initialized())
+                    barrier()  # every rank's shards are on disk
+                    self._complete(writing)
         except (OSError, dcp.api.CheckpointException) as e:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            cause = _os_error(e)
-            why = (cause.strerror or str(cause)) if cause is not None else str(e).splitlines()[0]
-            raise WriteError(cause.errno if cause is not None else None,
-                             f"checkpoint iteration {iteration}: cannot write {tmp}: {why}; free space in "
-                             f"{self.dir} (or make it writable) and resume: the run continues from its newest "
-                             "complete checkpoint") from e
-        barrier()
-        return final
+            raise self._failed(writing, e) from e
+        writing.returned = time.perf_counter()
+        writing.blocking_s = writing.returned - started
+        if writing.future is None:
+            barrier()
+            self._saved.append(Saved(iteration, final, writing.blocking_s, 0.0))
+        else:
+            self._writing = writing
+            writing.future.add_done_callback(lambda _: self._written(writing))
+
+    def finish(self) -> None:
+        """Wait until the save in flight (if any) is complete. A write that failed raises WriteError
+        here, on every rank (DCP tells every rank of any rank's failure)."""
+        if self._writing is not None:
+            self._writing.ended.wait()
+            self._collect()
+
+    def completed(self) -> list[Saved]:
+        """The saves complete since the last call, without waiting."""
+        if self._writing is not None and self._writing.ended.is_set():
+            self._collect()
+        saved, self._saved = self._saved, []
+        return saved
+
+    def _collect(self) -> None:
+        writing, self._writing = self._writing, None
+        if writing.failure is not None:
+            raise self._failed(writing, writing.failure) from writing.failure
+        self._saved.append(Saved(writing.iteration, writing.final, writing.blocking_s,
+                                 max(0.0, writing.written - writing.returned)))
+
+    def _written(self, writing: _Writing) -> None:
+        """In the writing thread, once this rank's write ended: rank 0 marks the folder complete
+        (the coordinator's write ending means every rank's did)."""
+        try:
+            writing.failure = writing.future.exception()
+            if writing.failure is None:
+                FAULT.at("write", writing.iteration)
+                self._complete(writing)
+        except BaseException as e:  # noqa: BLE001 - raised again by finish, on the training thread
+            writing.failure = e
+        writing.written = time.perf_counter()
+        writing.ended.set()
+
+    def _complete(self, writing: _Writing) -> None:
+        if self.rank != 0:
+            return
+        _write_marker(writing.tmp, {"iteration": writing.iteration, "layout": self.layout})
+        if writing.final.exists():
+            os.rename(writing.final, writing.final.with_name(f"{writing.final.name}.damaged-{self.writer}"))
+        os.rename(writing.tmp, writing.final)
+        self._prune(writing.iteration)
+
+    def _failed(self, writing: _Writing, error: BaseException) -> WriteError:
+        if self.rank == 0:
+            shutil.rmtree(writing.tmp, ignore_errors=True)
+        cause = _os_error(error)
+        why = (cause.strerror or str(cause)) if cause is not None else str(error).splitlines()[0]
+        return WriteError(cause.errno if cause is not None else None,
+                          f"checkpoint iteration {writing.iteration}: cannot write {writing.tmp}: {why}; free space in "
+                          f"{self.dir} (or make it writable) and resume: the run continues from its newest "
+                          "complete checkpoint")
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
              train_state: dict[str, Any], metadata: Metadata | None = None) -> dict[str, Any]:

@@ -260,6 +260,7 @@ class RunSection:
     eval_iters: int = 10
     save_interval: int = 100
     keep_last: int = 2
+    async_save: bool = True                    # training goes on while a checkpoint is written (not on XLA devices)
     benchmark: bool = False                    # no evaluation
     peak_flops: float | None = None            # per device, for MFU; default from gpt.backend.PEAK_FLOPS
     init_from_hf: str | None = None            # a HuggingFace GPT-2 or Llama folder (gpt.export) to start from

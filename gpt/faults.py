@@ -7,7 +7,9 @@ variable each hook returns at once.
 - ``rank=1,iteration=5,phase=sync,seconds=600``: rank 1 sleeps 600 s when it enters phase ``sync``
   (gpt.heartbeat's phases) at iteration 5; ``every=1`` from then on at every iteration;
   ``node=node1`` only on that SLURM node; ``once=PATH`` only the first time (PATH is created when
-  it fires). A hang or a straggler, exactly where a test wants one. ``stop=1``: the rank stops
+  it fires). A hang or a straggler, exactly where a test wants one. ``phase=write``: rank 0's
+  asynchronous checkpoint write of that iteration ends that much later (its folder not yet marked
+  complete), while training goes on. ``stop=1``: the rank stops
   itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL.
 - ``shard=2``: the tokenize array's task 2 kills itself (SIGKILL) after its first chunk is written,
   on its first run only (a marker beside its outputs remembers it).

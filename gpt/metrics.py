@@ -44,6 +44,13 @@ def valid_line(iteration: int, loss: float) -> str:
     return f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
 
 
+def saved_line(iteration: int, blocking_s: float, background_s: float) -> str:
+    line = f" saved checkpoint at iteration {iteration} | training waited {blocking_s:.2f} s"
+    if background_s:
+        line += f", written in {background_s:.2f} s more while it went on"
+    return line + " |"
+
+
 class MetricsWriter:
     """Appends one JSON object per iteration to metrics.jsonl and mirrors scalars to TensorBoard.
 
@@ -81,6 +88,16 @@ class MetricsWriter:
         self._write({"kind": "valid", "iteration": iteration, "consumed_samples": consumed,
                      "valid_loss": loss, "time": time.time()})
         self._tb.add_scalar("valid/lm_loss", loss, iteration)
+
+    def saved(self, iteration: int, blocking_s: float, background_s: float) -> None:
+        """A checkpoint complete: how long training waited for it, and how long its write went on
+        in the background."""
+        if not self.enabled:
+            return
+        self._write({"kind": "save", "iteration": iteration, "blocking_s": round(blocking_s, 4),
+                     "background_s": round(background_s, 4), "time": time.time()})
+        self._tb.add_scalar("checkpoint/blocking_s", blocking_s, iteration)
+        self._tb.add_scalar("checkpoint/background_s", background_s, iteration)
 
     def ranks(self, iteration: int, iterations: int, busy_ms: list[float], nodes: list[str]) -> None:
         """Each rank's busy time per iteration (data loading and forward passes) over the last

@@ -31,7 +31,7 @@ from gpt.config import Config, ConfigError, parse_overrides, read_config_file, s
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
-from gpt.metrics import MetricsWriter, flops_per_token, mfu, train_line, valid_line
+from gpt.metrics import MetricsWriter, flops_per_token, mfu, saved_line, train_line, valid_line
 from gpt.model import param_count, plain_name
 from gpt.optim import LossScaler, build_optimizer, lr_at
 from gpt.parallel.build import build_model
@@ -316,11 +316,26 @@ def job_layout(config: Config, env: ParallelDims, model: nn.Module) -> dict[str,
             "device": config.device, "parts": bool(sharded_names(model))}
 
 
-def save_checkpoint(ckpt: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                    scaler: LossScaler) -> None:
+def save_checkpoint(run: "Run", state: dict[str, Any], metrics: MetricsWriter) -> None:
+    """Save (or, asynchronous, start saving) at this iteration, after the save in flight ended."""
     heartbeat.enter("save")
-    state.update(loss_scale=float(scaler.scale), good_steps=int(scaler.good_steps))
-    ckpt.save(state["iteration"], model, optimizer, state)
+    state.update(loss_scale=float(run.scaler.scale), good_steps=int(run.scaler.good_steps))
+    run.ckpt.save(state["iteration"], run.model, run.optimizer, state)
+    report_saves(run, metrics)
+
+
+def finish_checkpoint(run: "Run", metrics: MetricsWriter) -> None:
+    """Wait for the save in flight: the heartbeat's save phase covers the wait, so a write that never
+    ends is a hang like any other."""
+    heartbeat.enter("save")
+    run.ckpt.finish()
+    report_saves(run, metrics)
+
+
+def report_saves(run: "Run", metrics: MetricsWriter) -> None:
+    for saved in run.ckpt.completed():
+        run.log(saved_line(saved.iteration, saved.blocking_s, saved.background_s), flush=True)
+        metrics.saved(saved.iteration, saved.blocking_s, saved.background_s)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -382,7 +397,7 @@ def _prepare(config: Config, backend: Backend, env: ParallelDims) -> Run:
     scaler = LossScaler(config.precision == "fp16", device)
     state = {"iteration": 0, "consumed_samples": 0, "skipped": 0, "nan": 0, "loss_scale": 1.0, "good_steps": 0}
     ckpt = Checkpointer(Path(config.run_dir) / "checkpoints", config.keep_last, env.rank, to_host=backend.to_host,
-                        layout=job_layout(config, env, model))
+                        layout=job_layout(config, env, model), asynchronous=config.async_save and not backend.lazy)
     return Run(config, backend, env, device, data, pipeline, model, optimizer, scaler, ckpt, state,
                print if env.is_main else (lambda *a, **k: None), cache_hit)
 
@@ -454,14 +469,17 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
                     run.log(valid_line(it, valid_loss), flush=True)
                     metrics.valid(it, state["consumed_samples"], valid_loss)
             if saving:
-                save_checkpoint(run.ckpt, run.model, run.optimizer, state, run.scaler)
+                save_checkpoint(run, state, metrics)
             heartbeat.enter("log")
+            report_saves(run, metrics)
             if not config.precompile and it < end_iter and stop.should_stop(run.device):
                 if not saving:
-                    save_checkpoint(run.ckpt, run.model, run.optimizer, state, run.scaler)
+                    save_checkpoint(run, state, metrics)
+                finish_checkpoint(run, metrics)
                 run.log(f"stopping at iteration {it} on a signal; checkpoint saved", flush=True)
                 return "interrupted", valid_loss, steps
             steps.restart_clock()
+    finish_checkpoint(run, metrics)
     return "completed", valid_loss, steps
 
 

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -158,3 +159,65 @@ def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint_and_drops_a_torn_l
     assert kept == [(kind, i) for i in (1, 2, 3) for kind in ("train", "ranks")]
     from gpt.metrics import _iteration
     assert _iteration(b'{"iteration": 7, "kind": "other"}\n') == 7 and _iteration(b'not a record\n') == float("inf")
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_the_next_save_waits_for_it(gpt_launcher, tmp_path):
+    reference = tmp_path / "reference"
+    gpt_launcher.run({**SMALL, "async_save": False, "run_dir": str(reference)}, world_size=2)
+    run = tmp_path / "run"
+    # Rank 0's write of iteration 4 ends 3 s late: its folder is not complete until then.
+    os.environ["GPT_FAULT"] = "rank=0,phase=write,iteration=4,seconds=3"
+    try:
+        procs = gpt_launcher.start({**SMALL, "run_dir": str(run)}, 2)
+    finally:
+        del os.environ["GPT_FAULT"]
+    results = gpt_launcher.wait(procs)
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = {r["iteration"]: r for r in records if r["kind"] == "save"}
+    assert sorted(saves) == [4, 8]
+    assert saves[4]["background_s"] >= 3 > saves[4]["blocking_s"]
+    # Iterations 5 to 8 trained while iteration 4 was being written; the save at 8 waited for it.
+    written = records.index(saves[4])
+    assert [r["iteration"] for r in records[:written] if r["kind"] == "train"] == list(range(1, 9))
+    assert records.index(saves[8]) > written
+    assert re.search(r"saved checkpoint at iteration 4 \| training waited \d+\.\d\d s, written in [3-9]\.\d\d s more "
+                     r"while it went on", results[0][1])
+    assert _losses(run) == _losses(reference) and _losses(run, "valid") == _losses(reference, "valid")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000004", "iter_0000008"]
+    # What an asynchronous save wrote resumes exactly as a synchronous one.
+    out = gpt_launcher.run({**SMALL, "run_dir": str(run), "train_iters": 12, "lr_decay_iters": 8}, world_size=2)
+    longer = gpt_launcher.run({**SMALL, "async_save": False, "run_dir": str(reference), "train_iters": 12,
+                               "lr_decay_iters": 8}, world_size=2)
+    assert "resumed from" in out and "resumed from" in longer
+    assert _losses(run) == _losses(reference)
+
+
+def test_a_job_killed_while_its_checkpoint_is_written_resumes_from_the_previous_one(gpt_launcher, tmp_path):
+    reference = tmp_path / "reference"
+    config = {**SMALL, "train_iters": 12, "keep_last": 3}
+    gpt_launcher.run({**config, "run_dir": str(reference)})
+    run = tmp_path / "run"
+    os.environ["GPT_FAULT"] = "rank=0,phase=write,iteration=8,seconds=600"
+    try:
+        (proc,) = gpt_launcher.start({**config, "run_dir": str(run)})
+    finally:
+        del os.environ["GPT_FAULT"]
+    deadline = time.monotonic() + 120
+    while not any(r["iteration"] >= 10 for r in _records(run)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=30)
+    (killed,) = (run / "checkpoints").glob("iter_0000008.tmp-*")
+    assert (killed / ".metadata").is_file() and not (killed / "COMPLETE").exists()
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_???????")) == ["iter_0000004"]
+    out = gpt_launcher.run({**config, "run_dir": str(run)})
+    assert re.search(r"resumed from \S+iter_0000004 at iteration 4", out)
+    assert _losses(run) == _losses(reference)
+
+
+def _records(run_dir):
+    try:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return []

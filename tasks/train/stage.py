@@ -16,7 +16,7 @@ from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.config import Config, model_name
 from gpt.data import DataIndex
 from gpt.files import write_json
-from gpt.metrics import train_line, valid_line
+from gpt.metrics import saved_line, train_line, valid_line
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import Hang, HangWatch, Stragglers
@@ -194,7 +194,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                         artifact_key="training-progress", log_every_s=None)
     records = MetricsTail(run_dir / "metrics.jsonl")
     stragglers = Stragglers()
-    notes = {"eta": "", "stragglers": ""}
+    notes = {"eta": "", "stragglers": "", "save": ""}
     first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)
 
     def on_poll() -> None:
@@ -209,6 +209,11 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                 notes["stragglers"] = "; ".join(stragglers.add(r))
                 if notes["stragglers"]:
                     logger.warning("%s", notes["stragglers"])
+                continue
+            if r["kind"] == "save":
+                logger.info("%s", saved_line(r["iteration"], r["blocking_s"], r["background_s"]))
+                notes["save"] = (f"last checkpoint: iteration {r['iteration']}, training waited "
+                                 f"{r['blocking_s']:.2f} s, {r['background_s']:.2f} s more written in the background")
                 continue
             if not first_record:
                 first_record.append(time.monotonic())
