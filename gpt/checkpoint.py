@@ -186,7 +186,6 @@ class Saved:
     """A save that is complete: how long it held training up, and how long its write went on while
     training continued (0 for a synchronous save)."""
     iteration: int
-    path: Path
     blocking_s: float
     background_s: float
 
@@ -293,7 +292,7 @@ class Checkpointer:
         writing.blocking_s = writing.returned - started
         if writing.future is None:
             barrier()
-            self._saved.append(Saved(iteration, final, writing.blocking_s, 0.0))
+            self._saved.append(Saved(iteration, writing.blocking_s, 0.0))
         else:
             self._writing = writing
             writing.future.add_done_callback(lambda _: self._written(writing))
@@ -316,7 +315,7 @@ class Checkpointer:
         writing, self._writing = self._writing, None
         if writing.failure is not None:
             raise self._failed(writing, writing.failure) from writing.failure
-        self._saved.append(Saved(writing.iteration, writing.final, writing.blocking_s,
+        self._saved.append(Saved(writing.iteration, writing.blocking_s,
                                  max(0.0, writing.written - writing.returned)))
 
     def _written(self, writing: _Writing) -> None:

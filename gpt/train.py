@@ -316,12 +316,11 @@ def job_layout(config: Config, env: ParallelDims, model: nn.Module) -> dict[str,
             "device": config.device, "parts": bool(sharded_names(model))}
 
 
-def save_checkpoint(run: "Run", state: dict[str, Any], metrics: MetricsWriter) -> None:
+def save_checkpoint(run: "Run", state: dict[str, Any]) -> None:
     """Save (or, asynchronous, start saving) at this iteration, after the save in flight ended."""
     heartbeat.enter("save")
     state.update(loss_scale=float(run.scaler.scale), good_steps=int(run.scaler.good_steps))
     run.ckpt.save(state["iteration"], run.model, run.optimizer, state)
-    report_saves(run, metrics)
 
 
 def finish_checkpoint(run: "Run", metrics: MetricsWriter) -> None:
@@ -469,12 +468,12 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
                     run.log(valid_line(it, valid_loss), flush=True)
                     metrics.valid(it, state["consumed_samples"], valid_loss)
             if saving:
-                save_checkpoint(run, state, metrics)
+                save_checkpoint(run, state)
             heartbeat.enter("log")
             report_saves(run, metrics)
             if not config.precompile and it < end_iter and stop.should_stop(run.device):
                 if not saving:
-                    save_checkpoint(run, state, metrics)
+                    save_checkpoint(run, state)
                 finish_checkpoint(run, metrics)
                 run.log(f"stopping at iteration {it} on a signal; checkpoint saved", flush=True)
                 return "interrupted", valid_loss, steps

@@ -211,9 +211,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                     logger.warning("%s", notes["stragglers"])
                 continue
             if r["kind"] == "save":
-                logger.info("%s", saved_line(r["iteration"], r["blocking_s"], r["background_s"]))
-                notes["save"] = (f"last checkpoint: iteration {r['iteration']}, training waited "
-                                 f"{r['blocking_s']:.2f} s, {r['background_s']:.2f} s more written in the background")
+                line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
+                logger.info("%s", line)
+                notes["save"] = line.strip(" |")
                 continue
             if not first_record:
                 first_record.append(time.monotonic())
