@@ -23,6 +23,9 @@ Tests that run code reading credentials from the environment use `monkeypatch.se
 `s3_server.env`, or pass `s3_server.env` to a subprocess. `start_s3_server(dir)` / `stop()` start
 and stop one outside pytest (the sync benchmark does).
 
+Every bucket is a SeaweedFS collection with a volume of its own, so the server is started with
+room for 1000 volumes (`weed mini` allows about 70 by default, fewer than one session's buckets).
+
 `own_s3_server` (test scope) is a server of the test's own, for tests that stop it
 (`stop(signal.SIGKILL)` for a crash) and `start()` it again on the same ports and data folder.
 """
@@ -183,7 +186,7 @@ def _start_once(root: Path) -> S3Server:
     ports = dict(zip(names, _free_ports(len(names))))
     allow_endpoint(f"http://127.0.0.1:{ports['s3.port']}")
     argv = [weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            *(f"-{k}={v}" for k, v in ports.items()), "-admin.ui=false", "-webdav=false",
+            *(f"-{k}={v}" for k, v in ports.items()), "-admin.ui=false", "-webdav=false", "-volume.max=1000",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", f"-s3.config={config}",
             f"-s3.localSocket={root}/s3.sock", f"-filer.localSocket={root}/filer.sock"]
     log = root / "weed.log"
