@@ -268,6 +268,10 @@ class RunSection:
     init_from_optimizer: bool = False          # with init_from: its optimizer state too, not only the weights
     hang_timeout_s: float | None = None        # no rank advancing this long: hung (None: from the step time)
     collective_timeout_s: float = 1800.0       # a collective waiting this long fails the job
+    spike_factor: float = 10.0                 # a loss above this x the median of the last spike_window: a spike (0: off)
+    spike_window: int = 100
+    nan_steps: int = 5                         # this many non-finite losses in a row: rolled back like a spike (0: off)
+    max_rollbacks: int = 3                     # rollbacks around spikes before the run fails with the report
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "schedule": ScheduleSection, "parallel": ParallelSection,
@@ -582,6 +586,12 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
             found.append(("init_from", "init_from and init_from_hf are both set: a new run starts from one of them"))
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0 or self.collective_timeout_s <= 0:
             found.append(("hang_timeout_s", "hang_timeout_s and collective_timeout_s must be positive (seconds)"))
+        if self.spike_factor < 0 or 0 < self.spike_factor <= 1:
+            found.append(("spike_factor", f"spike_factor={self.spike_factor}: must be above 1 (a multiple of the "
+                          "median loss), or 0 to turn spike detection off"))
+        if self.spike_window < 1 or self.nan_steps < 0 or self.max_rollbacks < 0:
+            found.append(("spike_window", f"spike_window={self.spike_window} must be >= 1, nan_steps={self.nan_steps} "
+                          f"and max_rollbacks={self.max_rollbacks} >= 0"))
         if self.peak_flops is not None and self.peak_flops <= 0:
             found.append(("peak_flops", f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)"))
         return found

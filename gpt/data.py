@@ -315,6 +315,7 @@ class IndexedSplit:
     datasets: list[IndexedPart]
     blend: Blend | None
     num_samples: int
+    skipped: list[int] = dataclasses.field(default_factory=list)   # positions of the order left out, ascending
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,7 @@ class DataIndex:
     split: str
     splits: dict[str, IndexedSplit]
     version: int = 1
+    built_with: dict[str, Any] = dataclasses.field(default_factory=dict)   # tasks.index.build_indices' arguments
 
     def files(self) -> list[str]:
         """Every index file the manifest names."""
@@ -350,10 +352,11 @@ class DataIndex:
         try:
             raw = json.loads(Path(path).read_text())
             splits = {name: IndexedSplit([IndexedPart(**p) for p in s["datasets"]],
-                                         Blend(**s["blend"]) if s.get("blend") else None, s["num_samples"])
+                                         Blend(**s["blend"]) if s.get("blend") else None, s["num_samples"],
+                                         s.get("skipped", []))
                       for name, s in raw["splits"].items()}
             return cls(raw["seq_length"], raw.get("add_extra_token", 1), raw["seed"], raw["split"], splits,
-                       raw.get("version", 1))
+                       raw.get("version", 1), raw.get("built_with", {}))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: cannot read the index manifest ({e}); build it with `python -m tasks.index`") from e
 
@@ -371,6 +374,12 @@ class _SplitPart:
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
+
+    def documents(self, i: int) -> list[int]:
+        """The documents (their index in the prefix) sample ``i`` draws tokens from."""
+        j = int(self.shuffle_index[i])
+        first, last = int(self.sample_index[j][0]), int(self.sample_index[j + 1][0])
+        return [int(d) for d in self.document_index[first:last + 1]]
 
     def sample(self, i: int) -> np.ndarray:
         j = int(self.shuffle_index[i])
@@ -391,15 +400,21 @@ class GPTDataset:
 
     The order depends only on the indices (seed, split, sequence length, sample counts), never on
     the number of ranks reading them. A split that received no documents or samples has length 0.
+    Positions the split skips (samples rolled back around a loss spike) are left out: sample ``i``
+    is the ``i``-th position of the order that is not skipped, so every sample before the first
+    skipped one keeps its place and every later one moves up.
     """
 
     def __init__(self, parts: list[_SplitPart], seq_length: int, num_samples: int,
-                 dataset_index: np.ndarray | None = None, dataset_sample_index: np.ndarray | None = None) -> None:
+                 dataset_index: np.ndarray | None = None, dataset_sample_index: np.ndarray | None = None,
+                 skipped: list[int] = ()) -> None:
         self.parts = parts
         self.seq_length = seq_length
-        self.num_samples = num_samples
+        self.num_samples = num_samples - len(skipped)
         self.dataset_index = dataset_index
         self.dataset_sample_index = dataset_sample_index
+        # The j-th skipped position has (position - j) kept positions before it.
+        self._kept_before_skip = np.asarray(sorted(skipped), dtype=np.int64) - np.arange(len(skipped))
 
     @classmethod
     def from_index(cls, manifest_path: str | os.PathLike, split: str) -> "GPTDataset":
@@ -413,18 +428,33 @@ class GPTDataset:
         if entry.blend:
             dataset_index = _load_npy(root / entry.blend.dataset_index)
             dataset_sample_index = _load_npy(root / entry.blend.dataset_sample_index)
-            return cls(parts, manifest.seq_length, len(dataset_index), dataset_index, dataset_sample_index)
-        return cls(parts, manifest.seq_length, len(parts[0]) if parts else 0)
+            return cls(parts, manifest.seq_length, len(dataset_index), dataset_index, dataset_sample_index,
+                       entry.skipped)
+        return cls(parts, manifest.seq_length, len(parts[0]) if parts else 0, skipped=entry.skipped)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def position(self, i: int) -> int:
+        """Sample ``i``'s position in the order before any was skipped: the sample's id, which a
+        rollback names and skips."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for a dataset of {self.num_samples} samples")
+        return i + int(np.searchsorted(self._kept_before_skip, i, side="right"))
+
+    def _part_sample(self, position: int) -> tuple[_SplitPart, int]:
         if self.dataset_index is None:
-            return self.parts[0].sample(i)
-        return self.parts[int(self.dataset_index[i])].sample(int(self.dataset_sample_index[i]))
+            return self.parts[0], position
+        return self.parts[int(self.dataset_index[position])], int(self.dataset_sample_index[position])
+
+    def documents(self, i: int) -> tuple[str, list[int]]:
+        """The prefix and the documents (by their index in it) that sample ``i`` is made of."""
+        part, j = self._part_sample(self.position(i))
+        return part.data.prefix, part.documents(j)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        part, j = self._part_sample(self.position(i))
+        return part.sample(j)
 
 
 class MockGPTDataset:
@@ -438,6 +468,9 @@ class MockGPTDataset:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def position(self, i: int) -> int:
+        return i
 
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_samples:

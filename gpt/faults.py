@@ -11,6 +11,9 @@ variable each hook returns at once.
   asynchronous checkpoint write of that iteration ends that much later (its folder not yet marked
   complete), while training goes on. ``stop=1``: the rank stops
   itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL.
+- ``sample=X,factor=F``: the loss of the iteration that trains on sample X (its id: its position in
+  the train order before any rollback) is multiplied by F on every rank: a loss spike caused by
+  the data, which the run rolls back around (tasks/train/spikes.py).
 - ``shard=2``: the tokenize array's task 2 kills itself (SIGKILL) after its first chunk is written,
   on its first run only (a marker beside its outputs remembers it).
 """
@@ -25,7 +28,7 @@ from gpt.config import parse_overrides
 
 VARIABLE = "GPT_FAULT"
 FIELDS = {"rank": int, "iteration": int, "phase": str, "seconds": float, "every": int, "node": str, "once": str,
-          "shard": int, "stop": int}
+          "shard": int, "stop": int, "sample": int, "factor": float}
 
 
 class Fault:
@@ -45,6 +48,8 @@ class Fault:
         self.once = fields.get("once")
         self.shard = fields.get("shard")
         self.stop = fields.get("stop") == 1
+        self.sample = fields.get("sample")
+        self.factor = fields.get("factor", 1.0)
 
     def at(self, phase: str, iteration: int) -> None:
         """The rank's sleep, where the spec puts it (the phase it enters, at the iteration)."""
@@ -69,6 +74,15 @@ class Fault:
         print(f"fault injected: rank {os.environ.get('RANK', '0')} sleeps {self.seconds:g} s in {phase} at "
               f"iteration {iteration}", flush=True)
         time.sleep(self.seconds)
+
+    def loss_factor(self, dataset, start: int, count: int) -> float:
+        """What the loss of the global batch of ``count`` samples from ``start`` is multiplied by."""
+        if self.sample is None or not any(dataset.position(i % len(dataset)) == self.sample
+                                          for i in range(start, start + count)):
+            return 1.0
+        print(f"fault injected: the loss of the batch holding sample {self.sample} is multiplied by {self.factor:g}",
+              flush=True)
+        return self.factor
 
     def kill_shard(self, index: int, marker: Path) -> None:
         """The tokenize array task ``index`` killed, once (``marker`` remembers it)."""

@@ -29,6 +29,7 @@ from gpt.backend import Backend, get_backend, save_compile_cache, use_compile_ca
 from gpt.checkpoint import Checkpointer, writer_id
 from gpt.config import Config, ConfigError, parse_overrides, read_config_file, shape_differences
 from gpt.data import GPTDataset, MockGPTDataset
+from gpt.faults import FAULT
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.metrics import MetricsWriter, flops_per_token, mfu, saved_line, train_line, valid_line
@@ -48,8 +49,8 @@ EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run agai
 # -- one optimizer step ----------------------------------------------------------------------
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler,
-               dims: ParallelDims | None = None,
-               pipeline: Pipeline | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               dims: ParallelDims | None = None, pipeline: Pipeline | None = None,
+               loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate gradients over the micro-batches, reduce them over the ranks, clip, step.
 
     Returns device scalars, read by nobody here: the loss averaged over all ranks, the global
@@ -58,6 +59,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     step (on every rank) when the norm is not finite. On XLA the whole step is one graph. With
     pipeline stages, their schedule runs the micro-batches' forward and backward passes. ``dims``
     averages the gradients where no DDP or FSDP module did, and sums their norm (one process when None).
+    ``loss_factor`` multiplies the loss (gpt.faults' injected spike; 1 otherwise).
     """
     dims = dims or ParallelDims(0, 1, 0, None)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -65,12 +67,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         heartbeat.enter("forward")
         with backend.autocast(precision):
             total = pipeline.train(micro_batches, scaler.scale if scaler.enabled else None) / len(micro_batches)
+            total = total * loss_factor
     else:
         total = torch.zeros((), device=micro_batches[0][0].device)
         for i, (x, y) in enumerate(micro_batches):
             heartbeat.enter("forward")
             with gradient_sync(model, i == len(micro_batches) - 1), backend.autocast(precision):
-                loss = model(x, y) / len(micro_batches)
+                loss = model(x, y) * loss_factor / len(micro_batches)
             heartbeat.enter("backward")
             (loss * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach()
@@ -448,7 +451,8 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
             batches = micro_batches(run.data[0], state["consumed_samples"], g, config, env, run.device)
             loss, norm, stepped = train_step(run.model, run.optimizer, batches, backend=run.backend,
                                              precision=config.precision, clip_grad=config.clip_grad,
-                                             scaler=run.scaler, dims=env, pipeline=run.pipeline)
+                                             scaler=run.scaler, dims=env, pipeline=run.pipeline,
+                                             loss_factor=FAULT.loss_factor(run.data[0], state["consumed_samples"], g))
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
             steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, run.scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter

@@ -254,12 +254,16 @@ def index_needs(data_path: list[tuple[float, str]] | list[str], *, split: str, s
 
 
 def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str = "969,30,1", seq_length: int,
-                  seed: int, num_samples: dict[str, int], out_dir: str) -> IndexManifest:
+                  seed: int, num_samples: dict[str, int], out_dir: str, skipped: list[int] = ()) -> IndexManifest:
     """Build every split's indices under ``out_dir`` and write the manifest ``GPTDataset`` reads.
 
     ``num_samples`` maps train/valid/test to sample counts (missing = 0: the split is left empty).
-    Prefixes without weights are blended in proportion to their token counts.
+    Prefixes without weights are blended in proportion to their token counts. ``skipped``: positions
+    of the train order left out (a run's rollbacks around loss spikes, ``<run>/skipped.json``); the
+    order is built that much longer, so the run still has its samples and every position before
+    the first skipped one is unchanged.
     """
+    skipped = sorted({int(p) for p in skipped})
     inputs = _Inputs(data_path, split, num_samples, seq_length)
     entries, datasets, weights, blended, bounds = (inputs.entries, inputs.datasets, inputs.weights, inputs.blended,
                                                    inputs.bounds)
@@ -283,14 +287,24 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
             entry, n = _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out)
             parts.append(entry)
             sizes.append(n)
+        left_out = skipped if name == "train" else []
         blend = None
         if blended:
-            blend = _build_blend(parts, weights, sizes, target, name, out)
-        splits[name] = IndexedSplit(datasets=parts, blend=blend, num_samples=target if blended else sizes[0])
-        counts[name] = target if blended else sizes[0]
+            blend = _build_blend(parts, weights, sizes, target + len(left_out), name, out)
+        built = target + len(left_out) if blended else sizes[0]
+        if left_out and (left_out[-1] >= built or built - len(left_out) < target):
+            raise ValueError(f"skipped samples {left_out[:5]}...: the train order holds {built} samples; leaving "
+                             f"{len(left_out)} out leaves fewer than the {target} the run needs. Raise the run's "
+                             "train_iters (a longer order), or remove the entries of <run>/skipped.json")
+        splits[name] = IndexedSplit(datasets=parts, blend=blend, num_samples=built, skipped=left_out)
+        counts[name] = built - len(left_out)
 
+    prefixes = [os.path.abspath(p) for _, p in entries]
+    built_with = json.loads(json.dumps({"data_path": prefixes if entries[0][0] is None else
+                                        [[w, p] for (w, _), p in zip(entries, prefixes)], "split": split, "seq_length": seq_length,
+                                        "seed": seed, "num_samples": num_samples}))
     text = DataIndex(seq_length=seq_length, add_extra_token=ADD_EXTRA_TOKEN, seed=seed, split=split,
-                     splits=splits).to_json()
+                     splits=splits, built_with=built_with).to_json()
     name = digest(text, length=32)
     path = out / f"{name}-index.json"
     write_atomic(path, text)
@@ -357,11 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--valid-samples", type=int, default=0)
     p.add_argument("--test-samples", type=int, default=0)
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--skip", type=int, nargs="*", default=[], help="positions of the train order to leave out")
     a = p.parse_args(argv)
     start = time.perf_counter()
     m = build_indices(a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
                       num_samples={"train": a.train_samples, "valid": a.valid_samples, "test": a.test_samples},
-                      out_dir=a.out_dir)
+                      out_dir=a.out_dir, skipped=a.skip)
     print(json.dumps({**m.model_dump(), "seconds": round(time.perf_counter() - start, 3)}))
 
 

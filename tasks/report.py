@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tasks.cluster.hang import Hang
     from tasks.export import ExportManifest
     from tasks.tokenize.outputs import TokenizeManifest
+    from tasks.train.spikes import Spike
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -223,3 +224,28 @@ def hang_report(hang: Hang, run_name: str) -> None:
         key="training-hang", description=f"job {hang.job_id} hung at iteration {hang.iteration}",
         markdown=f"**{hang.line()}**\n\n| rank | node | phase | iteration | phases entered |\n|---|---|---|---|---|\n"
                  f"{rows}\n")
+
+
+SPIKE_ROWS = 64           # samples listed in the training-spike artifact; skipped.json keeps them all
+
+
+def spike_report(spike: Spike, run_name: str, what_next: str) -> None:
+    """A loss spike (tasks.train.spikes.Spike) in the run's log, as a Prefect event and as an
+    artifact naming the iterations, the losses, and each sample with the documents it came from."""
+    from tasks.cluster.run_context import run_context, run_logger
+
+    run_logger().warning("%s: %s", spike.line(), what_next)
+    if run_context() is None:
+        return
+    from prefect.events import emit_event
+
+    emit_event(event="gpt.training.spike", resource={"prefect.resource.id": f"gpt.run.{run_name}",
+                                                     "prefect.resource.name": run_name},
+               payload={k: v for k, v in spike.to_dict().items() if k != "documents"})
+    rows = "\n".join(f"| {d['sample']} | `{d['prefix']}` | {', '.join(map(str, d['documents']))} |"
+                     for d in spike.documents[:SPIKE_ROWS])
+    more = len(spike.documents) - SPIKE_ROWS
+    create_markdown_artifact(
+        key="training-spike", description=spike.line(),
+        markdown=f"**{spike.line()}**: {what_next}\n\n| sample | prefix | documents |\n|---|---|---|\n{rows}\n"
+                 + (f"\n{more} more samples: see `skipped.json` in the run folder\n" if more > 0 else ""))

@@ -32,7 +32,8 @@ MAY_CHANGE = ("train_iters", "train_samples", "micro_batch_size", "tensor_parall
               "pipeline_parallel", "virtual_pipeline_stages", "pipeline_schedule",
               "data_parallel_mode", "device", "precision", "fp8_recipe", "fp8_layers", "compile", "compile_scope",
               "activation_checkpointing", "activation_checkpointing_scope", "log_interval", "eval_interval",
-              "eval_iters", "save_interval", "keep_last", "async_save", "benchmark", "peak_flops", "hang_timeout_s",
+              "eval_iters", "save_interval", "keep_last", "async_save", "spike_factor", "spike_window", "nan_steps",
+              "max_rollbacks", "benchmark", "peak_flops", "hang_timeout_s",
               "collective_timeout_s", "cluster.*")
 
 

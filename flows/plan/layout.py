@@ -9,6 +9,7 @@ Run folder (written by the train stage and the training job)::
     metrics.jsonl   tensorboard/   checkpoints/     hf/ (the export)   loss.png
     run.json        what defines the run            provenance.json   each start: commit, parameters, versions
     trackers.json   W&B/MLflow run ids, the last iteration each got
+    skipped.json    loss-spike rollbacks and the sample ids left out   rolled-back/<n>/  checkpoints set aside
 """
 from __future__ import annotations
 

@@ -58,6 +58,12 @@ class JobError(RuntimeError):
     transient = True
 
 
+class StopJob(Exception):
+    """Raised by a follower's ``on_poll`` to stop the job at once: its ranks are killed (nothing
+    more is saved), the job is recorded in ``state`` with the message, and the exception goes on."""
+    state = "STOPPED"
+
+
 @dataclass(frozen=True)
 class ReturnedError:
     """An error a job returns instead of raising: the stage's own (bad input, network trouble), not
@@ -402,6 +408,17 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
     next_cancel_check = time.monotonic() + CANCEL_CHECK_S
     finished = False
     restore_sigterm = _exit_on_sigterm()
+
+    def poll() -> None:
+        nonlocal finished
+        try:
+            on_poll()
+        except StopJob as e:
+            _kill(running, nodes)
+            record.state(job_id, e.state, str(e), nodes)
+            finished = True
+            raise
+
     try:
         while True:
             info = running.state(nodes)
@@ -415,7 +432,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 else:
                     logger.info("job %s %s%s", job_id, state, f" ({reason})" if reason not in ("", "None") else "")
                 last = info
-            on_poll()
+            poll()
             state, reason, _ = info
             hang = watch.check(state) if watch is not None else None
             if hang is not None:
@@ -445,7 +462,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             if not threading.main_thread().is_alive():
                 raise SubmitterExiting(f"the submitting process is exiting: job {job_id} cancelled")
             time.sleep(POLL_S)
-        on_poll()
+        poll()
         finished = True
         if result is None or result[0] != "success":
             raise JobError(_failure_report(folder, job_id, cluster.world_size, state, reason))

@@ -26,7 +26,7 @@ class JobRecord:
     def state(self, job_id: str, state: str, reason: str, nodes: str) -> None:
         job = next(j for j in self.jobs if j["job_id"] == job_id)
         job["states"].append({"time": time.time(), "state": state, "reason": reason, "nodes": nodes})
-        if state in TERMINAL or state in {"FINISHED", "INTERRUPTED", "HUNG"}:
+        if state in TERMINAL or state in {"FINISHED", "INTERRUPTED", "HUNG", "STOPPED", "SPIKED"}:
             job["final"] = state
         write_json(self.path, self.jobs)
 

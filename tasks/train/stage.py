@@ -28,6 +28,7 @@ from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
+from tasks.train.spikes import SpikeFound, SpikeWatch, TooManyRollbacks, roll_back, skipped_samples, skipping
 from tasks.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class MetricsTail:
                 self.seen[record["kind"]] = record["iteration"]
                 out.append(record)
         return out
+
+    def rewind(self, iteration: int) -> None:
+        """Read the records again from past ``iteration`` (the run went back to it)."""
+        self.seen = {kind: min(seen, iteration) for kind, seen in self.seen.items()}
 
 
 class TrainResult(BaseModel):
@@ -136,6 +141,7 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = on_compiled_nodes(cluster, precompiled)
     with RunOwner(run_dir):
+        config = skipping(config, skipped_samples(run_dir))       # the samples earlier rollbacks left out
         refuse_other_data(run_dir, config)
         summary = trained_summary(run_dir, config.total_iters, newest_intact(run_dir / "checkpoints")[0])
         if summary is not None:
@@ -196,6 +202,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     stragglers = Stragglers()
     notes = {"eta": "", "stragglers": "", "save": ""}
     first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)
+    spikes = SpikeWatch(config)
+    if config.mock_data and (config.spike_factor or config.nan_steps):
+        logger.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave samples out of")
 
     def on_poll() -> None:
         """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
@@ -228,6 +237,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                     lr=r["lr"], batch=config.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
                     grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
                     mfu_value=r["mfu"]))
+            spike = None if config.mock_data else spikes.add(r)
+            if spike is not None:
+                raise SpikeFound(spike)
 
     def watch(job_id: str) -> HangWatch:
         return HangWatch(run_dir, job_id, cluster.world_size, config.hang_timeout_s)
@@ -258,6 +270,16 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
             hangs.append(e.hang)
             cluster, where = without_node(cluster, e.hang.node)
             logger.warning("resubmitting the job to resume from the newest checkpoint%s", where)
+        except SpikeFound as e:
+            try:
+                spike, config = roll_back(e.spike, config, run_dir)
+            except TooManyRollbacks as failed:
+                reporting.spike_report(failed.spike, run_dir.name, "the run stops here")
+                raise
+            reporting.spike_report(spike, run_dir.name, f"resubmitting the job to resume from iteration "
+                                   f"{spike.resumed_from} without the {len(spike.samples)} samples it trained on")
+            records.rewind(spike.resumed_from)
+            spikes.rewind(spike.resumed_from)
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
     progress.set(total)

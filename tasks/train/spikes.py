@@ -1,0 +1,174 @@
+"""Loss spikes and runs of non-finite losses, handled by the run: the follower flags them from the
+metrics records, the job is stopped without saving, and the run goes back to the newest checkpoint
+before them with their samples left out of the train order, so that those samples never come
+back while every other sample keeps its place and is seen once.
+
+A spike is a loss above ``spike_factor`` x the median of the ``spike_window`` finite losses before
+it (not flagged until that many are seen); ``nan_steps`` non-finite losses in a row are flagged
+together. Their samples are named by their id (their position in the train order before any
+rollback), with the prefix and documents they were drawn from. ``<run>/skipped.json`` keeps every
+rollback and the ids left out; each later job of the run (a resume, a longer leg, another layout)
+trains on the order without them. After ``max_rollbacks`` the run fails with the report instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from gpt.checkpoint import Checkpointer, iteration_of
+from gpt.config import Config
+from gpt.data import DataIndex, GPTDataset
+from gpt.files import write_json
+from gpt.metrics import truncate_after
+from tasks.cluster.jobs import JobError, StopJob
+from tasks.index import build_indices
+
+SKIPPED = "skipped.json"
+ROLLED_BACK = "rolled-back"      # <run>/rolled-back/<n>/: the checkpoints newer than a rollback's
+
+
+@dataclasses.dataclass(frozen=True)
+class Spike:
+    """Iterations flagged together, what their losses were, and what they trained on."""
+    kind: str                               # "loss spike" or "non-finite losses"
+    iterations: list[int]
+    losses: list[float]
+    median: float | None                    # of the window before them
+    samples: list[int] = dataclasses.field(default_factory=list)
+    documents: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # per sample: prefix, documents
+    resumed_from: int | None = None         # the checkpoint's iteration the run went back to (0: the start)
+
+    def line(self) -> str:
+        its = (f"iteration {self.iterations[0]}" if len(self.iterations) == 1 else
+               f"iterations {self.iterations[0]}-{self.iterations[-1]}")
+        losses = ", ".join(f"{x:.4g}" for x in self.losses)
+        against = f" against a median of {self.median:.4g}" if self.median is not None else ""
+        return f"{self.kind} at {its}: loss {losses}{against}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "losses": [x if math.isfinite(x) else str(x) for x in self.losses]}
+
+
+class SpikeFound(StopJob):
+    """The follower's stop of a job that spiked."""
+    state = "SPIKED"
+
+    def __init__(self, spike: Spike) -> None:
+        super().__init__(spike.line())
+        self.spike = spike
+
+
+class TooManyRollbacks(JobError):
+    """A spike past ``max_rollbacks``: the run fails with its report."""
+    transient = False
+
+    def __init__(self, message: str, spike: Spike) -> None:
+        super().__init__(message)
+        self.spike = spike
+
+
+class SpikeWatch:
+    """Flags a spike or a run of non-finite losses in the train records, in order."""
+
+    def __init__(self, config: Config) -> None:
+        self.factor, self.nan_steps = config.spike_factor, config.nan_steps
+        self.window: deque[tuple[int, float]] = deque(maxlen=config.spike_window)
+        self.non_finite: list[tuple[int, float]] = []
+
+    def add(self, record: dict[str, Any]) -> Spike | None:
+        iteration, loss = record["iteration"], float(record["lm_loss"])
+        median = statistics.median(x for _, x in self.window) if self.window else None
+        if not math.isfinite(loss):
+            self.non_finite.append((iteration, loss))
+            if self.nan_steps and len(self.non_finite) >= self.nan_steps:
+                its, losses = (list(x) for x in zip(*self.non_finite))
+                return Spike("non-finite losses", its, losses, median)
+            return None
+        self.non_finite = []
+        full = len(self.window) == self.window.maxlen
+        if self.factor and full and median is not None and loss > self.factor * median:
+            return Spike("loss spike", [iteration], [loss], median)
+        self.window.append((iteration, loss))
+        return None
+
+    def rewind(self, iteration: int) -> None:
+        """Forget what came after ``iteration`` (the run went back to it)."""
+        kept = [(i, x) for i, x in self.window if i <= iteration]
+        self.window.clear()
+        self.window.extend(kept)
+        self.non_finite = []
+
+
+def rollbacks(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's rollbacks so far (``<run>/skipped.json``), oldest first."""
+    path = run_dir / SKIPPED
+    return json.loads(path.read_text())["rollbacks"] if path.exists() else []
+
+
+def skipped_samples(run_dir: Path) -> list[int]:
+    """The sample ids the run's rollbacks left out of its train order."""
+    return sorted({s for r in rollbacks(run_dir) for s in r["samples"]})
+
+
+def skipping(config: Config, skipped: list[int]) -> Config:
+    """``config`` on the train order without ``skipped``: its index rebuilt with them left out (the
+    indices it is made of are found again, not rebuilt) where it does not leave them out already."""
+    if not skipped or config.mock_data or not config.data_index:
+        return config
+    index = DataIndex.read(config.data_index)
+    if index.splits["train"].skipped == skipped:
+        return config
+    if not index.built_with:
+        raise ValueError(f"{config.data_index}: this index does not record how it was built; build it again with "
+                         "`python -m tasks.index` (or run the flow) before the run can leave samples out")
+    built = build_indices(**index.built_with, out_dir=str(Path(config.data_index).parent), skipped=skipped)
+    return dataclasses.replace(config, data_index=built.path)
+
+
+def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Config]:
+    """Go back to the newest checkpoint before the spike, with its samples left out of the order:
+    newer checkpoints moved to ``<run>/rolled-back/<n>/``, the metrics records after it cut off,
+    the rollback recorded in ``<run>/skipped.json``. Returns the spike with its samples and
+    documents named, and the config to resume with. Past ``max_rollbacks`` it raises
+    TooManyRollbacks with the report instead."""
+    done = rollbacks(run_dir)
+    train = GPTDataset.from_index(config.data_index, "train")
+    g = config.global_batch_size
+    positions = [i % len(train) for it in spike.iterations for i in range((it - 1) * g, it * g)]
+    named = [{"sample": train.position(i), "prefix": prefix, "documents": docs}
+             for i in positions for prefix, docs in [train.documents(i)]]
+    spike = dataclasses.replace(spike, samples=[n["sample"] for n in named], documents=named)
+    if len(done) >= config.max_rollbacks:
+        raise TooManyRollbacks(f"{spike.line()}, after {len(done)} rollback(s) (max_rollbacks {config.max_rollbacks}): "
+                               f"not rolled back again. The samples it trained on are {_ids(spike.samples)} (the "
+                               f"training-spike artifact names their documents"
+                               + (f"; {run_dir / SKIPPED} the earlier rollbacks)" if done else ")"), spike)
+    before = min(spike.iterations) - 1
+    checkpoints = Checkpointer(run_dir / "checkpoints", 1, 0)
+    kept = next((iteration_of(p) for p in checkpoints.complete() if iteration_of(p) <= before), 0)
+    aside = run_dir / ROLLED_BACK / str(len(done) + 1)
+    for path in sorted((run_dir / "checkpoints").glob("iter_*")):
+        if _iteration_or_none(path) is None or _iteration_or_none(path) > kept:
+            aside.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), aside / path.name)
+    truncate_after(run_dir / "metrics.jsonl", kept)
+    spike = dataclasses.replace(spike, resumed_from=kept)
+    write_json(run_dir / SKIPPED, {"rollbacks": [*done, spike.to_dict()]})
+    return spike, skipping(config, skipped_samples(run_dir))
+
+
+def _iteration_or_none(path: Path) -> int | None:
+    try:
+        return iteration_of(path)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _ids(samples: list[int], shown: int = 8) -> str:
+    return ", ".join(map(str, samples[:shown])) + (f" and {len(samples) - shown} more" if len(samples) > shown else "")
