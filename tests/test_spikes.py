@@ -124,3 +124,14 @@ def test_the_watch_flags_a_spike_against_the_median_and_a_run_of_non_finite_loss
     # Early losses fall fast: nothing is flagged before the window is full.
     early = SpikeWatch(tiny(spike_factor=1.5, spike_window=4))
     assert all(early.add({"iteration": i, "lm_loss": x}) is None for i, x in enumerate([2.0, 9.0, 30.0, 50.0], 1))
+
+
+def test_no_false_alarm_over_the_embedded_defaults_300_iterations():
+    # The loss curve of `python -m flows.pretrain` (the embedded default, 300 iterations), recorded.
+    losses = json.loads((Path(__file__).parent / "embedded_default_losses.json").read_text())
+    assert len(losses) == 300
+    watch = SpikeWatch(tiny())
+    assert [i for i, x in enumerate(losses, 1) if watch.add({"iteration": i, "lm_loss": x})] == []
+    watch.rewind(0)
+    spiked = [*losses[:250], losses[250] * 12, *losses[251:]]
+    assert [i for i, x in enumerate(spiked, 1) if watch.add({"iteration": i, "lm_loss": x})] == [251]
