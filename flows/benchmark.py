@@ -1,7 +1,7 @@
 """The `benchmark` flow: run a suite of benchmarks, append the figures to a history, flag regressions.
 
 Each benchmark is a module with `run(**params) -> dict` (benchmarks/tokenize.py, index.py, sync.py,
-precompile.py and gpt/bench.py). Their numeric results, with the machine's facts and the
+precompile.py, checkpoint.py and gpt/bench.py). Their numeric results, with the machine's facts and the
 parameters, become one JSON line in `<history>/history.jsonl` (a folder or an s3:// prefix). The
 flow run shows a table against the previous and the best run on the same hardware, regressions
 beyond `regression_threshold` flagged, and a trend plot per metric.
@@ -32,9 +32,10 @@ MODULES = {
     "index": "benchmarks.index",
     "sync": "benchmarks.sync",
     "precompile": "benchmarks.precompile",
+    "checkpoint": "benchmarks.checkpoint",
     "train": "gpt.bench",
 }
-BenchmarkName = Literal["tokenize", "index", "sync", "precompile", "train"]
+BenchmarkName = Literal["tokenize", "index", "sync", "precompile", "checkpoint", "train"]
 
 
 class BenchmarkSpec(BaseModel):
@@ -54,6 +55,7 @@ NIGHTLY = [
     BenchmarkSpec(name="index"),
     BenchmarkSpec(name="sync", params={"large_count": 2, "large_mb": 512}),
     BenchmarkSpec(name="precompile"),
+    BenchmarkSpec(name="checkpoint"),
     BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 20}),
     BenchmarkSpec(name="train", label="train-gpt3-125m", params={"model": "gpt3-125m", "micro_batch": 4, "steps": 10}),
 ]

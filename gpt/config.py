@@ -589,9 +589,9 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
         if self.spike_factor < 0 or 0 < self.spike_factor <= 1:
             found.append(("spike_factor", f"spike_factor={self.spike_factor}: must be above 1 (a multiple of the "
                           "median loss), or 0 to turn spike detection off"))
-        if self.spike_window < 1 or self.nan_steps < 0 or self.max_rollbacks < 0:
-            found.append(("spike_window", f"spike_window={self.spike_window} must be >= 1, nan_steps={self.nan_steps} "
-                          f"and max_rollbacks={self.max_rollbacks} >= 0"))
+        for name, least in (("spike_window", 1), ("nan_steps", 0), ("max_rollbacks", 0)):
+            if getattr(self, name) < least:
+                found.append((name, f"{name}={getattr(self, name)}: must be >= {least}"))
         if self.peak_flops is not None and self.peak_flops <= 0:
             found.append(("peak_flops", f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)"))
         return found

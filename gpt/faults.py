@@ -13,7 +13,8 @@ variable each hook returns at once.
   itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL.
 - ``sample=X,factor=F``: the loss of the iteration that trains on sample X (its id: its position in
   the train order before any rollback) is multiplied by F on every rank: a loss spike caused by
-  the data, which the run rolls back around (tasks/train/spikes.py).
+  the data, which the run rolls back around (tasks/train/spikes.py). With pipeline stages only the
+  reported loss is multiplied (their schedule has run the backward pass already).
 - ``shard=2``: the tokenize array's task 2 kills itself (SIGKILL) after its first chunk is written,
   on its first run only (a marker beside its outputs remembers it).
 """

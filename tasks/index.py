@@ -294,8 +294,9 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
         built = target + len(left_out) if blended else sizes[0]
         if left_out and (left_out[-1] >= built or built - len(left_out) < target):
             raise ValueError(f"skipped samples {left_out[:5]}...: the train order holds {built} samples; leaving "
-                             f"{len(left_out)} out leaves fewer than the {target} the run needs. Raise the run's "
-                             "train_iters (a longer order), or remove the entries of <run>/skipped.json")
+                             f"{len(left_out)} out leaves fewer than the {target} the run needs, and the split has "
+                             "no spare samples to take their place (its last pass over the documents is used up). "
+                             "Remove entries from <run>/skipped.json, or train fewer iterations")
         splits[name] = IndexedSplit(datasets=parts, blend=blend, num_samples=built, skipped=left_out)
         counts[name] = built - len(left_out)
 
@@ -355,7 +356,7 @@ def _index_cache_key(context, parameters: dict) -> str:
         for ext in (".idx", ".bin"):
             st = os.stat(prefix + ext)
             stamps.append([os.path.abspath(prefix + ext), st.st_size, st.st_mtime_ns])
-    return "index-" + digest(parameters, stamps, length=32)
+    return "index-v2-" + digest(parameters, stamps, length=32)      # v2: manifests record how they were built
 
 
 index_task = task(build_indices, name="index", cache_key_fn=_index_cache_key, persist_result=True)

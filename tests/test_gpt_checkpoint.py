@@ -193,6 +193,27 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_the_next_save_waits_
     assert _losses(run) == _losses(reference)
 
 
+def test_a_stop_signal_during_a_background_write_waits_for_it_then_saves_and_stops(gpt_launcher, tmp_path):
+    reference = tmp_path / "reference"
+    gpt_launcher.run({**SMALL, "run_dir": str(reference)}, world_size=2)
+    run = tmp_path / "run"
+    # Rank 0's write of iteration 4 ends 3 s late; SLURM's time-limit signal reaches rank 1 at 5.
+    os.environ["GPT_FAULT"] = "rank=0,phase=write,iteration=4,seconds=3"
+    try:
+        procs = gpt_launcher.start({**SMALL, "run_dir": str(run)}, 2,
+                                   prelude=SIGNAL_AT.format(iteration=5, rank=1, signal="SIGUSR2"))
+    finally:
+        del os.environ["GPT_FAULT"]
+    results = gpt_launcher.wait(procs)
+    assert [rc for rc, _ in results] == [EXIT_INTERRUPTED, EXIT_INTERRUPTED], results[0][1][-3000:]
+    saves = [r for r in _records(run) if r["kind"] == "save"]
+    assert [s["iteration"] for s in saves] == [4, 5] and saves[0]["background_s"] >= 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000004", "iter_0000005"]
+    assert all((run / "checkpoints" / name / "COMPLETE").is_file() for name in ("iter_0000004", "iter_0000005"))
+    gpt_launcher.run({**SMALL, "run_dir": str(run)}, world_size=2)
+    assert _losses(run) == _losses(reference)
+
+
 def test_a_job_killed_while_its_checkpoint_is_written_resumes_from_the_previous_one(gpt_launcher, tmp_path):
     reference = tmp_path / "reference"
     config = {**SMALL, "train_iters": 12, "keep_last": 3}

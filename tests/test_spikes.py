@@ -65,13 +65,37 @@ def test_the_order_without_skipped_samples_keeps_every_other_sample_in_its_place
 
 
 def test_a_spike_is_rolled_back_around_its_samples_and_the_run_ends_as_if_they_were_never_in_the_order(
-        index, tmp_path, monkeypatch):
+        index, tmp_path, monkeypatch, prefect_harness):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    from tasks.train.stage import train_task
+
     run_dir = tmp_path / "run"
     # Iterations last long enough for the follower to stop the job before it ends.
     monkeypatch.setenv("GPT_FAULT", f"{slow_iterations(0.4)},sample={SPIKED_SAMPLE},factor=1000")
     started = time.monotonic()
-    result = train(_config(index, run_dir), _cluster(2))
+
+    @flow
+    def training() -> object:
+        return train_task(_config(index, run_dir), _cluster(2))
+
+    state = training(return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
     assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
+    with get_client(sync_client=True) as client:
+        (artifact,) = [a for a in client.read_artifacts(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))) if a.key == "training-spike"]
+        for _ in range(30):        # events reach the server a moment after they are sent
+            events = client.read_events(EventFilter(event=EventNameFilter(name=["gpt.training.spike"])), limit=10).events
+            if any(e.resource.id == "gpt.run.run" for e in events):
+                break
+            time.sleep(1)
+    assert "loss spike at iteration 7" in artifact.data and f"| {SPIKED_SAMPLE} | `" in artifact.data
+    assert any(e.payload["iterations"] == [7] and SPIKED_SAMPLE in e.payload["samples"] for e in events)
 
     (rollback,) = json.loads((run_dir / SKIPPED).read_text())["rollbacks"]
     assert rollback["kind"] == "loss spike" and rollback["iterations"] == [7] and rollback["resumed_from"] == 5
@@ -121,6 +145,10 @@ def test_the_watch_flags_a_spike_against_the_median_and_a_run_of_non_finite_loss
     assert watch.add({"iteration": 6, "lm_loss": float("nan")}) is None
     spike = watch.add({"iteration": 7, "lm_loss": float("inf")})
     assert spike.kind == "non-finite losses" and spike.iterations == [6, 7]
+    # A resumed leg's follower reads the earlier legs' records: they fill the window, never flag.
+    resumed = SpikeWatch(tiny(spike_factor=3.0, spike_window=3), since=4)
+    assert [resumed.add({"iteration": i, "lm_loss": x}) for i, x in enumerate([7.0, 6.0, 60.0, 6.0], 1)] == [None] * 4
+    assert resumed.add({"iteration": 5, "lm_loss": 60.0}).iterations == [5]
     # Early losses fall fast: nothing is flagged before the window is full.
     early = SpikeWatch(tiny(spike_factor=1.5, spike_window=4))
     assert all(early.add({"iteration": i, "lm_loss": x}) is None for i, x in enumerate([2.0, 9.0, 30.0, 50.0], 1))

@@ -64,8 +64,8 @@ class SpikeFound(StopJob):
         self.spike = spike
 
 
-class TooManyRollbacks(JobError):
-    """A spike past ``max_rollbacks``: the run fails with its report."""
+class CannotRollBack(JobError):
+    """A spike the run does not roll back: it fails with the report."""
     transient = False
 
     def __init__(self, message: str, spike: Spike) -> None:
@@ -73,17 +73,27 @@ class TooManyRollbacks(JobError):
         self.spike = spike
 
 
-class SpikeWatch:
-    """Flags a spike or a run of non-finite losses in the train records, in order."""
+class TooManyRollbacks(CannotRollBack):
+    """A spike past ``max_rollbacks``."""
 
-    def __init__(self, config: Config) -> None:
-        self.factor, self.nan_steps = config.spike_factor, config.nan_steps
+
+class SpikeWatch:
+    """Flags a spike or a run of non-finite losses in the train records, in order. Records up to
+    ``since`` (what the run's newest checkpoint holds: earlier legs, judged under their own
+    settings) only fill the window."""
+
+    def __init__(self, config: Config, since: int = 0) -> None:
+        self.factor, self.nan_steps, self.since = config.spike_factor, config.nan_steps, since
         self.window: deque[tuple[int, float]] = deque(maxlen=config.spike_window)
         self.non_finite: list[tuple[int, float]] = []
 
     def add(self, record: dict[str, Any]) -> Spike | None:
         iteration, loss = record["iteration"], float(record["lm_loss"])
         median = statistics.median(x for _, x in self.window) if self.window else None
+        if iteration <= self.since:
+            if math.isfinite(loss):
+                self.window.append((iteration, loss))
+            return None
         if not math.isfinite(loss):
             self.non_finite.append((iteration, loss))
             if self.nan_steps and len(self.non_finite) >= self.nan_steps:
@@ -99,6 +109,7 @@ class SpikeWatch:
 
     def rewind(self, iteration: int) -> None:
         """Forget what came after ``iteration`` (the run went back to it)."""
+        self.since = iteration
         kept = [(i, x) for i, x in self.window if i <= iteration]
         self.window.clear()
         self.window.extend(kept)
@@ -132,11 +143,12 @@ def skipping(config: Config, skipped: list[int]) -> Config:
 
 
 def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Config]:
-    """Go back to the newest checkpoint before the spike, with its samples left out of the order:
-    newer checkpoints moved to ``<run>/rolled-back/<n>/``, the metrics records after it cut off,
-    the rollback recorded in ``<run>/skipped.json``. Returns the spike with its samples and
-    documents named, and the config to resume with. Past ``max_rollbacks`` it raises
-    TooManyRollbacks with the report instead."""
+    """Go back to the newest checkpoint before the spike, with its samples left out of the order.
+    The order without them is built first (what can fail); then newer checkpoints are moved to
+    ``<run>/rolled-back/<n>/``, the metrics records after the checkpoint cut off, and the rollback
+    recorded in ``<run>/skipped.json``. Returns the spike with its samples and documents named, and
+    the config to resume with. Raises CannotRollBack with the report past ``max_rollbacks``, or
+    when no checkpoint before the spike is kept."""
     done = rollbacks(run_dir)
     train = GPTDataset.from_index(config.data_index, "train")
     g = config.global_batch_size
@@ -146,21 +158,26 @@ def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Confi
     spike = dataclasses.replace(spike, samples=[n["sample"] for n in named], documents=named)
     if len(done) >= config.max_rollbacks:
         raise TooManyRollbacks(f"{spike.line()}, after {len(done)} rollback(s) (max_rollbacks {config.max_rollbacks}): "
-                               f"not rolled back again. The samples it trained on are {_ids(spike.samples)} (the "
-                               f"training-spike artifact names their documents"
-                               + (f"; {run_dir / SKIPPED} the earlier rollbacks)" if done else ")"), spike)
+                               f"not rolled back again. {_named(spike, run_dir, done)}", spike)
     before = min(spike.iterations) - 1
-    checkpoints = Checkpointer(run_dir / "checkpoints", 1, 0)
-    kept = next((iteration_of(p) for p in checkpoints.complete() if iteration_of(p) <= before), 0)
-    aside = run_dir / ROLLED_BACK / str(len(done) + 1)
+    complete = [iteration_of(p) for p in Checkpointer(run_dir / "checkpoints", 1, 0).complete()]
+    kept = next((it for it in complete if it <= before), 0)
+    if kept == 0 and complete:
+        raise CannotRollBack(f"{spike.line()}: no checkpoint before it is kept (the oldest is iteration "
+                             f"{complete[-1]}; keep_last {config.keep_last}), so it is not rolled back. "
+                             f"{_named(spike, run_dir, done)}", spike)
+    resumed = skipping(config, sorted({*skipped_samples(run_dir), *spike.samples}))
+    n = len(done) + 1
+    while (run_dir / ROLLED_BACK / str(n)).exists():     # a rollback cut short before it was recorded
+        n += 1
     for path in sorted((run_dir / "checkpoints").glob("iter_*")):
         if _iteration_or_none(path) is None or _iteration_or_none(path) > kept:
-            aside.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(path), aside / path.name)
+            (run_dir / ROLLED_BACK / str(n)).mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), run_dir / ROLLED_BACK / str(n) / path.name)
     truncate_after(run_dir / "metrics.jsonl", kept)
     spike = dataclasses.replace(spike, resumed_from=kept)
     write_json(run_dir / SKIPPED, {"rollbacks": [*done, spike.to_dict()]})
-    return spike, skipping(config, skipped_samples(run_dir))
+    return spike, resumed
 
 
 def _iteration_or_none(path: Path) -> int | None:
@@ -170,5 +187,9 @@ def _iteration_or_none(path: Path) -> int | None:
         return None
 
 
-def _ids(samples: list[int], shown: int = 8) -> str:
-    return ", ".join(map(str, samples[:shown])) + (f" and {len(samples) - shown} more" if len(samples) > shown else "")
+def _named(spike: Spike, run_dir: Path, done: list[dict[str, Any]], shown: int = 8) -> str:
+    """Where the report names what the spike trained on."""
+    ids = ", ".join(map(str, spike.samples[:shown]))
+    more = f" and {len(spike.samples) - shown} more" if len(spike.samples) > shown else ""
+    earlier = f"; {run_dir / SKIPPED} the earlier rollbacks" if done else ""
+    return f"The samples it trained on are {ids}{more} (the training-spike artifact names their documents{earlier})"

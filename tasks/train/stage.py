@@ -28,7 +28,7 @@ from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
-from tasks.train.spikes import SpikeFound, SpikeWatch, TooManyRollbacks, roll_back, skipped_samples, skipping
+from tasks.train.spikes import CannotRollBack, SpikeFound, SpikeWatch, roll_back, skipped_samples, skipping
 from tasks.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class MetricsTail:
     def rewind(self, iteration: int) -> None:
         """Read the records again from past ``iteration`` (the run went back to it)."""
         self.seen = {kind: min(seen, iteration) for kind, seen in self.seen.items()}
+        self.offset, self.partial = 0, b""
 
 
 class TrainResult(BaseModel):
@@ -202,7 +203,8 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     stragglers = Stragglers()
     notes = {"eta": "", "stragglers": "", "save": ""}
     first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)
-    spikes = SpikeWatch(config)
+    newest = newest_intact(run_dir / "checkpoints")[0]
+    spikes = SpikeWatch(config, since=iteration_of(newest) if newest else 0)
     if config.mock_data and (config.spike_factor or config.nan_steps):
         logger.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave samples out of")
 
@@ -273,7 +275,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
         except SpikeFound as e:
             try:
                 spike, config = roll_back(e.spike, config, run_dir)
-            except TooManyRollbacks as failed:
+            except CannotRollBack as failed:
                 reporting.spike_report(failed.spike, run_dir.name, "the run stops here")
                 raise
             reporting.spike_report(spike, run_dir.name, f"resubmitting the job to resume from iteration "
