@@ -205,47 +205,44 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
 report_task = task(report, name="report")
 
 
-def hang_report(hang: Hang, run_name: str) -> None:
-    """A hung job (tasks.cluster.hang.Hang) in the run's log, as a Prefect event and as an artifact naming
-    the rank, node, phase and iteration, with every rank's last heartbeat."""
+def _training_alert(line: str, run_name: str, event: str, payload: dict[str, Any], key: str, description: str,
+                    markdown: str) -> None:
+    """A training incident in the run's log, and, inside a Prefect run, as an event on the run's
+    resource and a markdown artifact."""
     from tasks.cluster.run_context import run_context, run_logger
 
-    run_logger().warning("%s", hang.line())
+    run_logger().warning("%s", line)
     if run_context() is None:
         return
     from prefect.events import emit_event
 
-    emit_event(event="gpt.training.hang", resource={"prefect.resource.id": f"gpt.run.{run_name}",
-                                                    "prefect.resource.name": run_name},
-               payload={k: v for k, v in hang.to_dict().items() if k != "ranks"})
+    emit_event(event=event, resource={"prefect.resource.id": f"gpt.run.{run_name}", "prefect.resource.name": run_name},
+               payload=payload)
+    create_markdown_artifact(key=key, description=description, markdown=markdown)
+
+
+def hang_report(hang: Hang, run_name: str) -> None:
+    """A hung job (tasks.cluster.hang.Hang): an event and an artifact naming the rank, node, phase and
+    iteration, with every rank's last heartbeat."""
     rows = "\n".join(f"| {b['rank']} | {b['node']} | {b['phase']} | {b['iteration']} | {b['entered']} |"
                      for b in sorted(hang.ranks, key=lambda b: b["rank"]))
-    create_markdown_artifact(
-        key="training-hang", description=f"job {hang.job_id} hung at iteration {hang.iteration}",
-        markdown=f"**{hang.line()}**\n\n| rank | node | phase | iteration | phases entered |\n|---|---|---|---|---|\n"
-                 f"{rows}\n")
+    _training_alert(hang.line(), run_name, "gpt.training.hang",
+                    {k: v for k, v in hang.to_dict().items() if k != "ranks"}, "training-hang",
+                    f"job {hang.job_id} hung at iteration {hang.iteration}",
+                    f"**{hang.line()}**\n\n| rank | node | phase | iteration | phases entered |\n|---|---|---|---|---|\n"
+                    f"{rows}\n")
 
 
 SPIKE_ROWS = 64           # samples listed in the training-spike artifact; skipped.json keeps them all
 
 
 def spike_report(spike: Spike, run_name: str, what_next: str) -> None:
-    """A loss spike (tasks.train.spikes.Spike) in the run's log, as a Prefect event and as an
-    artifact naming the iterations, the losses, and each sample with the documents it came from."""
-    from tasks.cluster.run_context import run_context, run_logger
-
-    run_logger().warning("%s: %s", spike.line(), what_next)
-    if run_context() is None:
-        return
-    from prefect.events import emit_event
-
-    emit_event(event="gpt.training.spike", resource={"prefect.resource.id": f"gpt.run.{run_name}",
-                                                     "prefect.resource.name": run_name},
-               payload={k: v for k, v in spike.to_dict().items() if k != "documents"})
+    """A loss spike (tasks.train.spikes.Spike): an event and an artifact naming the iterations, the
+    losses, and each sample with the documents it came from."""
     rows = "\n".join(f"| {d['sample']} | `{d['prefix']}` | {', '.join(map(str, d['documents']))} |"
                      for d in spike.documents[:SPIKE_ROWS])
     more = len(spike.documents) - SPIKE_ROWS
-    create_markdown_artifact(
-        key="training-spike", description=spike.line(),
-        markdown=f"**{spike.line()}**: {what_next}\n\n| sample | prefix | documents |\n|---|---|---|\n{rows}\n"
-                 + (f"\n{more} more samples: see `skipped.json` in the run folder\n" if more > 0 else ""))
+    _training_alert(f"{spike.line()}: {what_next}", run_name, "gpt.training.spike",
+                    {k: v for k, v in spike.to_dict().items() if k != "documents"}, "training-spike", spike.line(),
+                    f"**{spike.line()}**: {what_next}\n\n| sample | prefix | documents |\n|---|---|---|\n{rows}\n"
+                    + (f"\n{more} more samples: see `skipped.json` in the run folder\n" if more > 0 else ""))
