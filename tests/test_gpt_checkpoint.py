@@ -224,8 +224,10 @@ def test_a_job_killed_while_its_checkpoint_is_written_resumes_from_the_previous_
         (proc,) = gpt_launcher.start({**config, "run_dir": str(run)})
     finally:
         del os.environ["GPT_FAULT"]
+    # training went on past the save while its write, metadata written, never got its marker
     deadline = time.monotonic() + 120
-    while not any(r["iteration"] >= 10 for r in _records(run)) and time.monotonic() < deadline:
+    while not (any(r["iteration"] >= 10 for r in _records(run))
+               and any((run / "checkpoints").glob("iter_0000008.tmp-*/.metadata"))) and time.monotonic() < deadline:
         time.sleep(0.2)
     proc.kill()
     proc.wait(timeout=30)
