@@ -1,11 +1,13 @@
-"""Serve the deployments from one long-running process: `pretrain/gpt3` and `benchmark/nightly`.
+"""Serve the deployments from one long-running process: `pretrain/gpt3`, `evaluate/checkpoint` and
+`benchmark/nightly`.
 
     prefect server start                     # or PREFECT_API_URL pointing at a server
     python deployments/serve.py              # runs flow runs as subprocesses of this process
     prefect deployment run pretrain/gpt3 --param model=gpt3-125m --watch
 
 Flow runs started here send heartbeats, and the server gets the automation that marks a run
-Crashed when they stop (deployments/zombies.py). For a work pool instead (workers on other
+Crashed when they stop (deployments/zombies.py), and the one that evaluates each checkpoint a
+run saves (deployments/evaluations.py). For a work pool instead (workers on other
 machines), see deployments/prefect.yaml.
 """
 from __future__ import annotations
@@ -16,8 +18,10 @@ import os
 from prefect import serve
 from prefect.schedules import Cron
 
+from deployments import evaluations
 from deployments.zombies import HEARTBEAT_S, ensure_automation
 from flows.benchmark import benchmark
+from flows.evaluate import evaluate
 from flows.pretrain import pretrain
 
 NIGHTLY_CRON = "0 2 * * *"  # 02:00 every day, in `--timezone`
@@ -28,6 +32,10 @@ def deployments(cron: str = NIGHTLY_CRON, timezone: str = "UTC", history: str = 
         pretrain.to_deployment(
             name="gpt3", tags=["pretrain"],
             description="GPT pretraining: sync, tokenize, index, precompile, train (SLURM), report.",
+        ),
+        evaluate.to_deployment(
+            name="checkpoint", tags=["evaluate"],
+            description="Evaluate one checkpoint of a run on its own job: set perplexities and lm-eval tasks.",
         ),
         benchmark.to_deployment(
             name="nightly", schedules=[Cron(cron, timezone=timezone)], tags=["benchmark"],
@@ -46,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))   # for the runs started here
     ensure_automation()
-    serve(*deployments(a.cron, a.timezone, a.history), limit=a.limit)
+    served = deployments(a.cron, a.timezone, a.history)
+    evaluations.ensure_automation(next(d for d in served if d.name == "checkpoint").apply())
+    serve(*served, limit=a.limit)
 
 
 if __name__ == "__main__":

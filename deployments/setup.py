@@ -1,6 +1,7 @@
 """Everything the Prefect server needs once for this project, in one command: the process work pool
-the deployments use, the automation that marks silent flow runs Crashed (deployments/zombies.py)
-and, when a channel is given, the alert automation (deployments/alerts.py).
+the deployments use, the automation that marks silent flow runs Crashed (deployments/zombies.py),
+the one that evaluates each checkpoint once `evaluate/checkpoint` is deployed
+(deployments/evaluations.py) and, when a channel is given, the alert automation (deployments/alerts.py).
 
     python -m deployments.setup                                   # work pool and crash automation
     GPT_ALERT_WEBHOOK_URL=https://hooks.slack.com/... python -m deployments.setup --slack
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deployments import alerts, zombies
+from deployments import alerts, evaluations, zombies
 
 POOL = "gpt"
 
@@ -46,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     zombies.ensure_automation()
     print(f"automation {zombies.NAME!r} in place; run workers with "
           f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={zombies.HEARTBEAT_S}")
+    evaluate = evaluations.deployment_id()
+    if evaluate is None:
+        print(f"automation {evaluations.NAME!r} not made: deploy {evaluations.DEPLOYMENT} first (prefect deploy --all "
+              "--prefect-file deployments/prefect.yaml), then run this again; deployments/serve.py makes it itself")
+    else:
+        evaluations.ensure_automation(evaluate)
+        print(f"automation {evaluations.NAME!r} runs {evaluations.DEPLOYMENT} for each checkpoint to evaluate")
     if block_id is not None:
         alerts.ensure_automation(block_id, tuple(a.on))
         print(f"automation {alerts.NAME!r} alerts on {', '.join(a.on)} through block {a.block or alerts.BLOCK_NAME}")

@@ -21,6 +21,7 @@ from flows.plan.params import (
     BudgetParams,
     ClusterParams,
     DataParams,
+    EvaluationParams,
     OutputParams,
     ParameterError,
     TokenizerParams,
@@ -101,6 +102,15 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
                    help="log the run to this experiment tracker (repeatable; credentials from the environment)")
     p.add_argument("--budget-node-hours", type=float, help="above this estimate, wait for approval in the Prefect UI")
     p.add_argument("--budget-cost", type=float, help="the same for the estimated cost (the cluster preset's currency)")
+    p.add_argument("--eval-set", nargs=2, action="append", default=[], metavar=("NAME", "SOURCE"),
+                   help="evaluate every checkpoint's perplexity on this JSONL/Parquet source (repeatable; a NAME "
+                        "given twice gathers its sources)")
+    p.add_argument("--eval-task", action="append", default=[], help="an lm-evaluation-harness task to run on every "
+                                                                     "checkpoint (repeatable)")
+    p.add_argument("--eval-task-files", action="append", default=[], help="a folder of lm-eval task YAMLs with local "
+                                                                          "data (repeatable)")
+    p.add_argument("--eval-every", type=int, help="evaluate every Nth checkpoint saved (default 1); the last always")
+    p.add_argument("--eval-limit", type=int, help="lm-eval: at most this many examples per task")
     p.add_argument("--dry-run", action="store_true", default=None,
                    help="print the plan (layout, memory per rank, time and cost) and stop: nothing is synced, "
                         "tokenized or submitted")
@@ -135,6 +145,13 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
         preset=a.cluster, overrides=_key_values(a.cluster_set, CLUSTER_FIELDS, "--cluster-set", "cluster.overrides", errors)))
     params["output"] = group("output", OutputParams, **pick(root=a.root, run_name=a.run_name, uri=a.output_uri,
                                                             endpoint_url=a.output_endpoint_url, trackers=a.tracker))
+    if a.eval_set or a.eval_task or a.eval_task_files:
+        sets: dict[str, list[str]] = {}
+        for name, source in a.eval_set:
+            sets.setdefault(name, []).append(source)
+        params["evaluation"] = group("evaluation", EvaluationParams, **pick(
+            sets=[{"name": n, "sources": s} for n, s in sets.items()], tasks=a.eval_task,
+            task_files=a.eval_task_files, every=a.eval_every, limit=a.eval_limit))
     if a.budget_node_hours is not None or a.budget_cost is not None:
         params["budget"] = group("budget", BudgetParams, **pick(node_hours=a.budget_node_hours, cost=a.budget_cost))
     if errors:
@@ -148,11 +165,14 @@ def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any])
     Returns the plan."""
     from flows.plan.approval import with_operator_caps
     from flows.plan.build import make_plan
+    from flows.plan.evaluation import check_evaluation
 
     given = inspect.signature(getattr(pretrain, "fn", pretrain)).bind(**params)
     given.apply_defaults()
-    plan = make_plan(**{name: value for name, value in given.arguments.items() if name not in ("budget", "dry_run")})
+    plan = make_plan(**{name: value for name, value in given.arguments.items()
+                        if name not in ("budget", "evaluation", "dry_run")})
     with_operator_caps(given.arguments["budget"])
+    check_evaluation(given.arguments["evaluation"], plan.layout.root)
     return plan
 
 

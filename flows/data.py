@@ -14,8 +14,10 @@ from flows.plan.layout import Layout
 from flows.plan.params import (
     SAMPLE_VOCAB_SIZE,
     DataParams,
+    EvaluationParams,
     ParameterError,
     TokenizerParams,
+    WeightedPrefix,
 )
 from flows.plan.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
@@ -66,10 +68,12 @@ def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages
 
 def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams,
                       files: tuple[str | None, str | None, str | None], layout: Layout, stages: Stages,
-                      cluster: ClusterConfig) -> tuple[TokenizeManifest, tuple[str, ...]]:
+                      cluster: ClusterConfig, evaluation_set: str | None = None) -> tuple[TokenizeManifest, tuple[str, ...]]:
     """The sources synced and tokenized; and what the run goes on without: synced files that are no
-    input (by their names relative to the sync's folder), and sources' files the sync did not copy."""
-    raw = stages.run("sync", sync_task, sources, str(layout.raw(sources, data.endpoint_url)), cluster=cluster,
+    input (by their names relative to the sync's folder), and sources' files the sync did not copy.
+    ``evaluation_set``: the name of the evaluation set the sources are (its stages are named after it)."""
+    label = f"-eval-{evaluation_set}" if evaluation_set else ""
+    raw = stages.run(f"sync{label}", sync_task, sources, str(layout.raw(sources, data.endpoint_url)), cluster=cluster,
                      allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
                      verify_content=data.verify_content, **data.s3_access())
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
@@ -82,11 +86,12 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                                   tokenizer.train_vocab_size, *filter(None, [tokenizer_file]),
                                   *(["add_bos_token"] if tokenizer.add_bos_token else []))
     train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
-    tokenized = stages.run("tokenize", tokenize_task, inputs, str(out_prefix), cluster=cluster, vocab_file=vocab_file,
+    tokenized = stages.run(f"tokenize{label}", tokenize_task, inputs, str(out_prefix), cluster=cluster, vocab_file=vocab_file,
                            merge_file=merge_file, tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
                            train_vocab_size=train_vocab, add_bos_token=tokenizer.add_bos_token, intact=tokenized_intact,
                            origins={str(Path(raw.local_dir) / f.path): f.key for f in raw.files})
-    reporting.dataset_table(tokenized)
+    if not evaluation_set:
+        reporting.dataset_table(tokenized)
     warnings = [f"data.sources: {len(names)} {what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
                 for names, what in ((left_out, "synced file(s) are not JSONL or Parquet and are not tokenized"),
                                     (raw.not_copied, "file(s) are named as the sync names its own files and are "
@@ -98,6 +103,23 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
                         f"were skipped ({nonzero_counts(skipped)}): the run trains on the rest; the tokenize "
                         "stage's log names the first of them, and data.json_keys names the text field")
     return tokenized, tuple(warnings)
+
+
+def evaluation_sets(evaluation: EvaluationParams, dataset: Dataset, data: DataParams, tokenizer: TokenizerParams,
+                    layout: Layout, stages: Stages, cluster: ClusterConfig) -> dict[str, str]:
+    """Each evaluation set's local tokenized prefix: its sources synced and tokenized with the run's
+    tokenizer (cached stages, like the training data's), or its prefix, synced from S3 when remote."""
+    files = (dataset.tokenizer.vocab_file, dataset.tokenizer.merge_file, dataset.tokenizer.tokenizer_file)
+    prefixes = {}
+    for s in evaluation.sets:
+        if s.prefix:
+            given = DataParams(prefixes=[WeightedPrefix(prefix=s.prefix)], **data.s3_access())
+            prefixes[s.name] = fetch_prefixes(given, layout, stages, cluster)[0][1]
+            continue
+        tokenized, _ = sync_and_tokenize(list(s.sources), data.model_copy(update={"sources": list(s.sources)}),
+                                         tokenizer, files, layout, stages, cluster, evaluation_set=s.name)
+        (prefixes[s.name],) = tokenized.prefixes.values()
+    return prefixes
 
 
 def synced_files(manifest: SyncManifest) -> list[str]:

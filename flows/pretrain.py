@@ -21,10 +21,12 @@ from flows.local_server import lasting_api
 from flows.plan import approval, estimate, identity, provenance
 from flows.plan.artifact import dry_run_table, plan_table
 from flows.plan.build import Plan, make_plan, run_folder_problems
+from flows.plan.evaluation import check_evaluation, task_folders
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
     DataParams,
+    EvaluationParams,
     ModelName,
     OutputParams,
     ParameterError,
@@ -35,6 +37,7 @@ from flows.plan.params import (
 from flows.stages import Stages, export_intact, index_intact, trained_intact
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
+from tasks.evaluate import EvaluationSpec, results, summary
 from tasks.export import export_task
 from tasks.index import index_task
 from tasks.precompile import precompile_task
@@ -53,6 +56,7 @@ def pretrain(
     cluster: ClusterParams = ClusterParams(),
     output: OutputParams = OutputParams(),
     budget: BudgetParams = BudgetParams(),
+    evaluation: EvaluationParams = EvaluationParams(),
     dry_run: bool = False,
 ) -> dict:
     """Pretrain a GPT: data from S3 or local files to a trained model and its report.
@@ -65,20 +69,23 @@ def pretrain(
         cluster: Where training runs: a preset from deployments/clusters plus overrides.
         output: Root folder on shared storage, run name, and an s3:// URI to upload the run to.
         budget: Node-hours or cost above which the run waits for approval before anything is submitted.
+        evaluation: Named sets and lm-eval tasks every checkpoint is evaluated on, by the evaluate flow
+            on a job of its own (deployments/setup.py's automation starts it for each save).
         dry_run: Only plan: the plan artifact (layout, memory per rank against the device, time and
             cost) and nothing synced, tokenized or submitted.
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
+    check_evaluation(evaluation, plan.layout.root)
     if dry_run:
         return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
     with RunOwner(plan.run_dir, wait=progress_of_owner(plan.run_dir, plan.config.total_iters)):
-        return _pretrain(plan, model, data, tokenizer, output, budget)
+        return _pretrain(plan, model, data, tokenizer, output, budget, evaluation)
 
 
 def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams,
-              budget: BudgetParams) -> dict:
+              budget: BudgetParams, evaluation: EvaluationParams) -> dict:
     stages = Stages()
     problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)   # as it is now that it is ours
     if problems:
@@ -101,6 +108,10 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
                        intact=index_intact)
     data_stages.check_vocabulary(index, dataset)
     plan = plan.with_data(dataset.tokenizer.vocab_size, index.path)
+    if evaluation.wanted:       # before training: its saves are evaluated as they come
+        evaluation_spec(evaluation, dataset, data, tokenizer, plan, stages).write(plan.run_dir)
+    else:
+        EvaluationSpec.remove(plan.run_dir)
 
     cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
@@ -134,13 +145,27 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     if output.uri:  # last, so the upload holds the loss plot and the export too
         stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
                    profile=output.profile or data.profile)
+    evaluated = results(Path(result.run_dir))
     return {
         **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,
         "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": dataset.tokenizer.files,
         "export": exported.path, "uploaded_to": output.uri, "flow_run": url,
         "job_ids": result.job_ids, "stages": stages.records,
+        "evaluation": summary(evaluated[-1]) if evaluated else None,       # the latest written so far
     }
+
+
+def evaluation_spec(evaluation: EvaluationParams, dataset: data_stages.Dataset, data: DataParams,
+                    tokenizer: TokenizerParams, plan: Plan, stages: Stages) -> EvaluationSpec:
+    """What each checkpoint of the run is evaluated on and where: the sets tokenized with the run's
+    tokenizer, and the evaluation job's resources from the cluster preset."""
+    sets = data_stages.evaluation_sets(evaluation, dataset, data, tokenizer, plan.layout, stages, plan.cluster)
+    files = {"vocab_file": dataset.tokenizer.vocab_file, "merge_file": dataset.tokenizer.merge_file,
+             "tokenizer_file": dataset.tokenizer.tokenizer_file}
+    return EvaluationSpec(sets=sets, set_tokens=evaluation.set_tokens, tasks=list(evaluation.tasks),
+                          task_paths=task_folders(evaluation), limit=evaluation.limit, every=evaluation.every,
+                          tokenizer=files, cluster=plan.cluster.eval_job().model_dump())
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from gpt.files import write_atomic
 
 if TYPE_CHECKING:
     from tasks.cluster.hang import Hang
+    from tasks.evaluate import EvalResult
     from tasks.export import ExportManifest
     from tasks.tokenize.outputs import TokenizeManifest
     from tasks.train.spikes import Spike
@@ -92,16 +93,21 @@ def loss_curve_png(rows: list[dict], title: str) -> bytes | None:
     valid = [(r["iteration"], r["valid_loss"]) for r in rows if r.get("valid_loss") is not None]
     if not train:
         return None
+    return curves_png({"train lm loss": train, **({"valid lm loss": valid} if valid else {})}, title, "loss")
+
+
+def curves_png(curves: dict[str, list[tuple[int, float]]], title: str, ylabel: str) -> bytes:
+    """Each curve (label: (iteration, value) points) against iteration as one PNG; a curve of few
+    points is drawn with its points marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=90)
-    ax.plot(*zip(*train), label="train lm loss", linewidth=1.2)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="valid lm loss", markersize=4)
+    for label, points in curves.items():
+        ax.plot(*zip(*points), "o-" if len(points) <= 50 else "-", label=label, linewidth=1.2, markersize=4)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -246,3 +252,55 @@ def spike_report(spike: Spike, run_name: str, what_next: str) -> None:
                     {k: v for k, v in spike.to_dict().items() if k != "documents"}, "training-spike", spike.line(),
                     f"**{spike.line()}**: {what_next}\n\n| sample | prefix | documents |\n|---|---|---|\n{rows}\n"
                     + (f"\n{more} more samples: see `skipped.json` in the run folder\n" if more > 0 else ""))
+
+
+def checkpoint_saved(run_dir: Path, iteration: int, evaluate: bool) -> None:
+    """A complete checkpoint as a Prefect event on the run's resource: the evaluation automation
+    (deployments/evaluations.py) runs the evaluate flow for those marked ``gpt.evaluate: true``."""
+    from tasks.cluster.run_context import run_context
+
+    if run_context() is None:
+        return
+    from prefect.events import emit_event
+
+    emit_event(event="gpt.checkpoint.saved",
+               resource={"prefect.resource.id": f"gpt.run.{run_dir.name}", "prefect.resource.name": run_dir.name,
+                         "gpt.evaluate": "true" if evaluate else "false"},
+               payload={"run_dir": str(run_dir), "iteration": iteration,
+                        "path": str(run_dir / "checkpoints" / f"iter_{iteration:07d}")})
+
+
+def evaluation_markdown(run_name: str, results: list[EvalResult]) -> str:
+    """Every evaluation of a run so far: a table of each set's perplexity and each task's metrics by
+    iteration, and a plot per set and per task."""
+    sets = sorted({name for r in results for name in r.sets})
+    metrics = sorted({(task, m) for r in results for task, ms in r.tasks.items() for m in ms})
+    header = ["iteration", *(f"{name} ppl" for name in sets), *(f"{task} {m}" for task, m in metrics)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        cells = [str(r.iteration), *(_fmt(r.sets.get(n, {}).get("perplexity")) for n in sets),
+                 *(_fmt(r.tasks.get(t, {}).get(m)) for t, m in metrics)]
+        lines.append("| " + " | ".join(cells) + " |")
+    plots = []
+    for name in sets:
+        points = [(r.iteration, r.sets[name]["perplexity"]) for r in results if name in r.sets]
+        plots.append(png_markdown(curves_png({name: points}, f"{run_name}: {name}", "perplexity"), f"{name} perplexity"))
+    for name in sorted({t for t, _ in metrics}):
+        curves = {m: [(r.iteration, r.tasks[name][m]) for r in results if m in r.tasks.get(name, {})]
+                  for t, m in metrics if t == name}
+        plots.append(png_markdown(curves_png(curves, f"{run_name}: {name}", "score"), name))
+    return f"**Evaluation of {run_name}** ({len(results)} checkpoints)\n\n" + "\n".join(lines) + "\n\n" + "\n\n".join(plots)
+
+
+def evaluation_report(run_name: str, results: list[EvalResult], training_flow_run: str | None) -> None:
+    """The ``evaluation`` artifact on this flow run and, when known, on the run's training flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    markdown = evaluation_markdown(run_name, results)
+    description = f"{run_name}: evaluation at iterations {', '.join(str(r.iteration) for r in results)}"
+    create_markdown_artifact(key="evaluation", markdown=markdown, description=description)
+    if training_flow_run:
+        with get_client(sync_client=True) as client:
+            client.create_artifact(ArtifactCreate(key="evaluation", type="markdown", data=markdown,
+                                                  description=description, flow_run_id=training_flow_run))

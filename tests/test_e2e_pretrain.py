@@ -23,6 +23,7 @@ from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
 from tests.fixtures_s3 import SECRET_KEY
 from tests.run_folder import job_records, wait_until
+from tests.test_evaluate import TASK, write_held_out, write_task
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -131,11 +132,21 @@ def task_states(served: SimpleNamespace, run_id: str) -> dict[str, list[str]]:
     return states
 
 
+def evaluate_runs(served: SimpleNamespace, run_dir: Path) -> list[dict]:
+    """The evaluate flow runs of a run folder, oldest first."""
+    found = served.server.api("/flow_runs/filter", {"flows": {"name": {"any_": ["evaluate"]}}, "sort": "START_TIME_ASC"})
+    return [r for r in found if r["parameters"].get("run") == str(run_dir)]
+
+
 def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
-    run, _ = deployment_run(served, params(served, "e2e-main", upload=True))
+    evaluation = {"sets": [{"name": "held", "sources": [str(write_held_out(served.work / "held.jsonl"))]}],
+                  "tasks": [TASK], "task_files": [str(write_task(served.work / "tasks"))]}
+    run, _ = deployment_run(served, {**params(served, "e2e-main", upload=True), "evaluation": evaluation})
     states = task_states(served, run["id"])
-    for stage in ("sync", "tokenize", "index", "train", "export", "upload", "report"):
+    for stage in ("index", "train", "export", "upload", "report"):
         assert states.get(stage) == ["Completed"], states
+    for stage in ("sync", "tokenize"):        # the training data, and the evaluation set
+        assert states.get(stage) == ["Completed", "Completed"], states
     run_dir = served.work / "runs" / "e2e-main"
     assert [j["executor"] for j in job_records(run_dir)] == ["slurm"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -169,10 +180,27 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     assert leaks == [], leaks
     assert SECRET_KEY not in json.dumps(served.server.artifacts(run["id"]))
 
-    again, _ = deployment_run(served, params(served, "e2e-main", upload=True))
+    # Each checkpoint (iterations 10 and 20) evaluated through the automation, one after the other,
+    # each on a SLURM job of its own once training had given the nodes back.
+    def evaluated() -> list[dict] | None:
+        runs = evaluate_runs(served, run_dir)
+        if any(r["state"]["type"] in ("FAILED", "CRASHED") for r in runs):
+            raise AssertionError(f"{[(r['name'], r['state']) for r in runs]}\n{served.log.read_text()[-5000:]}")
+        return runs if len(runs) == 2 and all(r["state"]["type"] == "COMPLETED" for r in runs) else None
+    runs = wait_until(evaluated, 500, "two completed evaluations")
+    assert sorted(int(r["parameters"]["iteration"]) for r in runs) == [10, 20]
+    assert [j["executor"] for j in job_records(run_dir / "eval")] == ["slurm", "slurm"]
+    # (each state's time is when its follower saw it, polling every few seconds)
+    trained_until = max(s["time"] for j in job_records(run_dir) for s in j["states"])
+    assert all(s["time"] >= trained_until - 5 for j in job_records(run_dir / "eval") for s in j["states"]
+               if s["state"] == "RUNNING")
+    board = max((a for a in served.server.artifacts(run["id"]) if a["key"] == "evaluation"), key=lambda a: a["created"])
+    assert "| 10 |" in board["data"] and "| 20 |" in board["data"] and "held ppl" in board["data"]
+
+    again, _ = deployment_run(served, {**params(served, "e2e-main", upload=True), "evaluation": evaluation})
     states = task_states(served, again["id"])
     for stage in (*DATA_STAGES, "train"):
-        assert states.get(stage) == ["Cached"], states
+        assert set(states.get(stage, [])) == {"Cached"}, states
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     shot = screenshot(f"{served.server.url}/runs/flow-run/{run['id']}", SCREENSHOTS / "flow-run.png", wait_ms=15000)
@@ -211,7 +239,9 @@ def test_served_nightly_benchmark_carries_its_schedule(served):
     assert deployment["parameters"]["history"] == str(served.work / "benchmarks")
     pretrain = served.server.api("/deployments/name/pretrain/gpt3")
     schema = pretrain["parameter_openapi_schema"]
-    assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget", "dry_run"]
+    assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget",
+                                          "evaluation", "dry_run"]
+    assert served.server.api("/deployments/name/evaluate/checkpoint")["entrypoint"].endswith("evaluate")
 
 
 def test_bad_parameters_are_rejected_before_a_run_is_created(served):

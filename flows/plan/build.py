@@ -354,32 +354,9 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     """Sources, prefixes and tokenizer files exist and lie where the operator allows; local sources
     are not the output root's own files."""
     for i, src in enumerate(data.sources):
-        field = f"data.sources[{i}]"
-        if is_s3(src):
-            _refused(field, boundary.s3_uri(src), errors)
-            continue
-        matches = glob.glob(local_path(src))
-        if not matches:
-            errors.append(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
-        for match in matches:
-            real = Path(match).resolve()
-            if inside(real, root) or inside(root, real):
-                errors.append(f"{field}: {match} {'lies in' if inside(real, root) else 'holds'} the output root "
-                              f"{root}: a run never reads its own output back as a source; give the raw data's folder")
-                break
-            if _refused(field, boundary.local_input(match, root), errors):
-                break
+        check_source(f"data.sources[{i}]", src, root, boundary, errors)
     for i, p in enumerate(data.prefixes):
-        field = f"data.prefixes[{i}].prefix"
-        if is_s3(p.prefix):
-            _refused(field, boundary.s3_uri(p.prefix), errors)
-            continue
-        for ext in (".bin", ".idx"):
-            path = local_path(p.prefix) + ext
-            if not os.path.isfile(path):
-                errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
-            elif _refused(field, boundary.local_input(path, root), errors):
-                break
+        check_prefix(f"data.prefixes[{i}].prefix", p.prefix, root, boundary, errors)
     _refused("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
     _refused("data.profile", boundary.profile(data.profile), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
@@ -413,6 +390,38 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     except ValueError as e:
         errors.append(f"data.split: {e}")
 
+
+
+def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
+    """A JSONL/Parquet source (a path, glob or s3:// URI) exists, lies where the operator allows and
+    is not the output root's own."""
+    if is_s3(src):
+        _refused(field, boundary.s3_uri(src), errors)
+        return
+    matches = glob.glob(local_path(src))
+    if not matches:
+        errors.append(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
+    for match in matches:
+        real = Path(match).resolve()
+        if inside(real, root) or inside(root, real):
+            errors.append(f"{field}: {match} {'lies in' if inside(real, root) else 'holds'} the output root "
+                          f"{root}: a run never reads its own output back as a source; give the raw data's folder")
+            return
+        if _refused(field, boundary.local_input(match, root), errors):
+            return
+
+
+def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
+    """A tokenized .bin/.idx pair exists and lies where the operator allows."""
+    if is_s3(prefix):
+        _refused(field, boundary.s3_uri(prefix), errors)
+        return
+    for ext in (".bin", ".idx"):
+        path = local_path(prefix) + ext
+        if not os.path.isfile(path):
+            errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
+        elif _refused(field, boundary.local_input(path, root), errors):
+            return
 
 def _check_output(output: OutputParams, boundary: Boundary, errors: list[str]) -> None:
     if output.uri is not None and not is_s3(output.uri):

@@ -156,6 +156,31 @@ class TrainingParams(_Params):
                                       description='Any other gpt Config field, e.g. {"lr_warmup_iters": 50}')
 
 
+class EvalSet(_Params):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="The set's name in results, e.g. wikitext")
+    sources: list[str] = Field(default_factory=list, description="JSONL or Parquet files, folders, globs or s3:// "
+                                                                 "URIs, tokenized with the run's tokenizer")
+    prefix: str | None = Field(None, description="Or a set tokenized already with the run's tokenizer (.bin/.idx "
+                                                 "prefix)")
+
+
+class EvaluationParams(_Params):
+    """Every checkpoint the run saves (every Nth, and the last) is evaluated by the evaluate flow on a
+    job of its own: set perplexities and lm-evaluation-harness tasks. Empty: no evaluation."""
+    sets: list[EvalSet] = Field(default_factory=list, description="Named evaluation sets: loss and perplexity")
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks, by name: its "
+                                                                "registry's, or those defined in task_files")
+    task_files: list[str] = Field(default_factory=list, description="Folders of lm-eval task YAMLs whose data are "
+                                                                     "local files (a cluster without internet)")
+    every: int = Field(1, ge=1, le=10**6, description="Evaluate every Nth checkpoint saved; the last always")
+    limit: int | None = Field(None, ge=1, le=10**9, description="lm-eval: at most this many examples per task")
+    set_tokens: int = Field(2**20, ge=1, le=10**12, description="At most this many tokens of each set")
+
+    @property
+    def wanted(self) -> bool:
+        return bool(self.sets or self.tasks)
+
+
 class ClusterParams(_Params):
     preset: str = Field("local", description="Cluster preset name: a file of deployments/clusters/ or of the "
                                              "operator's GPT_CLUSTER_PRESET_DIRS")

@@ -117,8 +117,11 @@ class ClusterConfig(BaseModel):
     data_cpus_per_task: int | None = Field(None, ge=1, le=4096)
     data_mem: str | None = None
     data_array_tasks: int | None = Field(None, ge=1, le=10_000)
+    # Evaluation jobs (tasks/evaluate.py): one task on one node of `eval_partition` (default: the
+    # training job's partition), with one GPU where training has them.
+    eval_partition: str | None = None
 
-    @field_validator("name", "partition", "account", "qos", "accelerator", "data_partition")
+    @field_validator("name", "partition", "account", "qos", "accelerator", "data_partition", "eval_partition")
     @classmethod
     def _plain_name(cls, v: str | None, info: Any) -> str | None:
         if v is not None and not _NAME.match(v):
@@ -257,6 +260,14 @@ class ClusterConfig(BaseModel):
             "sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
             "srun_extra": [o for o in self.srun_extra if "gpu" not in o],
             "cpus_per_task": self.data_cpus_per_task or self.cpus_per_task, "mem": self.data_mem or self.mem})
+
+    def eval_job(self) -> "ClusterConfig":
+        """The resources of an evaluation job: one task on one node of the evaluation partition, on
+        the training job's device (CPU for Trainium's, which lm-eval cannot drive) with one GPU."""
+        device = "cpu" if self.job_device == "neuron" else self.job_device
+        return self.model_copy(update={
+            "nodes": 1, "tasks_per_node": 1, "gpus_per_node": min(self.gpus_per_node, 1), "device": device,
+            "exclusive": False, "nodelist": None, "partition": self.eval_partition or self.partition})
 
     @property
     def data_tasks(self) -> int:

@@ -28,6 +28,7 @@ from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
+from tasks.evaluate import EvaluationSpec
 from tasks.train.spikes import CannotRollBack, SpikeFound, SpikeWatch, roll_back, skipped_samples, skipping
 from tasks.train.trackers import Trackers
 
@@ -205,6 +206,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)
     newest = newest_intact(run_dir / "checkpoints")[0]
     spikes = SpikeWatch(config, since=iteration_of(newest) if newest else 0)
+    evaluation = EvaluationSpec.read(run_dir)
     if config.mock_data and (config.spike_factor or config.nan_steps):
         logger.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave samples out of")
 
@@ -225,6 +227,8 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                 line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
                 logger.info("%s", line)
                 notes["save"] = line.strip(" |")
+                reporting.checkpoint_saved(run_dir, r["iteration"], evaluation is not None and evaluation.evaluates(
+                    r["iteration"], config.save_interval, total))
                 continue
             if not first_record:
                 first_record.append(time.monotonic())

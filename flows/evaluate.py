@@ -1,0 +1,112 @@
+"""The `evaluate` flow: one checkpoint of a run -> its evaluation job -> results beside the run.
+
+Started for every checkpoint the run marks for evaluation by the automation that
+`python -m deployments.setup` creates (the `gpt.checkpoint.saved` event runs the `evaluate/checkpoint`
+deployment), or by hand:
+
+    python -m flows.evaluate runs/my-run                  # the newest checkpoint
+    python -m flows.evaluate runs/my-run --iteration 200
+
+What a run is evaluated on is what its pretrain flow was given (`evaluation`, kept in the run folder's
+evaluation.json). One evaluation per run at a time (a Prefect concurrency limit named after the run):
+the next waits for the one before, and none competes with training for its nodes. A failed evaluation
+fails this flow run, never the training's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from prefect import flow
+from prefect.concurrency.sync import concurrency
+
+from flows.plan import provenance
+from flows.plan.boundary import Boundary
+from flows.plan.params import ParameterError, refused_as_failed_run
+from flows.stages import Stages
+from tasks import report as reporting
+from tasks.evaluate import EvaluationSpec, checkpoint_at, evaluate_task, results, summary
+
+
+def run_folder(run: str) -> Path:
+    """The run folder ``run`` names, checked: inside the output roots, and given an evaluation."""
+    run_dir = Path(run).expanduser().resolve()
+    problem = Boundary.from_env().output_root(run_dir)
+    if problem:
+        raise ParameterError([f"run: {problem}"])
+    if not (run_dir / "config.json").is_file():
+        raise ParameterError([f"run: {run_dir} is no run folder (no config.json); give the folder a pretrain run wrote"])
+    return run_dir
+
+
+def one_at_a_time(run_dir: Path) -> str:
+    """The concurrency limit (one slot) that queues a run's evaluations behind each other, made by
+    the run's first evaluation (two at once: one makes it, the other finds it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = f"evaluate-{run_dir.name}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:
+                pass
+    return name
+
+
+@flow(name="evaluate", persist_result=True, log_prints=True)
+@refused_as_failed_run
+def evaluate(run: str, iteration: int | None = None) -> dict:
+    """Evaluate one checkpoint of a run on its own job: each named set's loss and perplexity, and the
+    lm-evaluation-harness tasks the run names; the results go to <run>/eval/ and the `evaluation` artifact of this flow run and of the run's training flow run.
+
+    Args:
+        run: The run folder (as the `gpt.checkpoint.saved` event names it).
+        iteration: The checkpoint's iteration; empty: the newest complete checkpoint.
+    """
+    run_dir = run_folder(run)
+    spec = EvaluationSpec.read(run_dir)
+    if spec is None:
+        raise ParameterError([f"run: {run_dir} names no evaluation (no evaluation.json): give the pretrain flow "
+                              "evaluation.sets or evaluation.tasks"])
+    try:
+        checkpoint_at(run_dir, iteration)
+    except FileNotFoundError as e:
+        raise ParameterError([f"iteration: {e}"]) from None
+    with concurrency(one_at_a_time(run_dir), occupy=1, strict=True):
+        result = Stages().run("evaluate", evaluate_task, str(run_dir), iteration, spec)
+    figures = summary(result)
+    print(f"evaluation of {run_dir.name} at iteration {result.iteration}: "
+          + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in figures.items()))
+    starts = provenance.recorded(run_dir)
+    reporting.evaluation_report(run_dir.name, results(run_dir), starts[-1].get("flow_run_id") if starts else None)
+    return {"run_dir": str(run_dir), **result.model_dump(), "figures": figures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.evaluate", description="Evaluate a checkpoint of a run.")
+    p.add_argument("run", help="the run folder")
+    p.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the newest)")
+    a = p.parse_args(argv)
+    from flows.local_server import ensure_api
+
+    ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
+    try:
+        out = evaluate(a.run, a.iteration)
+    except ParameterError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one line here; the flow run's log has the traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"results: {out['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

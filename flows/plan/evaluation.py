@@ -1,0 +1,115 @@
+"""The run's evaluation, checked before anything runs: sets readable where the operator allows,
+task files that parse, and every task known to lm-evaluation-harness (its registry, or the task
+files). Refused by name, like any parameter."""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import yaml
+
+from flows.plan.boundary import Boundary
+from flows.plan.build import check_prefix, check_source
+from flows.plan.params import EvaluationParams, ParameterError
+from tasks.evaluate import task_manager
+from tasks.sync import local_path
+
+
+class _TaskYaml(yaml.SafeLoader):
+    """lm-eval's task YAML: plain YAML plus ``!function module.name`` tags."""
+
+
+_TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def task_folders(evaluation: EvaluationParams) -> list[str]:
+    """The folders lm-eval searches for the run's own tasks (a file's folder when a file is given)."""
+    folders = []
+    for f in evaluation.task_files:
+        path = Path(local_path(f)).resolve()
+        folders.append(str(path if path.is_dir() else path.parent))
+    return folders
+
+
+def check_evaluation(evaluation: EvaluationParams, root: Path, boundary: Boundary | None = None) -> None:
+    """Raises ParameterError naming each field that cannot be evaluated as given."""
+    if not evaluation.wanted and not evaluation.task_files:
+        return
+    boundary = boundary or Boundary.from_env()
+    errors: list[str] = []
+    names = [s.name for s in evaluation.sets]
+    for i, s in enumerate(evaluation.sets):
+        field = f"evaluation.sets[{i}]"
+        if s.name in names[:i]:
+            errors.append(f"{field}.name: {s.name!r} names two sets; give each set its own name")
+        if bool(s.sources) == bool(s.prefix):
+            errors.append(f"{field}: give sources (to tokenize with the run's tokenizer) or a prefix, one of the two")
+        for j, src in enumerate(s.sources):
+            check_source(f"{field}.sources[{j}]", src, root, boundary, errors)
+        if s.prefix:
+            check_prefix(f"{field}.prefix", s.prefix, root, boundary, errors)
+    for i, f in enumerate(evaluation.task_files):
+        errors += _task_file_problems(f"evaluation.task_files[{i}]", f, root, boundary)
+    if evaluation.task_files and not evaluation.tasks:
+        errors.append("evaluation.tasks: name the tasks to run from evaluation.task_files")
+    if evaluation.tasks and not any(e.startswith("evaluation.task_files") for e in errors):
+        errors += _unknown_tasks(evaluation)
+    if errors:
+        raise ParameterError(errors)
+
+
+def _task_file_problems(field: str, given: str, root: Path, boundary: Boundary) -> list[str]:
+    path = Path(local_path(given))
+    if not path.exists():
+        return [f"{field}: {given} not found; give a folder of lm-eval task YAML files (or one such file)"]
+    files = sorted(path.rglob("*.yaml")) if path.is_dir() else [path]
+    if not files:
+        return [f"{field}: {given} holds no .yaml task file"]
+    problems = []
+    for f in files:
+        refused = boundary.local_input(str(f), root)
+        if refused:
+            return [f"{field}: {refused}"]
+        try:
+            task = yaml.load(f.read_text(), Loader=_TaskYaml)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" line {where.line + 1}" if where is not None else ""
+            problems.append(f"{field}: {f}{line} does not parse as YAML ({getattr(e, 'problem', None) or e}); fix the file")
+            continue
+        if not isinstance(task, dict) or not ({"task", "group", "include"} & set(task)):
+            problems.append(f"{field}: {f} is no lm-eval task (no task, group or include key)")
+            continue
+        for split, data in _local_data_files(task, f.parent):
+            if not os.path.exists(data):
+                problems.append(f"{field}: {f} names data file {data} ({split}), which does not exist")
+    return problems
+
+
+def _local_data_files(task: dict, folder: Path) -> list[tuple[str, str]]:
+    """The local files a task's ``dataset_kwargs.data_files`` names, relative to its folder."""
+    files = ((task.get("dataset_kwargs") or {}).get("data_files")) or {}
+    if isinstance(files, str):
+        files = {"data": files}
+    out = []
+    for split, names in files.items() if isinstance(files, dict) else ():
+        for name in names if isinstance(names, list) else [names]:
+            if isinstance(name, str) and "://" not in name:
+                out.append((split, str(folder / name) if not os.path.isabs(name) else name))
+    return out
+
+
+def _unknown_tasks(evaluation: EvaluationParams) -> list[str]:
+    """Tasks neither in the task files nor in lm-eval's registry (indexed only when needed: it reads
+    thousands of files)."""
+    folders = task_folders(evaluation)
+    known = set(task_manager(list(evaluation.tasks), folders).all_tasks)
+    errors = []
+    for i, name in enumerate(evaluation.tasks):
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            errors.append(f"evaluation.tasks[{i}]: {name!r} is no lm-eval task (its registry"
+                          f"{' or evaluation.task_files' if folders else ''})"
+                          + (f"; did you mean {', '.join(close)}?" if close else "; check its name with `lm-eval ls tasks`"))
+    return errors

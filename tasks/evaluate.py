@@ -1,0 +1,229 @@
+"""Evaluate stage: one checkpoint of a run, scored on its own job, never inside training.
+
+What a run is evaluated on is decided by the pretrain flow and kept in ``<run>/evaluation.json``
+(``EvaluationSpec``): named evaluation sets, tokenized with the run's tokenizer, and
+lm-evaluation-harness tasks (from its registry, or defined by YAML files with local data). The job
+exports the checkpoint to HuggingFace's format (``<run>/eval/hf-iter_N``, removed once scored), computes each set's
+loss and perplexity with the gpt package, runs lm-eval's HF backend on the export, and writes
+``<run>/eval/iter_N.json``. The job runs where the cluster preset's evaluation settings put it
+(``ClusterConfig.eval_job``), or as a local process with the local preset.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict
+
+from gpt.checkpoint import MARKER as COMPLETE
+from gpt.checkpoint import Checkpointer
+from gpt.files import write_json
+from tasks.cluster.config import ClusterConfig
+from tasks.cluster.jobs import JobError, submit
+from tasks.cluster.run_context import run_logger
+from tasks.common.retry import worth_retrying
+
+SPEC = "evaluation.json"
+FOLDER = "eval"
+BATCH = 8                      # sequences per forward pass of a set's perplexity
+
+
+class EvaluationSpec(BaseModel):
+    """What every checkpoint of a run is evaluated on, and where: written once by the pretrain flow."""
+    model_config = ConfigDict(frozen=True)
+
+    sets: dict[str, str]                  # name -> tokenized prefix (the run's tokenizer)
+    set_tokens: int                       # at most this many tokens of each set
+    tasks: list[str]                      # lm-eval task names
+    task_paths: list[str]                 # folders of lm-eval task YAMLs (TaskManager's include_path)
+    limit: int | None                     # lm-eval: at most this many examples per task
+    every: int                            # evaluate every Nth checkpoint saved, and the last
+    tokenizer: dict[str, str | None]      # the run's tokenizer files, as gpt.export takes them
+    cluster: dict[str, Any]               # the evaluation job's resources (ClusterConfig.eval_job)
+
+    def write(self, run_dir: Path) -> None:
+        write_json(run_dir / SPEC, self.model_dump())
+
+    @staticmethod
+    def remove(run_dir: Path) -> None:
+        """The run is evaluated no more (its latest start names no evaluation)."""
+        (run_dir / SPEC).unlink(missing_ok=True)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> EvaluationSpec | None:
+        try:
+            return cls.model_validate_json((run_dir / SPEC).read_text())
+        except FileNotFoundError:
+            return None
+
+    def evaluates(self, iteration: int, save_interval: int, total_iters: int) -> bool:
+        """Whether the checkpoint saved at ``iteration`` is evaluated: every ``every``-th of the
+        regular saves, and the last."""
+        return iteration >= total_iters or (iteration % save_interval == 0
+                                            and (iteration // save_interval) % self.every == 0)
+
+
+class EvalResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    iteration: int
+    checkpoint: str
+    sets: dict[str, dict[str, float]]       # name -> loss, perplexity, tokens
+    tasks: dict[str, dict[str, float]]      # lm-eval task -> metric -> value
+    seconds: float
+    path: str
+
+
+def result_path(run_dir: Path, iteration: int) -> Path:
+    return run_dir / FOLDER / f"iter_{iteration:07d}.json"
+
+
+def results(run_dir: Path) -> list[EvalResult]:
+    """Every evaluation of the run written so far, by iteration."""
+    found = [EvalResult.model_validate_json(p.read_text()) for p in sorted((run_dir / FOLDER).glob("iter_*.json"))]
+    return sorted(found, key=lambda r: r.iteration)
+
+
+def checkpoint_at(run_dir: Path, iteration: int | None) -> Path:
+    """The complete checkpoint at ``iteration`` (None: the newest)."""
+    checkpoints = run_dir / "checkpoints"
+    if iteration is None:
+        found = Checkpointer(checkpoints, 1, 0).latest()
+        if found is None:
+            raise FileNotFoundError(f"{checkpoints} holds no complete checkpoint yet: evaluate once training saved one")
+        return found
+    path = checkpoints / f"iter_{iteration:07d}"
+    if not (path / COMPLETE).is_file():
+        kept = sorted(p.name for p in checkpoints.glob("iter_???????") if (p / COMPLETE).is_file())
+        raise FileNotFoundError(f"no complete checkpoint at iteration {iteration} ({path}; kept: "
+                                f"{', '.join(kept) or 'none'}): give one of those iterations, or none for the newest")
+    return path
+
+
+def set_loss(model: Any, prefix: str, seq_length: int, max_tokens: int) -> dict[str, float]:
+    """Mean next-token loss over a tokenized set, read as one stream of its documents in windows of
+    ``seq_length`` + 1 tokens (each window predicts ``seq_length`` tokens), at most ``max_tokens``."""
+    import torch
+
+    from gpt.data import MMapIndexedDataset
+
+    data = MMapIndexedDataset(prefix)
+    stream = np.memmap(data.bin_path, dtype=data.dtype, mode="r")
+    windows = min(len(stream) - 1, max_tokens) // seq_length
+    if windows == 0:
+        raise ValueError(f"evaluation set {prefix}: {len(stream)} tokens, fewer than one window of {seq_length + 1}")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, windows, BATCH):
+            rows = range(start, min(start + BATCH, windows))
+            batch = torch.from_numpy(np.stack([stream[r * seq_length: r * seq_length + seq_length + 1]
+                                               for r in rows]).astype(np.int64))
+            loss = model(batch[:, :-1], batch[:, 1:])
+            total += float(loss) * len(rows) * seq_length
+            count += len(rows) * seq_length
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": float(count)}
+
+
+def task_scores(export: Path, spec: EvaluationSpec, device: str) -> dict[str, dict[str, float]]:
+    """lm-eval's HF backend on the export: each task's metrics (``acc``, ``acc_norm``, ...). A task
+    runs in its YAML's folder, so that the local data files it names are found beside it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    manager = task_manager(spec.tasks, spec.task_paths)
+    model = HFLM(pretrained=str(export), device=device, batch_size=BATCH, dtype="float32")
+    scores: dict[str, dict[str, float]] = {}
+    for name in spec.tasks:
+        where = manager.task_index[name].yaml_path
+        with contextlib.chdir(Path(where).parent if where else Path.cwd()):
+            out = simple_evaluate(model=model, tasks=[name], task_manager=manager, limit=spec.limit, log_samples=False)
+        for reported, metrics in out["results"].items():
+            scores[reported] = {key.split(",")[0]: float(value) for key, value in metrics.items()
+                            if isinstance(value, (int, float)) and not isinstance(value, bool)
+                            and "stderr" not in key and not key.startswith("sample")}
+    return scores
+
+
+def task_manager(tasks: list[str], folders: list[str]) -> Any:
+    """lm-eval's index of the task folders, and of its own registry only where a task is not in them
+    (indexing the registry reads thousands of files)."""
+    from lm_eval.tasks import TaskManager
+
+    if folders:
+        own = TaskManager(include_path=list(folders), include_defaults=False)
+        if all(t in own.all_tasks for t in tasks):
+            return own
+    return TaskManager(include_path=list(folders) or None)
+
+
+def evaluate_checkpoint(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalResult:
+    """What the evaluation job runs: export, sets, tasks, and ``<run>/eval/iter_N.json``."""
+    from gpt.config import Config
+    from gpt.export import export, load_checkpoint
+
+    started = time.perf_counter()
+    run = Path(run_dir)
+    checkpoint = checkpoint_at(run, iteration)
+    iteration = int(checkpoint.name.split("_")[1])
+    config = Config.load(run / "config.json")
+    out = export(checkpoint, run / FOLDER / f"hf-iter_{iteration:07d}", dtype="fp32", **spec.tokenizer)
+    model = load_checkpoint(checkpoint, config)
+    sets = {name: set_loss(model, prefix, config.seq_length, spec.set_tokens) for name, prefix in spec.sets.items()}
+    device = "cuda" if spec.cluster.get("device") == "cuda" else "cpu"
+    tasks = task_scores(out, spec, device) if spec.tasks else {}
+    shutil.rmtree(out, ignore_errors=True)       # scored: the run's export is the export stage's
+    path = result_path(run, iteration)
+    result = EvalResult(iteration=iteration, checkpoint=str(checkpoint), sets=sets, tasks=tasks,
+                        seconds=round(time.perf_counter() - started, 3), path=str(path))
+    write_json(path, result.model_dump())
+    return result
+
+
+class EvaluationJob:
+    """The callable the evaluation job runs (submitit pickles it)."""
+
+    def __init__(self, run_dir: str, iteration: int | None, spec: EvaluationSpec) -> None:
+        self.run_dir, self.iteration, self.spec = run_dir, iteration, spec
+
+    def __call__(self) -> dict[str, Any]:
+        return evaluate_checkpoint(self.run_dir, self.iteration, self.spec).model_dump()
+
+
+def evaluate(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalResult:
+    """Evaluate the checkpoint at ``iteration`` (None: the newest) on its own job; an evaluation
+    already written for that checkpoint is returned as it is."""
+    run = Path(run_dir)
+    checkpoint = checkpoint_at(run, iteration)
+    done = result_path(run, int(checkpoint.name.split("_")[1]))
+    if done.is_file():
+        earlier = EvalResult.model_validate_json(done.read_text())
+        if earlier.checkpoint == str(checkpoint):
+            run_logger().info("checkpoint %s is evaluated already: %s", checkpoint.name, done)
+            return earlier
+    cluster = ClusterConfig(**spec.cluster)
+    run_logger().info("evaluating %s on %s (%s job)", checkpoint, cluster.name, cluster.kind)
+    result, job_id, _ = submit(EvaluationJob(run_dir, iteration, spec), cluster, run_dir=run / FOLDER,
+                               job_name=f"evaluate-{checkpoint.name}")
+    if not isinstance(result, dict):
+        raise JobError(f"evaluation job {job_id} returned {result!r}")
+    return EvalResult(**result)
+
+
+evaluate_task = task(evaluate, name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying,
+                     cache_policy=NO_CACHE)
+
+
+def summary(result: EvalResult) -> dict[str, float]:
+    """The figures of one evaluation, flat: ``eval/<set>/perplexity``, ``eval/<task>/acc``."""
+    flat = {f"eval/{name}/{k}": v for name, figures in result.sets.items() for k, v in figures.items() if k != "tokens"}
+    flat.update({f"eval/{name}/{k}": v for name, metrics in result.tasks.items() for k, v in metrics.items()})
+    return flat
+
