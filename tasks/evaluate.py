@@ -15,7 +15,7 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from prefect import task
@@ -28,6 +28,7 @@ from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JobError, submit
 from tasks.cluster.run_context import run_logger
+from tasks.cluster.run_owner import RunOwner
 from tasks.common.retry import worth_retrying
 
 SPEC = "evaluation.json"
@@ -209,12 +210,26 @@ def evaluate(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalR
             run_logger().info("checkpoint %s is evaluated already: %s", checkpoint.name, done)
             return earlier
     cluster = ClusterConfig(**spec.cluster)
-    run_logger().info("evaluating %s on %s (%s job)", checkpoint, cluster.name, cluster.kind)
-    result, job_id, _ = submit(EvaluationJob(run_dir, iteration, spec), cluster, run_dir=run / FOLDER,
-                               job_name=f"evaluate-{checkpoint.name}")
+    # On this machine an evaluation would share training's cores: it waits for the run's training
+    # (the run folder's owner) to end. On SLURM it queues for nodes of its own.
+    with RunOwner(run, wait=_waiting_for_training()) if cluster.kind == "local" else contextlib.nullcontext():
+        run_logger().info("evaluating %s on %s (%s job)", checkpoint, cluster.name, cluster.kind)
+        result, job_id, _ = submit(EvaluationJob(run_dir, iteration, spec), cluster, run_dir=run / FOLDER,
+                                   job_name=f"evaluate-{checkpoint.name}")
     if not isinstance(result, dict):
         raise JobError(f"evaluation job {job_id} returned {result!r}")
     return EvalResult(**result)
+
+
+def _waiting_for_training() -> Callable[[str], None]:
+    said: list[str] = []
+
+    def wait(holder: str) -> None:
+        if not said:
+            said.append(holder)
+            run_logger().info("the run's training (%s) still runs on this machine: the evaluation waits for it to "
+                              "end, so as not to share its cores", holder)
+    return wait
 
 
 evaluate_task = task(evaluate, name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying,

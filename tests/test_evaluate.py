@@ -170,3 +170,21 @@ def test_every_nth_save_and_the_last_are_evaluated():
     marked = [i for i in range(10, 101, 10) if spec.evaluates(i, 10, 100)]
     assert marked == [30, 60, 90, 100]
     assert not spec.evaluates(45, 10, 95)           # a save on the time-limit signal, between the regular ones
+
+
+@pytest.mark.timeout(600)
+def test_on_this_machine_an_evaluation_waits_for_the_runs_training_to_end(evaluated_run):
+    from flows.evaluate import evaluate
+
+    _, run_dir = evaluated_run
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from tasks.cluster.run_owner import RunOwner\n"
+                               f"with RunOwner(Path({str(run_dir)!r})):\n    print('held', flush=True); time.sleep(8)\n"
+                               "print(time.time(), flush=True)"],
+                              cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    out = evaluate(str(run_dir), 20)
+    released = float(holder.stdout.readline())
+    holder.wait(timeout=30)
+    (job,) = [j for j in job_records(run_dir / "eval") if j["name"] == "evaluate-iter_0000020"]
+    assert out["iteration"] == 20 and job["submitted"] >= released

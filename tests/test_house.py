@@ -111,7 +111,7 @@ def test_pyproject_names_every_package_the_code_imports():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     named = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].lower()
              for d in [*project["dependencies"], *sum(project.get("optional-dependencies", {}).values(), [])]}
-    distribution = {"yaml": "pyyaml"}           # import name -> distribution name, where they differ
+    distribution = {"yaml": "pyyaml", "lm_eval": "lm-eval"}     # import name -> distribution name, where they differ
     imported = set()
     for name, path in _sources().items():
         if name.split(".")[0] in ("flows", "tasks", "deployments"):
