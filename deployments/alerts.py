@@ -67,11 +67,16 @@ def load_block(slug: str) -> str:
 
 def ensure_automation(block_document_id: str, endings: tuple[str, ...]) -> None:
     """Replace any automation of this name with one for ``block_document_id``."""
+    replace(automation(block_document_id, endings))
+
+
+def replace(made: Automation) -> None:
+    """Create ``made`` in place of any automation of its name."""
     try:
-        Automation.read(name=NAME).delete()
+        Automation.read(name=made.name).delete()
     except ValueError:
         pass
-    automation(block_document_id, endings).create()
+    made.create()
 
 
 def add_channel_arguments(p: argparse.ArgumentParser, required: bool) -> None:

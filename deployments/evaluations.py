@@ -15,6 +15,8 @@ from prefect.events.actions import RunDeployment
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 
+from deployments import alerts
+
 NAME = "gpt-pretrain: evaluate each checkpoint"
 DEPLOYMENT = "evaluate/checkpoint"
 EVENT = "gpt.checkpoint.saved"
@@ -50,8 +52,4 @@ def deployment_id() -> UUID | None:
 
 def ensure_automation(deployment: UUID) -> None:
     """Replace any automation of this name with one that runs ``deployment``."""
-    try:
-        Automation.read(name=NAME).delete()
-    except ValueError:
-        pass
-    automation(deployment).create()
+    alerts.replace(automation(deployment))

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from flows.plan.boundary import Boundary
 from flows.plan.layout import Layout
 from flows.plan.params import (
@@ -22,6 +24,7 @@ from flows.plan.params import (
 from flows.plan.sizes import GIB, physical_memory
 from flows.stages import Stages, tokenized_intact
 from gpt.config import Config
+from gpt.data import MMapIndexedDataset
 from gpt.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
@@ -79,7 +82,8 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
     left_out = sorted(f.path for f in raw.files if not f.path.endswith(INPUT_SUFFIXES))
     if not inputs:
-        raise ParameterError([f"data.sources: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
+        field = "data.sources" if not evaluation_set else f"evaluation.sets ({evaluation_set!r}) sources"
+        raise ParameterError([f"{field}: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
     vocab_file, merge_file, tokenizer_file = files
     out_prefix = layout.tokenized(raw.digest, vocab_file, merge_file, data.json_keys,
@@ -106,9 +110,10 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
 
 
 def evaluation_sets(evaluation: EvaluationParams, dataset: Dataset, data: DataParams, tokenizer: TokenizerParams,
-                    layout: Layout, stages: Stages, cluster: ClusterConfig) -> dict[str, str]:
+                    seq_length: int, layout: Layout, stages: Stages, cluster: ClusterConfig) -> dict[str, str]:
     """Each evaluation set's local tokenized prefix: its sources synced and tokenized with the run's
-    tokenizer (cached stages, like the training data's), or its prefix, synced from S3 when remote."""
+    tokenizer (cached stages, like the training data's; the first of data.json_keys is the text), or
+    its prefix, synced from S3 when remote. A set shorter than one window of the run is refused."""
     files = (dataset.tokenizer.vocab_file, dataset.tokenizer.merge_file, dataset.tokenizer.tokenizer_file)
     prefixes = {}
     for s in evaluation.sets:
@@ -116,9 +121,15 @@ def evaluation_sets(evaluation: EvaluationParams, dataset: Dataset, data: DataPa
             given = DataParams(prefixes=[WeightedPrefix(prefix=s.prefix)], **data.s3_access())
             prefixes[s.name] = fetch_prefixes(given, layout, stages, cluster)[0][1]
             continue
-        tokenized, _ = sync_and_tokenize(list(s.sources), data.model_copy(update={"sources": list(s.sources)}),
-                                         tokenizer, files, layout, stages, cluster, evaluation_set=s.name)
+        sources = {"sources": list(s.sources), "json_keys": data.json_keys[:1]}     # the text field
+        tokenized, _ = sync_and_tokenize(list(s.sources), data.model_copy(update=sources), tokenizer, files, layout,
+                                         stages, cluster, evaluation_set=s.name)
         (prefixes[s.name],) = tokenized.prefixes.values()
+    short = [f"evaluation.sets[{i}] ({s.name!r}): {tokens} tokens, fewer than one window of {seq_length + 1} (the "
+             "run's seq_length + 1); give it more text" for i, s in enumerate(evaluation.sets)
+             if (tokens := MMapIndexedDataset(prefixes[s.name]).sizes.sum(dtype=np.int64)) < seq_length + 1]
+    if short:
+        raise ParameterError(short)
     return prefixes
 
 

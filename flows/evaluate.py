@@ -8,7 +8,8 @@ deployment), or by hand:
     python -m flows.evaluate runs/my-run --iteration 200
 
 What a run is evaluated on is what its pretrain flow was given (`evaluation`, kept in the run folder's
-evaluation.json). One evaluation per run at a time (a Prefect concurrency limit named after the run):
+evaluation.json). One evaluation per run at a time (a Prefect concurrency limit named after the run,
+`evaluate-<run name>-<digest of its folder>`):
 the next waits for the one before, and none competes with training for its nodes. A failed evaluation
 fails this flow run, never the training's.
 """
@@ -26,7 +27,8 @@ from flows.plan.boundary import Boundary
 from flows.plan.params import ParameterError, refused_as_failed_run
 from flows.stages import Stages
 from tasks import report as reporting
-from tasks.evaluate import EvaluationSpec, checkpoint_at, evaluate_task, results, summary
+from tasks.common.digest import digest
+from tasks.evaluate import EvaluationSpec, checkpoint_at, evaluate_task, evaluated, results, summary
 
 
 def run_folder(run: str) -> Path:
@@ -47,7 +49,7 @@ def one_at_a_time(run_dir: Path) -> str:
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-    name = f"evaluate-{run_dir.name}"
+    name = f"evaluate-{run_dir.name}-{digest(str(run_dir), length=8)}"      # two roots may hold one run name
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(name)
@@ -77,7 +79,8 @@ def evaluate(run: str, iteration: int | None = None) -> dict:
     try:
         checkpoint_at(run_dir, iteration)
     except FileNotFoundError as e:
-        raise ParameterError([f"iteration: {e}"]) from None
+        if evaluated(run_dir, iteration) is None:
+            raise ParameterError([f"iteration: {e}"]) from None
     with concurrency(one_at_a_time(run_dir), occupy=1, strict=True):
         result = Stages().run("evaluate", evaluate_task, str(run_dir), iteration, spec)
     figures = summary(result)

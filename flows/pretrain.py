@@ -76,7 +76,7 @@ def pretrain(
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
-    check_evaluation(evaluation, plan.layout.root)
+    check_evaluation(evaluation, plan.layout.root, plan.config.keep_last)
     if dry_run:
         return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
@@ -160,7 +160,8 @@ def evaluation_spec(evaluation: EvaluationParams, dataset: data_stages.Dataset, 
                     tokenizer: TokenizerParams, plan: Plan, stages: Stages) -> EvaluationSpec:
     """What each checkpoint of the run is evaluated on and where: the sets tokenized with the run's
     tokenizer, and the evaluation job's resources from the cluster preset."""
-    sets = data_stages.evaluation_sets(evaluation, dataset, data, tokenizer, plan.layout, stages, plan.cluster)
+    sets = data_stages.evaluation_sets(evaluation, dataset, data, tokenizer, plan.config.seq_length, plan.layout, stages,
+                                       plan.cluster)
     files = {"vocab_file": dataset.tokenizer.vocab_file, "merge_file": dataset.tokenizer.merge_file,
              "tokenizer_file": dataset.tokenizer.tokenizer_file}
     return EvaluationSpec(sets=sets, set_tokens=evaluation.set_tokens, tasks=list(evaluation.tasks),

@@ -380,14 +380,12 @@ def write_weights(checkpoint: Path, config: Config, folder: Path, dtype: torch.d
 
 def check_out_dir(out: Path, run_dir: Path, checkpoint: Path) -> None:
     """Refuse an output folder that is, holds or lies in what the export reads: the run folder, the
-    checkpoint, or a folder inside the run other than ``<run>/hf`` and the evaluations' own
-    ``<run>/eval/hf-iter_N``."""
+    checkpoint, or (other than ``<run>/hf``) a folder inside the run."""
     for what, path in (("the run folder", run_dir), ("the checkpoint", checkpoint)):
         if out == path or path.is_relative_to(out):
             raise ExportError(f"{out} is or holds {what} {path}: give a new folder for the export, "
                               f"such as {run_dir / 'hf'}")
-    evaluation = out.parent == run_dir / "eval" and out.name.startswith("hf-iter_")
-    if out.is_relative_to(run_dir) and out != run_dir / "hf" and not evaluation:
+    if out.is_relative_to(run_dir) and out != run_dir / "hf":
         raise ExportError(f"{out} is inside the run folder {run_dir}: give {run_dir / 'hf'} or a folder outside the run")
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import MARKER as COMPLETE
-from gpt.checkpoint import Checkpointer
+from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JobError, submit
@@ -33,6 +35,7 @@ from tasks.common.retry import worth_retrying
 
 SPEC = "evaluation.json"
 FOLDER = "eval"
+PINNED = "pinned"
 BATCH = 8                      # sequences per forward pass of a set's perplexity
 
 
@@ -76,6 +79,7 @@ class EvalResult(BaseModel):
 
     iteration: int
     checkpoint: str
+    saved_at: float                         # the checkpoint's marker time (saved_at)
     sets: dict[str, dict[str, float]]       # name -> loss, perplexity, tokens
     tasks: dict[str, dict[str, float]]      # lm-eval task -> metric -> value
     seconds: float
@@ -92,20 +96,53 @@ def results(run_dir: Path) -> list[EvalResult]:
     return sorted(found, key=lambda r: r.iteration)
 
 
+def saved_at(checkpoint: Path) -> float:
+    """When the checkpoint was complete (its marker's time): tells a checkpoint saved again at the
+    same iteration (after a rollback) from the one evaluated before."""
+    return (checkpoint / COMPLETE).stat().st_mtime
+
+
+def pin(run_dir: Path, iteration: int) -> Path | None:
+    """Keep the checkpoint at ``iteration`` for its evaluation, whatever training's ``keep_last``
+    or a rollback does to it meanwhile: ``<run>/eval/pinned/iter_N/`` is a run folder of that one
+    checkpoint and the configuration it was trained with, hard links to their files (no copy).
+    None when the checkpoint is gone already."""
+    source = run_dir / "checkpoints" / f"iter_{iteration:07d}"
+    pinned = run_dir / FOLDER / PINNED / source.name
+    tmp = pinned.with_name(f"{source.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / "checkpoints").mkdir(parents=True)
+        os.link(run_dir / "config.json", tmp / "config.json")
+        shutil.copytree(source, tmp / "checkpoints" / source.name, copy_function=os.link)
+        if not (tmp / "checkpoints" / source.name / COMPLETE).is_file():
+            raise FileNotFoundError(source / COMPLETE)
+    except (FileNotFoundError, shutil.Error):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    shutil.rmtree(pinned, ignore_errors=True)          # one saved before a rollback: this one replaces it
+    os.rename(tmp, pinned)
+    return pinned / "checkpoints" / source.name
+
+
 def checkpoint_at(run_dir: Path, iteration: int | None) -> Path:
-    """The complete checkpoint at ``iteration`` (None: the newest)."""
-    checkpoints = run_dir / "checkpoints"
+    """The complete checkpoint at ``iteration`` (None: the newest intact one): pinned for its
+    evaluation, or still in the run's checkpoints."""
+    pinned = sorted((run_dir / FOLDER / PINNED).glob("iter_???????/checkpoints/iter_???????"))
     if iteration is None:
-        found = Checkpointer(checkpoints, 1, 0).latest()
-        if found is None:
-            raise FileNotFoundError(f"{checkpoints} holds no complete checkpoint yet: evaluate once training saved one")
-        return found
-    path = checkpoints / f"iter_{iteration:07d}"
-    if not (path / COMPLETE).is_file():
-        kept = sorted(p.name for p in checkpoints.glob("iter_???????") if (p / COMPLETE).is_file())
-        raise FileNotFoundError(f"no complete checkpoint at iteration {iteration} ({path}; kept: "
-                                f"{', '.join(kept) or 'none'}): give one of those iterations, or none for the newest")
-    return path
+        newest, _ = newest_intact(run_dir / "checkpoints")
+        candidates = [p for p in pinned if (p / COMPLETE).is_file()] + ([newest] if newest else [])
+        if not candidates:
+            raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no complete checkpoint yet: evaluate once "
+                                    "training saved one")
+        return max(candidates, key=iteration_of)
+    for path in (run_dir / FOLDER / PINNED / f"iter_{iteration:07d}" / "checkpoints" / f"iter_{iteration:07d}",
+                 run_dir / "checkpoints" / f"iter_{iteration:07d}"):
+        if (path / COMPLETE).is_file():
+            return path
+    kept = sorted({p.name for p in [*Checkpointer(run_dir / "checkpoints", 1, 0).complete(), *pinned]})
+    raise FileNotFoundError(f"no complete checkpoint at iteration {iteration} (kept: {', '.join(kept) or 'none'}): "
+                            "give one of those iterations, or none for the newest")
 
 
 def set_loss(model: Any, prefix: str, seq_length: int, max_tokens: int) -> dict[str, float]:
@@ -115,6 +152,7 @@ def set_loss(model: Any, prefix: str, seq_length: int, max_tokens: int) -> dict[
 
     from gpt.data import MMapIndexedDataset
 
+    device = next(model.parameters()).device
     data = MMapIndexedDataset(prefix)
     stream = np.memmap(data.bin_path, dtype=data.dtype, mode="r")
     windows = min(len(stream) - 1, max_tokens) // seq_length
@@ -125,7 +163,7 @@ def set_loss(model: Any, prefix: str, seq_length: int, max_tokens: int) -> dict[
         for start in range(0, windows, BATCH):
             rows = range(start, min(start + BATCH, windows))
             batch = torch.from_numpy(np.stack([stream[r * seq_length: r * seq_length + seq_length + 1]
-                                               for r in rows]).astype(np.int64))
+                                               for r in rows]).astype(np.int64)).to(device)
             loss = model(batch[:, :-1], batch[:, 1:])
             total += float(loss) * len(rows) * seq_length
             count += len(rows) * seq_length
@@ -165,60 +203,88 @@ def task_manager(tasks: list[str], folders: list[str]) -> Any:
     return TaskManager(include_path=list(folders) or None)
 
 
-def evaluate_checkpoint(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalResult:
-    """What the evaluation job runs: export, sets, tasks, and ``<run>/eval/iter_N.json``."""
+def evaluate_checkpoint(checkpoint: Path, spec: EvaluationSpec, result: Path) -> EvalResult:
+    """What the evaluation job runs: the sets and the tasks, written to ``result``. The export lies
+    in a temporary folder on the job's node, removed whatever happens."""
+    import torch
+
     from gpt.config import Config
     from gpt.export import export, load_checkpoint
 
     started = time.perf_counter()
-    run = Path(run_dir)
-    checkpoint = checkpoint_at(run, iteration)
-    iteration = int(checkpoint.name.split("_")[1])
-    config = Config.load(run / "config.json")
-    out = export(checkpoint, run / FOLDER / f"hf-iter_{iteration:07d}", dtype="fp32", **spec.tokenizer)
-    model = load_checkpoint(checkpoint, config)
+    config = Config.load(checkpoint.parent.parent / "config.json")      # the one it was trained with
+    device = "cuda" if spec.cluster.get("device") == "cuda" and torch.cuda.is_available() else "cpu"
+    model = load_checkpoint(checkpoint, config).to(device)
     sets = {name: set_loss(model, prefix, config.seq_length, spec.set_tokens) for name, prefix in spec.sets.items()}
-    device = "cuda" if spec.cluster.get("device") == "cuda" else "cpu"
-    tasks = task_scores(out, spec, device) if spec.tasks else {}
-    shutil.rmtree(out, ignore_errors=True)       # scored: the run's export is the export stage's
-    path = result_path(run, iteration)
-    result = EvalResult(iteration=iteration, checkpoint=str(checkpoint), sets=sets, tasks=tasks,
-                        seconds=round(time.perf_counter() - started, 3), path=str(path))
-    write_json(path, result.model_dump())
-    return result
+    del model
+    tasks: dict[str, dict[str, float]] = {}
+    if spec.tasks:
+        with tempfile.TemporaryDirectory(prefix="gpt-eval-") as folder:
+            tasks = task_scores(export(checkpoint, Path(folder) / "hf", dtype="fp32", **spec.tokenizer), spec, device)
+    done = EvalResult(iteration=iteration_of(checkpoint), checkpoint=str(checkpoint), saved_at=saved_at(checkpoint),
+                      sets=sets, tasks=tasks, seconds=round(time.perf_counter() - started, 3), path=str(result))
+    write_json(result, done.model_dump())
+    return done
 
 
 class EvaluationJob:
     """The callable the evaluation job runs (submitit pickles it)."""
 
-    def __init__(self, run_dir: str, iteration: int | None, spec: EvaluationSpec) -> None:
-        self.run_dir, self.iteration, self.spec = run_dir, iteration, spec
+    def __init__(self, checkpoint: Path, spec: EvaluationSpec, result: Path) -> None:
+        self.checkpoint, self.spec, self.result = checkpoint, spec, result
 
     def __call__(self) -> dict[str, Any]:
-        return evaluate_checkpoint(self.run_dir, self.iteration, self.spec).model_dump()
+        return evaluate_checkpoint(self.checkpoint, self.spec, self.result).model_dump()
 
 
 def evaluate(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalResult:
-    """Evaluate the checkpoint at ``iteration`` (None: the newest) on its own job; an evaluation
-    already written for that checkpoint is returned as it is."""
+    """Evaluate the checkpoint at ``iteration`` (None: the newest) on its own job, then let its pin
+    go; an evaluation already written for that very checkpoint is the answer."""
     run = Path(run_dir)
+    earlier = evaluated(run, iteration)
+    if earlier is not None:
+        run_logger().info("checkpoint iteration %d is evaluated already: %s", earlier.iteration, earlier.path)
+        return earlier
     checkpoint = checkpoint_at(run, iteration)
-    done = result_path(run, int(checkpoint.name.split("_")[1]))
-    if done.is_file():
-        earlier = EvalResult.model_validate_json(done.read_text())
-        if earlier.checkpoint == str(checkpoint):
-            run_logger().info("checkpoint %s is evaluated already: %s", checkpoint.name, done)
-            return earlier
+    done = result_path(run, iteration_of(checkpoint))
     cluster = ClusterConfig(**spec.cluster)
     # On this machine an evaluation would share training's cores: it waits for the run's training
     # (the run folder's owner) to end. On SLURM it queues for nodes of its own.
     with RunOwner(run, wait=_waiting_for_training()) if cluster.kind == "local" else contextlib.nullcontext():
         run_logger().info("evaluating %s on %s (%s job)", checkpoint, cluster.name, cluster.kind)
-        result, job_id, _ = submit(EvaluationJob(run_dir, iteration, spec), cluster, run_dir=run / FOLDER,
+        result, job_id, _ = submit(EvaluationJob(checkpoint, spec, done), cluster, run_dir=run / FOLDER,
                                    job_name=f"evaluate-{checkpoint.name}")
     if not isinstance(result, dict):
         raise JobError(f"evaluation job {job_id} returned {result!r}")
+    _unpin(run, checkpoint)
     return EvalResult(**result)
+
+
+def evaluated(run_dir: Path, iteration: int | None) -> EvalResult | None:
+    """The evaluation written for the checkpoint at ``iteration`` (None: the newest), when it is of
+    that very checkpoint, or of one no longer kept (a checkpoint saved again at that iteration, after
+    a rollback, is evaluated anew). Its pin, if any, is let go."""
+    try:
+        checkpoint: Path | None = checkpoint_at(run_dir, iteration)
+    except FileNotFoundError:
+        checkpoint = None
+    if checkpoint is None and iteration is None:
+        return None
+    done = result_path(run_dir, iteration_of(checkpoint) if checkpoint is not None else iteration)
+    if not done.is_file():
+        return None
+    earlier = EvalResult.model_validate_json(done.read_text())
+    if checkpoint is not None and earlier.saved_at != saved_at(checkpoint):
+        return None
+    if checkpoint is not None:
+        _unpin(run_dir, checkpoint)
+    return earlier
+
+
+def _unpin(run_dir: Path, checkpoint: Path) -> None:
+    pinned = run_dir / FOLDER / PINNED
+    if checkpoint.is_relative_to(pinned):
+        shutil.rmtree(checkpoint.parent.parent, ignore_errors=True)
 
 
 def _waiting_for_training() -> Callable[[str], None]:

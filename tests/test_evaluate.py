@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from flows.plan.boundary import Boundary
 from flows.plan.evaluation import check_evaluation
 from flows.plan.params import ClusterParams, EvalSet, EvaluationParams, OutputParams, ParameterError, TrainingParams
 from tasks.evaluate import EvaluationSpec, results
-from tests.run_folder import job_records
+from tests.run_folder import job_records, wait_until
 
 TASK = "shakespeare_completion"
 # Which word ends a famous line: a multiple-choice task with its data in a local file, as a
@@ -65,13 +66,14 @@ def write_held_out(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluated_run(prefect_harness, tmp_path_factory) -> tuple[Path, Path]:
-    """The embedded default, 20 iterations, checkpoints at 10 and 20, with a held-out set and a task."""
+    """The embedded default, 30 iterations, checkpoints at 10, 20 and 30 (training keeps the last
+    two), with a held-out set and a task."""
     from flows.pretrain import pretrain
 
     work = tmp_path_factory.mktemp("evaluation")
     tasks = write_task(work / "tasks")
     out = pretrain(
-        training=TrainingParams(train_iters=20, save_interval=10, eval_interval=10, eval_iters=1, compile=False),
+        training=TrainingParams(train_iters=30, save_interval=10, eval_interval=10, eval_iters=1, compile=False),
         cluster=ClusterParams(preset="local"), output=OutputParams(root=str(work / "runs")),
         evaluation=EvaluationParams(sets=[EvalSet(name="held", sources=[str(write_held_out(work / "held.jsonl"))])],
                                     tasks=[TASK], task_files=[str(tasks)]))
@@ -88,15 +90,15 @@ def test_a_checkpoint_scores_as_the_gpt_package_and_lm_evals_command_line_score_
     work, run_dir = evaluated_run
     spec = EvaluationSpec.read(run_dir)
     assert spec is not None and spec.tasks == [TASK] and set(spec.sets) == {"held"}
-    out = evaluate(str(run_dir), 10)
-    assert out["iteration"] == 10 and (run_dir / "eval" / "iter_0000010.json").is_file()
-    assert not list((run_dir / "eval").glob("hf-iter_*"))           # the export is removed once scored
-    assert [j["executor"] for j in job_records(run_dir / "eval")] == ["local"]
+    # Training kept its last two checkpoints; every save was kept for its evaluation.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_0000020", "iter_0000030"]
+    pinned = run_dir / "eval" / "pinned" / "iter_0000010" / "checkpoints" / "iter_0000010"
+    assert sorted(p.name for p in (run_dir / "eval" / "pinned").iterdir()) == ["iter_0000010", "iter_0000020",
+                                                                                "iter_0000030"]
 
     # The set's perplexity, computed here from the checkpoint's logits.
-    checkpoint = run_dir / "checkpoints" / "iter_0000010"
     config = Config.load(run_dir / "config.json")
-    model = load_checkpoint(checkpoint, config)
+    model = load_checkpoint(pinned, config)
     data = MMapIndexedDataset(spec.sets["held"])
     stream = torch.from_numpy(np.memmap(data.bin_path, dtype=data.dtype, mode="r").astype(np.int64))
     T = config.seq_length
@@ -105,11 +107,9 @@ def test_a_checkpoint_scores_as_the_gpt_package_and_lm_evals_command_line_score_
         rows = torch.stack([stream[i * T: i * T + T + 1] for i in range(windows)])
         logits = model(rows[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
-    assert out["sets"]["held"]["tokens"] == windows * T
-    assert out["sets"]["held"]["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
 
     # lm-eval's own command line on an export of the same checkpoint.
-    hf = export(checkpoint, tmp_path / "hf", dtype="fp32", **spec.tokenizer)
+    hf = export(pinned, tmp_path / "hf", dtype="fp32", **spec.tokenizer)
     cli = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
                           f"pretrained={hf},dtype=float32", "--tasks", TASK, "--include_path", str(work / "tasks"),
                           "--device", "cpu", "--batch_size", "8", "--output_path", str(tmp_path / "lm-eval")],
@@ -117,7 +117,16 @@ def test_a_checkpoint_scores_as_the_gpt_package_and_lm_evals_command_line_score_
     assert cli.returncode == 0, cli.stderr[-3000:]
     (written,) = (tmp_path / "lm-eval").rglob("results_*.json")
     theirs = json.loads(written.read_text())["results"][TASK]
+
+    out = evaluate(str(run_dir), 10)
+    assert out["iteration"] == 10 and (run_dir / "eval" / "iter_0000010.json").is_file()
+    assert [j["executor"] for j in job_records(run_dir / "eval")] == ["local"]
+    assert out["sets"]["held"]["tokens"] == windows * T
+    assert out["sets"]["held"]["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
     assert out["tasks"][TASK]["acc"] == theirs["acc,none"]
+    # Scored: its pin is let go, and nothing of the export is left in the run folder.
+    assert sorted(p.name for p in (run_dir / "eval" / "pinned").iterdir()) == ["iter_0000020", "iter_0000030"]
+    assert not [p for p in run_dir.rglob("model.safetensors") if not p.is_relative_to(run_dir / "hf")]
 
     # Again: the evaluation written for that checkpoint is the answer, and no job runs.
     again = evaluate(str(run_dir), 10)
@@ -129,8 +138,8 @@ def test_a_checkpoint_that_is_not_kept_is_refused_with_those_that_are(evaluated_
     from flows.evaluate import evaluate
 
     _, run_dir = evaluated_run
-    with pytest.raises(ParameterError, match=r"iteration: no complete checkpoint at iteration 7 .*kept: iter_0000010, "
-                                             r"iter_0000020\): give one of those"):
+    with pytest.raises(ParameterError, match=r"iteration: no complete checkpoint at iteration 7 \(kept: "
+                                             r"iter_0000020, iter_0000030\): give one of those"):
         evaluate(str(run_dir), 7)
 
 
@@ -148,8 +157,9 @@ def test_bad_evaluation_input_is_refused_by_name(tmp_path):
         sets=[EvalSet(name="held", sources=[str(outside)]), EvalSet(name="held", prefix=str(allowed / "none"))],
         tasks=[TASK], task_files=[str(tasks), str(broken), str(missing_data)])
     with pytest.raises(ParameterError) as e:
-        check_evaluation(given, tmp_path / "runs", boundary)
+        check_evaluation(given, tmp_path / "runs", 1, boundary)
     errors = e.value.errors
+    assert any(m.startswith("training.overrides.keep_last: 1 ") for m in errors), errors
     assert any(m.startswith("evaluation.sets[0].sources[0]:") and "outside the folders" in m for m in errors), errors
     assert any(m.startswith("evaluation.sets[1].name: 'held' names two sets") for m in errors), errors
     assert any(m.startswith("evaluation.sets[1].prefix:") and "none.bin not found" in m for m in errors), errors
@@ -160,8 +170,8 @@ def test_bad_evaluation_input_is_refused_by_name(tmp_path):
     unknown = EvaluationParams(tasks=["shakespeare_completio"], task_files=[str(tasks)])
     with pytest.raises(ParameterError, match=r"evaluation.tasks\[0\]: 'shakespeare_completio' is no lm-eval task.*"
                                              r"did you mean shakespeare_completion"):
-        check_evaluation(unknown, tmp_path / "runs", boundary)
-    check_evaluation(EvaluationParams(tasks=[TASK], task_files=[str(tasks)]), tmp_path / "runs", boundary)
+        check_evaluation(unknown, tmp_path / "runs", 2, boundary)
+    check_evaluation(EvaluationParams(tasks=[TASK], task_files=[str(tasks)]), tmp_path / "runs", 2, boundary)
 
 
 def test_every_nth_save_and_the_last_are_evaluated():
@@ -173,18 +183,33 @@ def test_every_nth_save_and_the_last_are_evaluated():
 
 
 @pytest.mark.timeout(600)
-def test_on_this_machine_an_evaluation_waits_for_the_runs_training_to_end(evaluated_run):
+def test_on_this_machine_an_evaluation_waits_for_the_runs_training_to_end(evaluated_run, tmp_path):
+    import threading
+
     from flows.evaluate import evaluate
 
     _, run_dir = evaluated_run
+    release = tmp_path / "release"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from tasks.cluster.run_owner import RunOwner\n"
-                               f"with RunOwner(Path({str(run_dir)!r})):\n    print('held', flush=True); time.sleep(8)\n"
+                               f"with RunOwner(Path({str(run_dir)!r})):\n    print('held', flush=True)\n"
+                               f"    while not Path({str(release)!r}).exists(): time.sleep(0.1)\n"
                                "print(time.time(), flush=True)"],
                               cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    out = evaluate(str(run_dir), 20)
-    released = float(holder.stdout.readline())
-    holder.wait(timeout=30)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out: dict = {}
+        evaluating = threading.Thread(target=lambda: out.update(evaluate(str(run_dir), 20)))
+        evaluating.start()
+        # The evaluation's task starts, then waits: no job while the run folder is held.
+        wait_until(lambda: (run_dir / "eval" / "jobs.json").is_file(), 60, "the first evaluation's job record")
+        time.sleep(5)
+        assert [j["name"] for j in job_records(run_dir / "eval")] == ["evaluate-iter_0000010"] and evaluating.is_alive()
+        release.touch()
+        released = float(holder.stdout.readline())
+        evaluating.join(timeout=300)
+    finally:
+        release.touch()
+        holder.wait(timeout=30)
     (job,) = [j for j in job_records(run_dir / "eval") if j["name"] == "evaluate-iter_0000020"]
     assert out["iteration"] == 20 and job["submitted"] >= released

@@ -32,12 +32,16 @@ def task_folders(evaluation: EvaluationParams) -> list[str]:
     return folders
 
 
-def check_evaluation(evaluation: EvaluationParams, root: Path, boundary: Boundary | None = None) -> None:
-    """Raises ParameterError naming each field that cannot be evaluated as given."""
-    if not evaluation.wanted and not evaluation.task_files:
+def check_evaluation(evaluation: EvaluationParams, root: Path, keep_last: int, boundary: Boundary | None = None) -> None:
+    """Raises ParameterError naming each field that cannot be evaluated as given (``keep_last``:
+    the run's, which must leave a saved checkpoint long enough to be kept for its evaluation)."""
+    if evaluation == EvaluationParams():
         return
     boundary = boundary or Boundary.from_env()
     errors: list[str] = []
+    if keep_last < 2:
+        errors.append(f"training.overrides.keep_last: {keep_last} removes each checkpoint as the next one is "
+                      "written, before it can be kept for its evaluation; keep 2 or more with an evaluation")
     names = [s.name for s in evaluation.sets]
     for i, s in enumerate(evaluation.sets):
         field = f"evaluation.sets[{i}]"
@@ -53,6 +57,9 @@ def check_evaluation(evaluation: EvaluationParams, root: Path, boundary: Boundar
         errors += _task_file_problems(f"evaluation.task_files[{i}]", f, root, boundary)
     if evaluation.task_files and not evaluation.tasks:
         errors.append("evaluation.tasks: name the tasks to run from evaluation.task_files")
+    if not evaluation.wanted:
+        errors.append("evaluation: name sets or tasks to evaluate on (every, limit and set_tokens alone evaluate "
+                      "nothing)")
     if evaluation.tasks and not any(e.startswith("evaluation.task_files") for e in errors):
         errors += _unknown_tasks(evaluation)
     if errors:
@@ -84,6 +91,8 @@ def _task_file_problems(field: str, given: str, root: Path, boundary: Boundary) 
         for split, data in _local_data_files(task, f.parent):
             if not os.path.exists(data):
                 problems.append(f"{field}: {f} names data file {data} ({split}), which does not exist")
+            elif refused := boundary.local_input(data, root):
+                problems.append(f"{field}: {f} names data file {data} ({split}): {refused}")
     return problems
 
 
@@ -103,6 +112,11 @@ def _local_data_files(task: dict, folder: Path) -> list[tuple[str, str]]:
 def _unknown_tasks(evaluation: EvaluationParams) -> list[str]:
     """Tasks neither in the task files nor in lm-eval's registry (indexed only when needed: it reads
     thousands of files)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return ["evaluation.tasks: lm-evaluation-harness is not installed where the flow runs: pip install "
+                "'gpt-pretrain[evaluation]' (or requirements.txt), or name no tasks"]
     folders = task_folders(evaluation)
     known = set(task_manager(list(evaluation.tasks), folders).all_tasks)
     errors = []

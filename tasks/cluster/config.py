@@ -267,7 +267,9 @@ class ClusterConfig(BaseModel):
         device = "cpu" if self.job_device == "neuron" else self.job_device
         return self.model_copy(update={
             "nodes": 1, "tasks_per_node": 1, "gpus_per_node": min(self.gpus_per_node, 1), "device": device,
-            "exclusive": False, "nodelist": None, "partition": self.eval_partition or self.partition})
+            "gres": None, "exclusive": False, "nodelist": None, "partition": self.eval_partition or self.partition,
+            "sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
+            "srun_extra": [o for o in self.srun_extra if "gpu" not in o]})
 
     @property
     def data_tasks(self) -> int:

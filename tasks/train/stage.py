@@ -28,7 +28,7 @@ from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
-from tasks.evaluate import EvaluationSpec
+from tasks.evaluate import EvaluationSpec, pin
 from tasks.train.spikes import CannotRollBack, SpikeFound, SpikeWatch, roll_back, skipped_samples, skipping
 from tasks.train.trackers import Trackers
 
@@ -207,6 +207,17 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     newest = newest_intact(run_dir / "checkpoints")[0]
     spikes = SpikeWatch(config, since=iteration_of(newest) if newest else 0)
     evaluation = EvaluationSpec.read(run_dir)
+    announced = [iteration_of(newest) if newest else 0]      # the newest save a checkpoint event was sent for
+
+    def to_evaluate(iteration: int) -> bool:
+        """Whether the run evaluates this save: then it is pinned for its evaluation first."""
+        if evaluation is None or not evaluation.evaluates(iteration, config.save_interval, total):
+            return False
+        if pin(run_dir, iteration) is None:
+            logger.warning("checkpoint %d was gone before it could be kept for its evaluation (keep_last %d): "
+                           "it is not evaluated", iteration, config.keep_last)
+            return False
+        return True
     if config.mock_data and (config.spike_factor or config.nan_steps):
         logger.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave samples out of")
 
@@ -227,8 +238,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                 line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
                 logger.info("%s", line)
                 notes["save"] = line.strip(" |")
-                reporting.checkpoint_saved(run_dir, r["iteration"], evaluation is not None and evaluation.evaluates(
-                    r["iteration"], config.save_interval, total))
+                if r["iteration"] > announced[0]:        # not a save of an earlier leg, read again
+                    announced[0] = r["iteration"]
+                    reporting.checkpoint_saved(run_dir, r["iteration"], to_evaluate(r["iteration"]))
                 continue
             if not first_record:
                 first_record.append(time.monotonic())
@@ -286,6 +298,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                                    f"{spike.resumed_from} without the {len(spike.samples)} samples it trained on")
             records.rewind(spike.resumed_from)
             spikes.rewind(spike.resumed_from)
+            announced[0] = spike.resumed_from
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
     progress.set(total)
