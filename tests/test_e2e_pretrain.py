@@ -18,6 +18,7 @@ from typing import Iterator
 
 import pytest
 
+from deployments import evaluations
 from flows.plan.boundary import S3_ENDPOINTS
 from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
@@ -255,7 +256,7 @@ def test_bad_parameters_are_rejected_before_a_run_is_created(served):
     assert runs == []
 
 
-def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
+def test_prefect_yaml_deploys_to_a_process_pool_and_setup_makes_the_evaluation_automation(tmp_path):
     # Its own server: these deployments have the same names as the served ones.
     server, proc = start_server(tmp_path / "prefect-home")
     try:
@@ -268,10 +269,17 @@ def test_prefect_yaml_deploys_both_to_a_process_pool(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         deployments = server.api("/deployments/filter", {"work_pools": {"name": {"any_": ["gpt"]}}})
         by_name = {d["name"]: d for d in deployments}
-        assert set(by_name) == {"gpt3", "nightly"}
+        assert set(by_name) == {"gpt3", "checkpoint", "nightly"}
         assert [s["schedule"]["cron"] for s in by_name["nightly"]["schedules"]] == ["0 2 * * *"]
         step = by_name["gpt3"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
         assert step["directory"] == str(ROOT)
+        made = subprocess.run([sys.executable, "-m", "deployments.setup"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stdout + made.stderr
+        (automation,) = [a for a in server.api("/automations/filter", {}) if a["name"] == evaluations.NAME]
+        (action,) = automation["actions"]
+        assert action["deployment_id"] == by_name["checkpoint"]["id"]
+        assert automation["trigger"]["expect"] == [evaluations.EVENT]
     finally:
         stop(proc)
 
