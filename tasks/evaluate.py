@@ -2,10 +2,10 @@
 
 What a run is evaluated on is decided by the pretrain flow and kept in ``<run>/evaluation.json``
 (``EvaluationSpec``): named evaluation sets, tokenized with the run's tokenizer, and
-lm-evaluation-harness tasks (from its registry, or defined by YAML files with local data). The job
-exports the checkpoint to HuggingFace's format (``<run>/eval/hf-iter_N``, removed once scored), computes each set's
-loss and perplexity with the gpt package, runs lm-eval's HF backend on the export, and writes
-``<run>/eval/iter_N.json``. The job runs where the cluster preset's evaluation settings put it
+lm-evaluation-harness tasks (from its registry, or defined by YAML files with local data). A save
+to evaluate is pinned (``pin``) until it is scored. The job computes each set's loss and
+perplexity with the gpt package, runs lm-eval's HF backend on an export of the checkpoint in a
+temporary folder on its node, and writes ``<run>/eval/iter_N.json``. The job runs where the cluster preset's evaluation settings put it
 (``ClusterConfig.eval_job``), or as a local process with the local preset.
 """
 from __future__ import annotations

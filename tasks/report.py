@@ -220,11 +220,16 @@ def _training_alert(line: str, run_name: str, event: str, payload: dict[str, Any
     run_logger().warning("%s", line)
     if run_context() is None:
         return
+    run_event(event, run_name, payload)
+    create_markdown_artifact(key=key, description=description, markdown=markdown)
+
+
+def run_event(event: str, run_name: str, payload: dict[str, Any], **labels: str) -> None:
+    """A Prefect event on the run's resource (``gpt.run.<name>``), with labels automations match on."""
     from prefect.events import emit_event
 
-    emit_event(event=event, resource={"prefect.resource.id": f"gpt.run.{run_name}", "prefect.resource.name": run_name},
-               payload=payload)
-    create_markdown_artifact(key=key, description=description, markdown=markdown)
+    emit_event(event=event, resource={"prefect.resource.id": f"gpt.run.{run_name}", "prefect.resource.name": run_name,
+                                      **labels}, payload=payload)
 
 
 def hang_report(hang: Hang, run_name: str) -> None:
@@ -261,13 +266,10 @@ def checkpoint_saved(run_dir: Path, iteration: int, evaluate: bool) -> None:
 
     if run_context() is None:
         return
-    from prefect.events import emit_event
-
-    emit_event(event="gpt.checkpoint.saved",
-               resource={"prefect.resource.id": f"gpt.run.{run_dir.name}", "prefect.resource.name": run_dir.name,
-                         "gpt.evaluate": "true" if evaluate else "false"},
-               payload={"run_dir": str(run_dir), "iteration": iteration,
-                        "path": str(run_dir / "checkpoints" / f"iter_{iteration:07d}")})
+    run_event("gpt.checkpoint.saved", run_dir.name,
+              {"run_dir": str(run_dir), "iteration": iteration,
+               "path": str(run_dir / "checkpoints" / f"iter_{iteration:07d}")},
+              **{"gpt.evaluate": "true" if evaluate else "false"})
 
 
 def evaluation_markdown(run_name: str, results: list[EvalResult]) -> str:

@@ -257,8 +257,7 @@ class ClusterConfig(BaseModel):
         return self.model_copy(update={
             "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "gres": None, "device": "cpu", "exclusive": False,
             "nodelist": None, "constraint": None, "partition": self.data_partition or self.partition,
-            "sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
-            "srun_extra": [o for o in self.srun_extra if "gpu" not in o],
+            **self._without_gpu_options(),
             "cpus_per_task": self.data_cpus_per_task or self.cpus_per_task, "mem": self.data_mem or self.mem})
 
     def eval_job(self) -> "ClusterConfig":
@@ -268,8 +267,13 @@ class ClusterConfig(BaseModel):
         return self.model_copy(update={
             "nodes": 1, "tasks_per_node": 1, "gpus_per_node": min(self.gpus_per_node, 1), "device": device,
             "gres": None, "exclusive": False, "nodelist": None, "partition": self.eval_partition or self.partition,
-            "sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
-            "srun_extra": [o for o in self.srun_extra if "gpu" not in o]})
+            **self._without_gpu_options()})
+
+    def _without_gpu_options(self) -> dict[str, Any]:
+        """sbatch_extra and srun_extra without the options that ask for GPUs (a job of its own
+        decides its GPUs)."""
+        return {"sbatch_extra": {k: v for k, v in self.sbatch_extra.items() if "gpu" not in k and k != "gres"},
+                "srun_extra": [o for o in self.srun_extra if "gpu" not in o]}
 
     @property
     def data_tasks(self) -> int:
