@@ -37,7 +37,7 @@ from flows.plan.params import (
 from flows.stages import Stages, export_intact, index_intact, trained_intact
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
-from tasks.evaluate import EvaluationSpec, results, summary
+from tasks.evaluate import EvaluationSpec, results, summary, tracker_items
 from tasks.export import export_task
 from tasks.index import index_task
 from tasks.precompile import precompile_task
@@ -140,8 +140,10 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
         uploaded_to=output.uri, flow_run_url=url, exported=exported,
     )
     if output.trackers and outlook.kind != "trained":
-        Trackers(output.trackers, output.tracker_project, Path(result.run_dir), plan.config.to_dict()).finish(
-            figures, reporting.samples_markdown(model, exported.samples, exported.path), Path(exported.path))
+        run_dir = Path(result.run_dir)
+        Trackers(output.trackers, output.tracker_project, run_dir, plan.config.to_dict()).finish(
+            reporting.read_metrics(result.metrics_path), tracker_items(run_dir, results(run_dir)), figures,
+            reporting.samples_markdown(model, exported.samples, exported.path), Path(exported.path))
     if output.uri:  # last, so the upload holds the loss plot and the export too
         stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
                    profile=output.profile or data.profile)

@@ -30,13 +30,15 @@ from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JobError, submit
 from tasks.cluster.run_context import run_logger
-from tasks.cluster.run_owner import RunOwner
+from tasks.cluster.run_owner import RunBusy, RunOwner
 from tasks.common.retry import worth_retrying
+from tasks.train.trackers import Item, Trackers, evaluation_item, logged
 
 SPEC = "evaluation.json"
 FOLDER = "eval"
 PINNED = "pinned"
 BATCH = 8                      # sequences per forward pass of a set's perplexity
+TRACKERS_WAIT_S = 300.0        # how long an evaluation waits for training's follower to log it
 
 
 class EvaluationSpec(BaseModel):
@@ -94,6 +96,78 @@ def results(run_dir: Path) -> list[EvalResult]:
     """Every evaluation of the run written so far, by iteration."""
     found = [EvalResult.model_validate_json(p.read_text()) for p in sorted((run_dir / FOLDER).glob("iter_*.json"))]
     return sorted(found, key=lambda r: r.iteration)
+
+
+class NewResults:
+    """The run's evaluations, read again only when its eval/ folder changed (a result written)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.stamp = run_dir, -1
+
+    def new(self) -> list[EvalResult] | None:
+        """Every evaluation when the folder changed since the last call; None when it did not."""
+        try:
+            stamp = (self.run_dir / FOLDER).stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if stamp == self.stamp:
+            return None
+        self.stamp = stamp
+        return results(self.run_dir)
+
+
+def tracker_items(run_dir: Path, evaluations: list[EvalResult]) -> list[Item]:
+    """The evaluations as the trackers log them: their figures at their checkpoints' iterations."""
+    return [evaluation_item(tracker_key(r), r.iteration, summary(r), _written_at(run_dir, r)) for r in evaluations]
+
+
+def tracker_key(result: EvalResult) -> str:
+    return f"{result.iteration}@{result.saved_at:.3f}"
+
+
+def _written_at(run_dir: Path, result: EvalResult) -> float:
+    try:
+        return result_path(run_dir, result.iteration).stat().st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def to_trackers(run_dir: Path, result: EvalResult) -> None:
+    """The run's evaluations to the tracker runs its training logs to (trackers.json), by one
+    writer, the run folder's owner: while training owns it, its follower logs them (it reads eval/
+    on every poll), and this waits until it has logged ``result`` (up to TRACKERS_WAIT_S); once the
+    folder is free, this logs every evaluation a tracker has not had. What neither logs (a tracker
+    down meanwhile) goes with the next evaluation, or the next leg of training."""
+    if not (run_dir / "trackers.json").is_file():
+        return
+    key, deadline = tracker_key(result), time.monotonic() + TRACKERS_WAIT_S
+    said: list[str] = []
+
+    def wait(holder: str) -> None:
+        if logged(run_dir, key):
+            raise _Logged
+        if time.monotonic() > deadline:
+            raise RunBusy(holder)
+        if not said:
+            said.append(holder)
+            run_logger().info("the run folder is owned by %s: its training logs this evaluation to the trackers",
+                              holder)
+
+    try:
+        with RunOwner(run_dir, wait=wait):
+            tracked = Trackers.of_run(run_dir)
+            tracked.evaluations(tracker_items(run_dir, results(run_dir)))
+            tracked.close(finished=True)
+    except _Logged:
+        pass
+    except RunBusy as e:
+        run_logger().warning("the trackers did not get evaluation %d in %.0f s: the run folder is owned by %s; "
+                             "the next evaluation, or the run's next leg, sends it", result.iteration,
+                             TRACKERS_WAIT_S, e)
+
+
+class _Logged(Exception):
+    """Training's follower logged the evaluation."""
 
 
 def saved_at(checkpoint: Path) -> float:
@@ -257,7 +331,9 @@ def evaluate(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalR
     if not isinstance(result, dict):
         raise JobError(f"evaluation job {job_id} returned {result!r}")
     _unpin(run, checkpoint)
-    return EvalResult(**result)
+    done = EvalResult(**result)
+    to_trackers(run, done)
+    return done
 
 
 def evaluated(run_dir: Path, iteration: int | None) -> EvalResult | None:

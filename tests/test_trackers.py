@@ -1,7 +1,8 @@
 """Experiment trackers with the real libraries: a real local MLflow tracking server gets one run for
 a training run of two legs (the second extends the first), every iteration's metrics once and the
 HuggingFace export as artifacts; W&B in offline mode keeps one run id across the legs; a tracker
-that cannot be reached is a warning naming it, and the run completes."""
+that cannot be reached is a warning naming it, and the run completes; evaluations reach the same
+tracker runs, each once, by one writer at a time."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,20 +59,26 @@ class _MLflowServer:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    server = _MLflowServer(tmp_path)
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One server for the module's tests: each logs to an experiment (tracker project) of its own."""
+    server = _MLflowServer(tmp_path_factory.mktemp("mlflow"))
     yield server
     if server.proc.poll() is None:
         server.stop()
 
 
 def _wandb_train_steps(wandb_dir: Path) -> list[int]:
-    """The steps of the train metrics in W&B's offline run files: LevelDB-style log blocks of 32 KiB
-    after a 7-byte header, each holding a protobuf Record (wandb.proto)."""
+    """The steps of the train metrics in W&B's offline run files."""
+    return [row["_step"] for row in _wandb_history(wandb_dir) if "train/lm_loss" in row]
+
+
+def _wandb_history(wandb_dir: Path) -> list[dict]:
+    """The history rows in W&B's offline run files: LevelDB-style log blocks of 32 KiB after a
+    7-byte header, each holding a protobuf Record (wandb.proto)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    steps = []
+    rows = []
     for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
         data, pos, part = path.read_bytes(), 7, b""
         while pos + 7 <= len(data):
@@ -87,10 +95,9 @@ def _wandb_train_steps(wandb_dir: Path) -> list[int]:
                 record.ParseFromString(part)
                 part = b""
                 if record.WhichOneof("record_type") == "history":
-                    items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
-                    if "train/lm_loss" in items:
-                        steps.append(json.loads(items["_step"]))
-    return steps
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                 for i in record.history.item})
+    return rows
 
 
 def _leg(tmp_path: Path, corpus: str, iters: int, env: dict[str, str], *trackers: str) -> str:
@@ -163,7 +170,7 @@ def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_ser
     mlflow_server.stop()
     tracked.records([train(3)])                              # fails: kept for the next try
     tracked.records([train(4)])
-    assert [step for _, step, _, _ in tracked.pending["mlflow"]] == [3, 4] and "mlflow" in tracked.open
+    assert [i.step for i in tracked.pending["mlflow"]] == [3, 4] and "mlflow" in tracked.open
     mlflow_server.start()
     tracked.records([train(5)])
     tracked.close(finished=True)
@@ -190,3 +197,94 @@ def test_a_tracker_address_is_shown_and_kept_without_its_secrets(tmp_path, monke
     assert f"tracker mlflow (http://127.0.0.1:{port}/mlflow) failed" in caplog.text
     kept = caplog.text + "".join(p.read_text() for p in run_dir.rglob("*") if p.is_file())
     assert "SECRETTOKEN" not in kept and "pw0rd" not in kept and "alice" not in kept and "frag" not in kept
+
+
+def _evaluation(run_dir: Path, iteration: int):
+    """An evaluation result as the evaluation job writes it."""
+    from gpt.files import write_json
+    from tasks.evaluate import EvalResult, result_path
+
+    path = result_path(run_dir, iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = EvalResult(iteration=iteration, checkpoint=str(run_dir / "checkpoints" / f"iter_{iteration:07d}"),
+                      saved_at=1.7e9 + iteration, sets={"held": {"loss": 5.0 - iteration / 10, "perplexity": 100.0 / iteration,
+                                                                 "tokens": 1024.0}},
+                      tasks={"completion": {"acc": iteration / 10}}, seconds=3.0, path=str(path))
+    write_json(path, done.model_dump())
+    return done
+
+
+class _OtherOwner:
+    """The run folder owned by another process (as the pretrain flow owns it while training)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                "fcntl.flock(fd, fcntl.LOCK_EX); os.pwrite(fd, b'training', 0); print('held', flush=True); "
+                "time.sleep(600)")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir / ".owner")], stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def leave(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_evaluations_reach_the_training_runs_tracker_runs_each_once_by_one_writer(mlflow_server, tmp_path,
+                                                                                   monkeypatch, caplog):
+    """While training owns the run folder its follower logs what eval/ gains, and an evaluation waits
+    for that; once training has let go, the evaluation logs itself, leaving the run's status; one
+    that could not wait long enough is sent by the next."""
+    from mlflow import MlflowClient
+
+    from tasks import evaluate
+    from tasks.evaluate import NewResults, to_trackers, tracker_items
+    from tasks.train.trackers import Trackers
+
+    for name, value in {"MLFLOW_TRACKING_URI": mlflow_server.url, "WANDB_MODE": "offline",
+                        "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    training = _OtherOwner(run_dir)
+    tracked = Trackers(["mlflow", "wandb"], "evaluated", run_dir, {"model": "tiny"})     # training's follower
+    tracked.records([{"kind": "train", "iteration": i, "lm_loss": 9.0 - i, "lr": 1e-3, "time": 1.7e9 + i}
+                     for i in range(1, 7)])
+    tail = NewResults(run_dir)
+    assert tail.new() is None                                   # no evaluation yet
+    _evaluation(run_dir, 2)
+    waiting = threading.Thread(target=to_trackers, args=(run_dir, _evaluation(run_dir, 4)))
+    waiting.start()                                             # the evaluate flow, while training runs
+    time.sleep(3)
+    assert waiting.is_alive()                                   # it waits for the follower ...
+    tracked.evaluations(tracker_items(run_dir, tail.new()))     # ... whose poll logs both
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and tail.new() is None
+    tracked.close(finished=True)
+    training.leave()
+
+    _evaluation(run_dir, 6)
+    to_trackers(run_dir, evaluate.results(run_dir)[-1])         # training has ended: logged by the evaluation
+    training = _OtherOwner(run_dir)                             # a second leg that owns the folder ...
+    monkeypatch.setattr(evaluate, "TRACKERS_WAIT_S", 1.0)
+    with caplog.at_level("WARNING"):
+        to_trackers(run_dir, _evaluation(run_dir, 8))           # ... and is not logging: left for the next
+    assert "the trackers did not get evaluation 8 in 1 s: the run folder is owned by training" in caplog.text
+    training.leave()
+    to_trackers(run_dir, _evaluation(run_dir, 10))
+
+    state = json.loads((run_dir / "trackers.json").read_text())
+    keys = [f"{i}@{1.7e9 + i:.3f}" for i in (2, 4, 6, 8, 10)]
+    assert state["mlflow"]["evaluations"] == keys and state["wandb"]["evaluations"] == keys
+    assert state["mlflow"]["project"] == "evaluated"
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    run = client.get_run(state["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"                        # as training left it
+    perplexity = client.get_metric_history(run.info.run_id, "eval/held/perplexity")
+    assert sorted((m.step, m.value) for m in perplexity) == [(i, 100.0 / i) for i in (2, 4, 6, 8, 10)]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/completion/acc")) == [2, 4, 6, 8, 10]
+    rows = [row for row in _wandb_history(run_dir / "wandb") if "eval/iteration" in row]
+    assert [(r["eval/iteration"], r["eval/completion/acc"]) for r in rows] == [(i, i / 10) for i in (2, 4, 6, 8, 10)]
+    offline = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert offline == {state["wandb"]["run_id"]}                # one W&B run, added to

@@ -3,9 +3,11 @@
 The train stage's follower already reads every metrics record the ranks write, in order, so it is
 the follower, not rank 0, that logs them: tracker credentials (``WANDB_API_KEY``, MLflow's
 ``MLFLOW_TRACKING_*``) stay in the environment of the process that runs the flow, and jobs keep
-being submitted without any credential. ``<run>/trackers.json`` keeps each tracker's run id and the
-last iteration it got, so every requeue, resume and later leg continues the same tracker run and
-logs each iteration once. A tracker that cannot be reached is a warning naming it; what it missed
+being submitted without any credential. ``<run>/trackers.json`` keeps each tracker's run id, its
+project, the last iteration it got and the evaluations it got, so every requeue, resume, later leg
+and evaluation continues the same tracker run and logs each figure once. A tracker run has one
+writer at a time, the run folder's owner: training's follower, or an evaluation once training has
+let the folder go (``tasks.evaluate.to_trackers``). A tracker that cannot be reached is a warning naming it; what it missed
 is kept and sent again later (with a growing pause), and after MAX_FAILURES failures in a row it is
 left out for the rest of the stage. Training never waits on it for long.
 """
@@ -16,7 +18,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Literal, get_args
+from typing import Any, Iterable, Literal, NamedTuple, get_args
 
 from gpt.files import write_json
 from tasks.cluster.run_context import run_logger
@@ -31,13 +33,29 @@ RETRY_S = 30.0            # the pause after a failure, times the failures in a r
 BATCH = 1000              # metrics per MLflow request (its limit)
 
 
+class Item(NamedTuple):
+    """Figures logged at one step, and the cursor of trackers.json that says they were: the last
+    train or valid iteration, or the evaluations' keys (``key``)."""
+    values: dict[str, float]
+    step: int
+    when: float
+    cursor: Literal["last_step", "last_valid", "evaluations"]
+    key: str | None = None
+
+
+def evaluation_item(key: str, iteration: int, figures: dict[str, float], when: float) -> Item:
+    """An evaluation's figures at its checkpoint's iteration; ``key`` tells it from another
+    evaluation at that iteration (a checkpoint saved again after a rollback)."""
+    return Item(figures, iteration, when, "evaluations", key)
+
+
 class _MLflow:
     """MLflow through its client; MLFLOW_TRACKING_URI and credentials from the environment."""
 
     name = "mlflow"
 
     def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any],
-                 created: Any) -> None:
+                 created: Any, adding: bool) -> None:
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             raise ValueError("MLFLOW_TRACKING_URI is not set where the flow runs")
         # A tracking server that is down should cost seconds, not minutes of retries.
@@ -53,9 +71,9 @@ class _MLflow:
                                             tags={"run_dir": str(run_dir)}).info.run_id
             created(run_id)                   # kept before anything else can fail
             self._params(run_id, config)
-        else:
+        elif not adding:
             self.client.update_run(run_id, status="RUNNING")
-        self.run_id = run_id
+        self.run_id, self.adding = run_id, adding
 
     def _params(self, run_id: str, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -64,15 +82,15 @@ class _MLflow:
         for i in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[i:i + 100])
 
-    def log(self, items: list[tuple[dict[str, float], int, float]]) -> None:
+    def log(self, items: list[Item]) -> None:
         from mlflow.entities import Metric
 
-        metrics = [Metric(k, v, int(1000 * when), step) for values, step, when in items for k, v in values.items()]
+        metrics = [Metric(k, v, int(1000 * i.when), i.step) for i in items for k, v in i.values.items()]
         for i in range(0, len(metrics), BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH])
 
     def final(self, numbers: dict[str, float], step: int) -> None:
-        self.log([(numbers, step, time.time())])
+        self.log([Item(numbers, step, time.time(), "last_step")])
 
     def text(self, name: str, text: str) -> None:
         self.client.log_text(self.run_id, text, name)
@@ -81,17 +99,20 @@ class _MLflow:
         self.client.log_artifacts(self.run_id, str(path), artifact_path=name)
 
     def close(self, finished: bool) -> None:
-        self.client.set_terminated(self.run_id, status="FINISHED" if finished else "KILLED")
+        if not self.adding:             # evaluations added to a run leave its status as it is
+            self.client.set_terminated(self.run_id, status="FINISHED" if finished else "KILLED")
 
 
 class _WandB:
     """Weights & Biases (WANDB_API_KEY, WANDB_MODE=offline and the rest from the environment); its
-    local files go in the run folder. It records no console or system stats of the head node."""
+    local files go in the run folder. It records no console or system stats of the head node.
+    Evaluations are plotted over ``eval/iteration``: W&B's own step only grows, and an evaluation
+    arrives after training has logged later iterations."""
 
     name = "wandb"
 
     def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any],
-                 created: Any) -> None:
+                 created: Any, adding: bool) -> None:
         import wandb
 
         self.run_dir = run_dir
@@ -100,10 +121,15 @@ class _WandB:
                               settings=wandb.Settings(console="off", x_disable_stats=True))
         self.run_id = self.run.id
         created(self.run_id)
+        self.run.define_metric("eval/iteration")
+        self.run.define_metric("eval/*", step_metric="eval/iteration")
 
-    def log(self, items: list[tuple[dict[str, float], int, float]]) -> None:
-        for values, step, _ in items:
-            self.run.log(values, step=step)
+    def log(self, items: list[Item]) -> None:
+        for i in items:
+            if i.cursor == "evaluations":
+                self.run.log({**i.values, "eval/iteration": i.step})
+            else:
+                self.run.log(i.values, step=i.step)
 
     def final(self, numbers: dict[str, float], step: int) -> None:
         self.run.summary.update(numbers)      # a resumed online run has moved past `step`
@@ -127,44 +153,62 @@ _KINDS = {"mlflow": _MLflow, "wandb": _WandB}
 
 class Trackers:
     """The run's trackers, opened on the run's tracker runs. A tracker's failure is a warning; what
-    it missed waits for the next try."""
+    it missed waits for the next try. ``adding``: opened to add evaluations to tracker runs that
+    may have ended, leaving their status as it is."""
 
-    def __init__(self, names: Iterable[str], project: str, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, names: Iterable[str], project: str, run_dir: Path, config: dict[str, Any],
+                 adding: bool = False) -> None:
         self.names = list(names)
         self.run_dir, self.path = run_dir, run_dir / RECORD
         self.state: dict[str, dict[str, Any]] = _read(self.path) if self.names else {}
         self.open: dict[str, Any] = {}
-        self.pending: dict[str, list[tuple[dict[str, float], int, float, str]]] = {}
+        self.pending: dict[str, list[Item]] = {}
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
         for name in self.names:
             saved = self.state.setdefault(name, {})
             saved.setdefault("last_step", 0)
             saved.setdefault("last_valid", 0)
-            saved["where"] = _where(name)
+            saved.setdefault("evaluations", [])
+            saved["project"], saved["where"] = project, _where(name)
 
             def created(run_id: str, s: dict[str, Any] = saved) -> None:
                 s["run_id"] = run_id
                 self._save()
 
             tracker = self._try(name, lambda n=name, s=saved, c=created: _KINDS[n](
-                project, run_dir, s.get("run_id"), config, c))
+                project, run_dir, s.get("run_id"), config, c, adding))
             if tracker is not None:
                 self.open[name] = tracker
                 self.pending[name] = []
         if self.names:
             self._save()
 
+    @classmethod
+    def of_run(cls, run_dir: Path) -> Trackers:
+        """The trackers a run's training logged to (its trackers.json), opened to add to their runs."""
+        state = _read(run_dir / RECORD)
+        project = next((s["project"] for s in state.values() if s.get("project")), "gpt-pretrain")
+        return cls([n for n in state if n in NAMES], project, run_dir, {}, adding=True)
+
     def records(self, records: list[dict[str, Any]]) -> None:
         """Log new metrics records (train and valid) to every tracker that has not had them, in one
         batch per tracker."""
+        self._log([item for r in records if (item := _item(r)) is not None])
+
+    def evaluations(self, items: list[Item]) -> None:
+        """Log the evaluations (``evaluation_item``) a tracker has not had."""
+        self._log(items)
+
+    def _log(self, items: list[Item]) -> None:
         if not self.open:
             return
-        items = [item for r in records if (item := _item(r)) is not None]
         for name in list(self.open):
             state = self.state[name]
-            queued = {(step, kind) for _, step, _, kind in self.pending[name]}
-            self.pending[name] += [i for i in items if i[1] > state[i[3]] and (i[1], i[3]) not in queued]
+            queued = {(i.step, i.cursor, i.key) for i in self.pending[name]}
+            self.pending[name] += [i for i in items if (i.key not in state["evaluations"] if i.key is not None
+                                                        else i.step > state[i.cursor])
+                                   and (i.step, i.cursor, i.key) not in queued]
             self._send(name)
         self._save()
 
@@ -173,18 +217,22 @@ class Trackers:
         if not pending or (not now and time.monotonic() < self.retry_at.get(name, 0.0)):
             return
         tracker = self.open[name]
-        if self._try(name, lambda: tracker.log([(values, step, when) for values, step, when, _ in pending])):
-            for _, step, _, kind in pending:
-                self.state[name][kind] = max(self.state[name][kind], step)
+        if self._try(name, lambda: tracker.log(pending)):
+            state = self.state[name]
+            for i in pending:
+                if i.key is not None:
+                    state["evaluations"].append(i.key)
+                else:
+                    state[i.cursor] = max(state[i.cursor], i.step)
             self.pending[name] = []
             self.failures[name] = 0
 
-    def finish(self, summary: dict[str, float], samples: str | None, export: Path | None) -> None:
-        """Whatever of the run's metrics a tracker has not had (from metrics.jsonl), the run's final
-        figures, its samples and its HuggingFace export; then close its tracker runs."""
-        from tasks.report import read_metrics
-
-        self.records(read_metrics(self.run_dir / "metrics.jsonl"))
+    def finish(self, records: list[dict[str, Any]], evaluations: list[Item], summary: dict[str, float],
+               samples: str | None, export: Path | None) -> None:
+        """Whatever of the run's metrics records and evaluations a tracker has not had, the run's
+        final figures, its samples and its HuggingFace export; then close its tracker runs."""
+        self.records(records)
+        self.evaluations(evaluations)
         numbers = {f"final/{k}": float(v) for k, v in summary.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for name in list(self.open):
@@ -238,16 +286,21 @@ class Trackers:
         write_json(self.path, self.state)
 
 
-def _item(r: dict[str, Any]) -> tuple[dict[str, float], int, float, str] | None:
-    """(metrics, step, time, cursor) of one metrics record, or None for records trackers do not get."""
+def logged(run_dir: Path, key: str) -> bool:
+    """Whether every tracker of the run has had the evaluation ``key``, as its trackers.json says now."""
+    return all(key in s.get("evaluations", []) for s in _read(run_dir / RECORD).values())
+
+
+def _item(r: dict[str, Any]) -> Item | None:
+    """The figures of one metrics record, or None for records trackers do not get."""
     if r.get("kind") == "train":
         values = {f"train/{k}": float(r[k]) for k in TRAIN_KEYS
                   if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)}
-        return values, int(r["iteration"]), float(r.get("time") or time.time()), "last_step"
+        return Item(values, int(r["iteration"]), float(r.get("time") or time.time()), "last_step")
     if r.get("kind") == "valid":
         loss = float(r["valid_loss"])
-        return ({"valid/lm_loss": loss, "valid/perplexity": math.exp(min(loss, 50.0))}, int(r["iteration"]),
-                float(r.get("time") or time.time()), "last_valid")
+        return Item({"valid/lm_loss": loss, "valid/perplexity": math.exp(min(loss, 50.0))}, int(r["iteration"]),
+                    float(r.get("time") or time.time()), "last_valid")
     return None
 
 
