@@ -28,7 +28,7 @@ from flows.plan.params import ParameterError, refused_as_failed_run
 from flows.stages import Stages
 from tasks import report as reporting
 from tasks.common.digest import digest
-from tasks.evaluate import EvaluationSpec, checkpoint_at, evaluate_task, evaluated, results, summary
+from tasks.evaluate import EvaluationSpec, checkpoint_at, evaluate_task, evaluated, results, summary, to_trackers
 
 
 def run_folder(run: str) -> Path:
@@ -83,6 +83,7 @@ def evaluate(run: str, iteration: int | None = None) -> dict:
             raise ParameterError([f"iteration: {e}"]) from None
     with concurrency(one_at_a_time(run_dir), occupy=1, strict=True):
         result = Stages().run("evaluate", evaluate_task, str(run_dir), iteration, spec)
+    to_trackers(run_dir, result)            # outside the slot: the next evaluation need not wait for it
     figures = summary(result)
     print(f"evaluation of {run_dir.name} at iteration {result.iteration}: "
           + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in figures.items()))

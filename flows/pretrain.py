@@ -139,15 +139,14 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
         seq_length=plan.config.seq_length, stages=stages.records, job_ids=result.job_ids,
         uploaded_to=output.uri, flow_run_url=url, exported=exported,
     )
-    if output.trackers and outlook.kind != "trained":
-        run_dir = Path(result.run_dir)
-        Trackers(output.trackers, output.tracker_project, run_dir, plan.config.to_dict()).finish(
-            reporting.read_metrics(result.metrics_path), tracker_items(run_dir, results(run_dir)), figures,
-            reporting.samples_markdown(model, exported.samples, exported.path), Path(exported.path))
-    if output.uri:  # last, so the upload holds the loss plot and the export too
+    if output.uri:  # after the report, so the upload holds the loss plot and the export too
         stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
                    profile=output.profile or data.profile)
     evaluated = results(Path(result.run_dir))
+    if output.trackers and outlook.kind != "trained":     # last: evaluations written until now go with it
+        Trackers(output.trackers, output.tracker_project, Path(result.run_dir), plan.config.to_dict()).finish(
+            reporting.read_metrics(result.metrics_path), tracker_items(Path(result.run_dir), evaluated), figures,
+            reporting.samples_markdown(model, exported.samples, exported.path), Path(exported.path))
     return {
         **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
         "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,

@@ -32,13 +32,13 @@ from tasks.cluster.jobs import JobError, submit
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunBusy, RunOwner
 from tasks.common.retry import worth_retrying
-from tasks.train.trackers import Item, Trackers, evaluation_item, logged
+from tasks.train.trackers import Item, Trackers, evaluation_item, evaluation_logged, unlogged
 
 SPEC = "evaluation.json"
 FOLDER = "eval"
 PINNED = "pinned"
 BATCH = 8                      # sequences per forward pass of a set's perplexity
-TRACKERS_WAIT_S = 300.0        # how long an evaluation waits for training's follower to log it
+TRACKERS_WAIT_S = 300.0        # how long an evaluation waits for the run folder's owner to log it
 
 
 class EvaluationSpec(BaseModel):
@@ -98,22 +98,26 @@ def results(run_dir: Path) -> list[EvalResult]:
     return sorted(found, key=lambda r: r.iteration)
 
 
-class NewResults:
-    """The run's evaluations, read again only when its eval/ folder changed (a result written)."""
+class ResultsTail:
+    """The run's evaluations, read again only when its eval/ folder holds another or a rewritten one."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.stamp = run_dir, -1
+        self.run_dir, self.seen = run_dir, []
 
-    def new(self) -> list[EvalResult] | None:
-        """Every evaluation when the folder changed since the last call; None when it did not."""
+    def if_changed(self) -> list[EvalResult] | None:
+        """Every evaluation of the run when one was written since the last call; None when none
+        was, or when one cannot be read (said, and read again at the next call)."""
         try:
-            stamp = (self.run_dir / FOLDER).stat().st_mtime_ns
-        except FileNotFoundError:
+            listing = sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                             for p in (self.run_dir / FOLDER).glob("iter_*.json"))
+            if listing == self.seen:
+                return None
+            found = results(self.run_dir)
+        except (OSError, ValueError) as e:
+            run_logger().warning("the run's evaluations in %s could not be read: %s", self.run_dir / FOLDER, e)
             return None
-        if stamp == self.stamp:
-            return None
-        self.stamp = stamp
-        return results(self.run_dir)
+        self.seen = listing
+        return found
 
 
 def tracker_items(run_dir: Path, evaluations: list[EvalResult]) -> list[Item]:
@@ -122,6 +126,7 @@ def tracker_items(run_dir: Path, evaluations: list[EvalResult]) -> list[Item]:
 
 
 def tracker_key(result: EvalResult) -> str:
+    """Tells an evaluation from another at the same iteration (a checkpoint saved again)."""
     return f"{result.iteration}@{result.saved_at:.3f}"
 
 
@@ -133,27 +138,29 @@ def _written_at(run_dir: Path, result: EvalResult) -> float:
 
 
 def to_trackers(run_dir: Path, result: EvalResult) -> None:
-    """The run's evaluations to the tracker runs its training logs to (trackers.json), by one
-    writer, the run folder's owner: while training owns it, its follower logs them (it reads eval/
-    on every poll), and this waits until it has logged ``result`` (up to TRACKERS_WAIT_S); once the
-    folder is free, this logs every evaluation a tracker has not had. What neither logs (a tracker
-    down meanwhile) goes with the next evaluation, or the next leg of training."""
-    if not (run_dir / "trackers.json").is_file():
-        return
-    key, deadline = tracker_key(result), time.monotonic() + TRACKERS_WAIT_S
-    said: list[str] = []
-
-    def wait(holder: str) -> None:
-        if logged(run_dir, key):
-            raise _Logged
-        if time.monotonic() > deadline:
-            raise RunBusy(holder)
-        if not said:
-            said.append(holder)
-            run_logger().info("the run folder is owned by %s: its training logs this evaluation to the trackers",
-                              holder)
-
+    """The run's evaluations to the tracker runs its training made (trackers.json), by one writer,
+    the run folder's owner. While the pretrain flow owns the folder, it logs them (the train
+    stage's follower reads eval/ on every poll; the flow's last step logs what is left), and this
+    waits until it has logged ``result`` or lets the folder go, up to TRACKERS_WAIT_S; once the
+    folder is free, this adds every evaluation a tracker run lacks. What neither logs goes with the
+    next evaluation or the next leg. A tracker's trouble is a warning: the evaluation stands."""
     try:
+        evaluations = results(run_dir)
+        if not unlogged(run_dir, [tracker_key(r) for r in evaluations]):
+            return
+        key, deadline = tracker_key(result), time.monotonic() + TRACKERS_WAIT_S
+        said: list[str] = []
+
+        def wait(holder: str) -> None:
+            if evaluation_logged(run_dir, key):
+                raise _Logged
+            if time.monotonic() > deadline:
+                raise RunBusy(holder)
+            if not said:
+                said.append(holder)
+                run_logger().info("the run folder is owned by %s: it logs this evaluation to the trackers, or this "
+                                  "flow does once it lets the folder go", holder)
+
         with RunOwner(run_dir, wait=wait):
             tracked = Trackers.of_run(run_dir)
             tracked.evaluations(tracker_items(run_dir, results(run_dir)))
@@ -164,10 +171,13 @@ def to_trackers(run_dir: Path, result: EvalResult) -> None:
         run_logger().warning("the trackers did not get evaluation %d in %.0f s: the run folder is owned by %s; "
                              "the next evaluation, or the run's next leg, sends it", result.iteration,
                              TRACKERS_WAIT_S, e)
+    except Exception as e:  # noqa: BLE001 - trackers never fail an evaluation that is written
+        run_logger().warning("the trackers did not get evaluation %d: %s: %s; the next evaluation, or the run's "
+                             "next leg, sends it", result.iteration, type(e).__name__, e)
 
 
 class _Logged(Exception):
-    """Training's follower logged the evaluation."""
+    """The run folder's owner logged the evaluation."""
 
 
 def saved_at(checkpoint: Path) -> float:
@@ -331,9 +341,7 @@ def evaluate(run_dir: str, iteration: int | None, spec: EvaluationSpec) -> EvalR
     if not isinstance(result, dict):
         raise JobError(f"evaluation job {job_id} returned {result!r}")
     _unpin(run, checkpoint)
-    done = EvalResult(**result)
-    to_trackers(run, done)
-    return done
+    return EvalResult(**result)
 
 
 def evaluated(run_dir: Path, iteration: int | None) -> EvalResult | None:

@@ -28,7 +28,7 @@ from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
-from tasks.evaluate import EvaluationSpec, NewResults, pin, results, tracker_items
+from tasks.evaluate import EvaluationSpec, ResultsTail, pin, tracker_items
 from tasks.train.spikes import CannotRollBack, SpikeFound, SpikeWatch, roll_back, skipped_samples, skipping
 from tasks.train.trackers import Trackers
 
@@ -158,7 +158,8 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
         except BaseException:
             tracked.close(finished=False)
             raise
-        tracked.evaluations(tracker_items(run_dir, results(run_dir)))
+        if tracked.open and (evaluations := ResultsTail(run_dir).if_changed()):
+            tracked.evaluations(tracker_items(run_dir, evaluations))
         tracked.close(finished=True)
         write_json(run_dir / SUMMARY, result.summary)
         return result
@@ -208,7 +209,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     newest = newest_intact(run_dir / "checkpoints")[0]
     spikes = SpikeWatch(config, since=iteration_of(newest) if newest else 0)
     evaluation = EvaluationSpec.read(run_dir)
-    evaluated = NewResults(run_dir)
+    evaluated = ResultsTail(run_dir)
     announced = [iteration_of(newest) if newest else 0]      # the newest save a checkpoint event was sent for
 
     def to_evaluate(iteration: int) -> bool:
@@ -227,7 +228,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
         """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
         new = records.new()
         tracked.records(new)
-        if tracked.open and (evaluations := evaluated.new()) is not None:        # written meanwhile
+        if tracked.open and (evaluations := evaluated.if_changed()) is not None:   # written meanwhile
             tracked.evaluations(tracker_items(run_dir, evaluations))
         for r in new:
             if r["kind"] == "valid":

@@ -55,7 +55,7 @@ class _MLflow:
     name = "mlflow"
 
     def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any],
-                 created: Any, adding: bool) -> None:
+                 created: Any, add_only: bool) -> None:
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             raise ValueError("MLFLOW_TRACKING_URI is not set where the flow runs")
         # A tracking server that is down should cost seconds, not minutes of retries.
@@ -71,9 +71,9 @@ class _MLflow:
                                             tags={"run_dir": str(run_dir)}).info.run_id
             created(run_id)                   # kept before anything else can fail
             self._params(run_id, config)
-        elif not adding:
+        elif not add_only:
             self.client.update_run(run_id, status="RUNNING")
-        self.run_id, self.adding = run_id, adding
+        self.run_id, self.add_only = run_id, add_only
 
     def _params(self, run_id: str, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -99,20 +99,21 @@ class _MLflow:
         self.client.log_artifacts(self.run_id, str(path), artifact_path=name)
 
     def close(self, finished: bool) -> None:
-        if not self.adding:             # evaluations added to a run leave its status as it is
+        if not self.add_only:             # evaluations added to a run leave its status as it is
             self.client.set_terminated(self.run_id, status="FINISHED" if finished else "KILLED")
 
 
 class _WandB:
     """Weights & Biases (WANDB_API_KEY, WANDB_MODE=offline and the rest from the environment); its
     local files go in the run folder. It records no console or system stats of the head node.
-    Evaluations are plotted over ``eval/iteration``: W&B's own step only grows, and an evaluation
-    arrives after training has logged later iterations."""
+    Every figure is plotted over ``iteration``, not W&B's own step: that step only grows (a row
+    logged below it is dropped), and an evaluation arrives after training has logged later
+    iterations."""
 
     name = "wandb"
 
     def __init__(self, project: str, run_dir: Path, run_id: str | None, config: dict[str, Any],
-                 created: Any, adding: bool) -> None:
+                 created: Any, add_only: bool) -> None:
         import wandb
 
         self.run_dir = run_dir
@@ -121,15 +122,13 @@ class _WandB:
                               settings=wandb.Settings(console="off", x_disable_stats=True))
         self.run_id = self.run.id
         created(self.run_id)
-        self.run.define_metric("eval/iteration")
-        self.run.define_metric("eval/*", step_metric="eval/iteration")
+        self.run.define_metric("iteration")
+        for group in ("train", "valid", "eval"):
+            self.run.define_metric(f"{group}/*", step_metric="iteration")
 
     def log(self, items: list[Item]) -> None:
         for i in items:
-            if i.cursor == "evaluations":
-                self.run.log({**i.values, "eval/iteration": i.step})
-            else:
-                self.run.log(i.values, step=i.step)
+            self.run.log({**i.values, "iteration": i.step})
 
     def final(self, numbers: dict[str, float], step: int) -> None:
         self.run.summary.update(numbers)      # a resumed online run has moved past `step`
@@ -153,11 +152,11 @@ _KINDS = {"mlflow": _MLflow, "wandb": _WandB}
 
 class Trackers:
     """The run's trackers, opened on the run's tracker runs. A tracker's failure is a warning; what
-    it missed waits for the next try. ``adding``: opened to add evaluations to tracker runs that
-    may have ended, leaving their status as it is."""
+    it missed waits for the next try. ``add_only``: opened to add evaluations to tracker runs that
+    training made and may have ended, leaving their status as training left it."""
 
     def __init__(self, names: Iterable[str], project: str, run_dir: Path, config: dict[str, Any],
-                 adding: bool = False) -> None:
+                 add_only: bool = False) -> None:
         self.names = list(names)
         self.run_dir, self.path = run_dir, run_dir / RECORD
         self.state: dict[str, dict[str, Any]] = _read(self.path) if self.names else {}
@@ -165,31 +164,44 @@ class Trackers:
         self.pending: dict[str, list[Item]] = {}
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
+        self.add_only = add_only
         for name in self.names:
             saved = self.state.setdefault(name, {})
             saved.setdefault("last_step", 0)
             saved.setdefault("last_valid", 0)
             saved.setdefault("evaluations", [])
-            saved["project"], saved["where"] = project, _where(name)
+            if not add_only:
+                saved["project"], saved["where"] = project, _where(name)
 
             def created(run_id: str, s: dict[str, Any] = saved) -> None:
                 s["run_id"] = run_id
                 self._save()
 
             tracker = self._try(name, lambda n=name, s=saved, c=created: _KINDS[n](
-                project, run_dir, s.get("run_id"), config, c, adding))
+                project, run_dir, s.get("run_id"), config, c, add_only))
             if tracker is not None:
                 self.open[name] = tracker
                 self.pending[name] = []
+                saved["logging"] = not add_only         # the run folder's owner logs to it now
         if self.names:
             self._save()
 
     @classmethod
     def of_run(cls, run_dir: Path) -> Trackers:
-        """The trackers a run's training logged to (its trackers.json), opened to add to their runs."""
-        state = _read(run_dir / RECORD)
-        project = next((s["project"] for s in state.values() if s.get("project")), "gpt-pretrain")
-        return cls([n for n in state if n in NAMES], project, run_dir, {}, adding=True)
+        """The tracker runs a run's training made (its trackers.json), opened to add to them where
+        this process logs to the same place; none is made."""
+        state, names = _read(run_dir / RECORD), []
+        for name, saved in state.items():
+            if name not in NAMES or not saved.get("run_id") or not saved.get("project"):
+                continue
+            if _where(name) != saved.get("where"):
+                run_logger().warning("tracker %s: this process logs to %s, the run's training logged to %s: its "
+                                     "evaluations are left for a process that logs where training did", name,
+                                     _where(name), saved.get("where"))
+                continue
+            names.append(name)
+        project = next((state[n]["project"] for n in names), "")
+        return cls(names, project, run_dir, {}, add_only=True)
 
     def records(self, records: list[dict[str, Any]]) -> None:
         """Log new metrics records (train and valid) to every tracker that has not had them, in one
@@ -258,6 +270,11 @@ class Trackers:
 
     def _close(self, name: str, finished: bool) -> None:
         tracker = self.open.pop(name)
+        saved = self.state[name]
+        if self.add_only:
+            finished = saved.get("finished", True)        # as training left it
+        else:
+            saved["logging"], saved["finished"] = False, finished
         try:
             tracker.close(finished)
         except Exception as e:  # noqa: BLE001 - closing is best effort
@@ -273,11 +290,12 @@ class Trackers:
             failures = self.failures[name] = self.failures.get(name, 0) + 1
             self.retry_at[name] = time.monotonic() + RETRY_S * failures
             gone = name in self.open and failures >= MAX_FAILURES
-            run_logger().warning("tracker %s (%s) failed: %s: %s; %s", name, self.state[name]["where"],
+            work = "the evaluation" if self.add_only else "training"
+            run_logger().warning("tracker %s (%s) failed: %s: %s; %s", name, self.state[name].get("where", _where(name)),
                                  type(e).__name__, _text(_hide_secrets(str(e)), 300),
-                                 f"left out after {failures} failures in a row, training goes on without it" if gone
-                                 else "training goes on without it" if name not in self.open
-                                 else f"training goes on; what it missed is sent again in {RETRY_S * failures:.0f} s")
+                                 f"left out after {failures} failures in a row, {work} goes on without it" if gone
+                                 else f"{work} goes on without it" if name not in self.open
+                                 else f"{work} goes on; what it missed is sent again in {RETRY_S * failures:.0f} s")
             if gone:
                 self._close(name, finished=False)
             return None
@@ -286,9 +304,16 @@ class Trackers:
         write_json(self.path, self.state)
 
 
-def logged(run_dir: Path, key: str) -> bool:
-    """Whether every tracker of the run has had the evaluation ``key``, as its trackers.json says now."""
-    return all(key in s.get("evaluations", []) for s in _read(run_dir / RECORD).values())
+def evaluation_logged(run_dir: Path, key: str) -> bool:
+    """Whether the trackers the run folder's owner logs to now have had the evaluation ``key``, as
+    trackers.json says (False when the owner logs to none)."""
+    logging = [s for s in _read(run_dir / RECORD).values() if s.get("logging")]
+    return bool(logging) and all(key in s.get("evaluations", []) for s in logging)
+
+
+def unlogged(run_dir: Path, keys: Iterable[str]) -> bool:
+    """Whether a tracker run the run's training made lacks one of the evaluations ``keys``."""
+    return any(s.get("run_id") and set(keys) - set(s.get("evaluations", [])) for s in _read(run_dir / RECORD).values())
 
 
 def _item(r: dict[str, Any]) -> Item | None:
