@@ -24,7 +24,7 @@ from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
 from tests.fixtures_s3 import SECRET_KEY
 from tests.run_folder import job_records, wait_until
-from tests.test_evaluate import TASK, write_held_out, write_task
+from tests.test_evaluate import write_held_out
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -140,8 +140,8 @@ def evaluate_runs(served: SimpleNamespace, run_dir: Path) -> list[dict]:
 
 
 def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
-    evaluation = {"sets": [{"name": "held", "sources": [str(write_held_out(served.work / "held.jsonl"))]}],
-                  "tasks": [TASK], "task_files": [str(write_task(served.work / "tasks"))]}
+    # A named set only: lm-eval's tasks on the same evaluation job are checked in tests/test_evaluate.py.
+    evaluation = {"sets": [{"name": "held", "sources": [str(write_held_out(served.work / "held.jsonl"))]}]}
     run, _ = deployment_run(served, {**params(served, "e2e-main", upload=True), "evaluation": evaluation})
     states = task_states(served, run["id"])
     for stage in ("index", "train", "export", "upload", "report"):

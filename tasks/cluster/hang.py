@@ -5,7 +5,9 @@ A job is hung when no rank has entered a new phase for longer than its limit: ``
 when the run sets it, else ``STEP_FACTOR`` step times with a floor of ``FLOOR_S``. Phases that are
 long by nature (starting, loading or saving a checkpoint, the job's first step, which compiles) get
 ``SLOW_FACTOR`` times that, and never less than ``SAVE_FACTOR`` times the longest such phase seen.
-Evaluation counts as long by nature too (its first pass may compile). The rank that is behind the others (fewer phases entered, or no heartbeat at all) is named with
+Evaluation counts as long by nature too (its first pass may compile), and so does the end (``done``:
+the process group torn down and the job's step ended, which SLURM may take a while to do). The
+rank that is behind the others (fewer phases entered, or no heartbeat at all) is named with
 its node when it is one rank, or ranks of one node; the others are then waiting for it.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ FLOOR_S = 600.0
 STEP_FACTOR = 20.0
 SLOW_FACTOR = 4.0
 SAVE_FACTOR = 3.0
-SLOW_PHASES = frozenset({"start", "load", "save", "eval"})
+SLOW_PHASES = frozenset({"start", "load", "save", "eval", "done"})
 FAILED_GRACE_S = 15.0       # a rank failed this long ago while the others still run: the job is stopped
 # The follower reads every rank's heartbeat file at most once per world_size / HEARTBEATS_PER_S
 # seconds, and at least every FAILED_GRACE_S: at each poll up to a few hundred ranks, every 15 s
