@@ -32,7 +32,7 @@ from tasks.cluster.jobs import JobError, submit
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunBusy, RunOwner
 from tasks.common.retry import worth_retrying
-from tasks.train.trackers import Item, Trackers, evaluation_item, evaluation_logged, unlogged
+from tasks.train.trackers import Item, Trackers, evaluation_logged, unlogged
 
 SPEC = "evaluation.json"
 FOLDER = "eval"
@@ -122,7 +122,7 @@ class ResultsTail:
 
 def tracker_items(run_dir: Path, evaluations: list[EvalResult]) -> list[Item]:
     """The evaluations as the trackers log them: their figures at their checkpoints' iterations."""
-    return [evaluation_item(tracker_key(r), r.iteration, summary(r), _written_at(run_dir, r)) for r in evaluations]
+    return [Item(summary(r), r.iteration, _written_at(run_dir, r), "evaluations", tracker_key(r)) for r in evaluations]
 
 
 def tracker_key(result: EvalResult) -> str:

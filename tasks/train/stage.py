@@ -158,8 +158,6 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
         except BaseException:
             tracked.close(finished=False)
             raise
-        if tracked.open and (evaluations := ResultsTail(run_dir).if_changed()):
-            tracked.evaluations(tracker_items(run_dir, evaluations))
         tracked.close(finished=True)
         write_json(run_dir / SUMMARY, result.summary)
         return result

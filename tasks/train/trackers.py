@@ -43,12 +43,6 @@ class Item(NamedTuple):
     key: str | None = None
 
 
-def evaluation_item(key: str, iteration: int, figures: dict[str, float], when: float) -> Item:
-    """An evaluation's figures at its checkpoint's iteration; ``key`` tells it from another
-    evaluation at that iteration (a checkpoint saved again after a rollback)."""
-    return Item(figures, iteration, when, "evaluations", key)
-
-
 class _MLflow:
     """MLflow through its client; MLFLOW_TRACKING_URI and credentials from the environment."""
 
@@ -209,7 +203,7 @@ class Trackers:
         self._log([item for r in records if (item := _item(r)) is not None])
 
     def evaluations(self, items: list[Item]) -> None:
-        """Log the evaluations (``evaluation_item``) a tracker has not had."""
+        """Log the evaluations (``tasks.evaluate.tracker_items``) a tracker has not had."""
         self._log(items)
 
     def _log(self, items: list[Item]) -> None:
