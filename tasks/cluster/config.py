@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from gpt.config import split_assignment
+from tasks.cluster.container import Container
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "deployments" / "clusters"
 PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"
@@ -101,8 +102,8 @@ class ClusterConfig(BaseModel):
     srun_extra: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     setup: list[str] = Field(default_factory=list)
-    container_image: str | None = None
-    container_mounts: list[str] = Field(default_factory=list)
+    # The container every job runs in (tasks/cluster/container.py): Pyxis's or SLURM's own OCI.
+    container: Container | None = None
     signal_delay_s: int = Field(120, ge=10, description="USR2 this long before the time limit")
     max_requeues: int = Field(3, ge=0, description="requeues after time limit / preemption")
     # What one node costs an hour, for the plan's cost estimate and a run's budget (flows/plan/estimate.py).
@@ -177,7 +178,7 @@ class ClusterConfig(BaseModel):
             _no_control(str(value), f"sbatch_extra[{key!r}]")
         return v
 
-    @field_validator("srun_extra", "container_mounts")
+    @field_validator("srun_extra")
     @classmethod
     def _lines(cls, v: list[str], info: Any) -> list[str]:
         for item in v:
@@ -190,11 +191,6 @@ class ClusterConfig(BaseModel):
         for line in v:
             _no_control(line, "setup")
         return v
-
-    @field_validator("container_image")
-    @classmethod
-    def _image(cls, v: str | None) -> str | None:
-        return None if v is None else _no_control(v, "container_image")
 
     @field_validator("env")
     @classmethod
@@ -222,6 +218,9 @@ class ClusterConfig(BaseModel):
         if self.device == "auto" and self.kind != "local":
             raise ValueError("device='auto' is for the local executor only: a SLURM job runs on other machines, so "
                              "say in the preset what they have (device: cuda, neuron or cpu)")
+        if self.container is not None and self.kind == "local":
+            raise ValueError("container: jobs start in a container through SLURM's srun; the local executor runs "
+                             "them in this machine's environment (use executor: slurm)")
         if self.nodes > 1 and self.kind == "local":
             raise ValueError(f"nodes={self.nodes} needs SLURM: the local executor runs on one machine")
         return self
@@ -297,12 +296,7 @@ class ClusterConfig(BaseModel):
 
     def srun_args(self) -> list[str]:
         # One dead rank ends the step: the survivors would otherwise wait in a collective forever.
-        args = ["--kill-on-bad-exit=1", *self.srun_extra]
-        if self.container_image:
-            args.append(f"--container-image={self.container_image}")
-            if self.container_mounts:
-                args.append(f"--container-mounts={','.join(self.container_mounts)}")
-        return args
+        return ["--kill-on-bad-exit=1", *self.srun_extra, *(self.container.srun_args() if self.container else [])]
 
     def slurm_parameters(self, job_name: str) -> dict[str, Any]:
         """Keyword arguments for submitit's SlurmExecutor.update_parameters."""
@@ -383,7 +377,7 @@ ENV_VARIABLES: dict[str, re.Pattern[str]] = {
 }
 # Fields only a preset file may set: shell lines, images and mounts run or expose what they name.
 # What runs or is exposed on the nodes, and what a run's budget is measured in.
-OPERATOR_FIELDS = ("name", "setup", "container_image", "container_mounts", "price_per_node_hour", "currency")
+OPERATOR_FIELDS = ("name", "setup", "container", "price_per_node_hour", "currency")
 
 
 def _option_value(kind: str, name: str, value: Any, pattern: re.Pattern[str] | None) -> None:
