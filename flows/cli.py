@@ -172,7 +172,8 @@ def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any])
     plan = make_plan(**{name: value for name, value in given.arguments.items()
                         if name not in ("budget", "evaluation", "dry_run")})
     with_operator_caps(given.arguments["budget"])
-    check_evaluation(given.arguments["evaluation"], plan.layout.root, plan.config.keep_last)
+    check_evaluation(given.arguments["evaluation"], plan.layout.root, plan.config.keep_last,
+                     container=plan.cluster.container)
     return plan
 
 

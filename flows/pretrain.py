@@ -76,7 +76,8 @@ def pretrain(
     """
     plan = make_plan(model, data, tokenizer, training, cluster, output)
     budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
-    check_evaluation(evaluation, plan.layout.root, plan.config.keep_last)
+    check_evaluation(evaluation, plan.layout.root, plan.config.keep_last,
+                     container=plan.cluster.container)
     if dry_run:
         return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
+from flows.plan.artifact import plan_rows
 from flows.plan.build import ParameterError, make_plan
 from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
 from tasks.cluster.config import PRESET_DIR, load_cluster
+from tasks.cluster.container import Container
 from tasks.cluster.slurm import slurm_state
 from tasks.train.stage import train
 from tests.fixtures_gpt import slow_iterations
@@ -206,13 +208,60 @@ def test_the_plan_refuses_a_missing_bundle_and_a_root_the_container_does_not_see
     finally:
         subprocess.run(["rm", "-rf", str(outside)], check=False)
     assert f"output.root: {outside} is not visible inside the cluster's container" in str(e.value)
+    read_only = container_preset(oci_presets["presets"], "slurm-pyxis-ro", {
+        "runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "mounts": [f"{tmp_path}:{tmp_path}:ro"]})
+    with pytest.raises(ParameterError) as e:
+        make_plan("tiny", *base, ClusterParams(preset=read_only), OutputParams(root=str(tmp_path / "runs")))
+    assert f"output.root: {tmp_path / 'runs'} is mounted read-only inside the cluster's container" in str(e.value)
+    with pytest.raises(ParameterError) as e:
+        make_plan("tiny", DataParams(sources=[str(outside.parent)]), *base[1:], ClusterParams(preset=oci_presets["preset"]),
+                  OutputParams(root=str(oci_presets["mounted"] / "r")))
+    assert f"data.sources[0]: {outside.parent} is not visible inside the cluster's container" in str(e.value)
     plan = make_plan("tiny", *base, ClusterParams(preset=oci_presets["preset"]),
                      OutputParams(root=str(oci_presets["mounted"] / "runs")))
-    assert plan.cluster.container.describe().startswith(f"oci {oci_presets['bundle']}; host folders inside: ")
+    row = {r["item"]: r["value"] for r in plan_rows(plan, "trains from the start")}["container"]
+    assert row.startswith(f"oci {oci_presets['bundle']}; mounts: ") and f", {oci_presets['mounted']};" in row
+    assert f"{ROOT} (read-only)" in row and row.endswith(f"tasks start in {ROOT}")
     with pytest.raises(ParameterError) as e:      # a flow parameter never sets the container
         make_plan("tiny", *base, ClusterParams(preset="slurm-local", overrides={"container": {"runtime": "oci",
                   "image": str(oci_presets["bundle"])}}), OutputParams(root=str(tmp_path)))
     assert "container is set only by the operator" in str(e.value)
+
+
+def test_what_a_container_shows_of_the_host_is_read_from_its_mounts(tmp_path) -> None:
+    """A path counts as seen inside only through a mount of the host folder at its own path, the
+    innermost that holds it, as the job spells the path (a link is not followed: inside it may
+    point nowhere); a write needs that mount writable."""
+    fsx, other = tmp_path / "fsx", tmp_path / "scratch"
+    (fsx / "runs").mkdir(parents=True)
+    other.mkdir()
+    (tmp_path / "link").symlink_to(fsx)
+
+    def pyxis(*mounts: str) -> Container:
+        return Container(runtime="pyxis", image="nvcr.io#nvidia/pytorch:24.05-py3", mounts=list(mounts))
+
+    assert pyxis(f"{fsx}/").problems({"data": fsx / "data"}, {"root": fsx / "runs"}) == []
+    assert pyxis(str(fsx)).srun_args()[1] == f"--container-mounts={fsx}:{fsx}"      # bare SRC as SRC:SRC
+    [hidden] = pyxis(f"{fsx}:{fsx}", f"{other}:{fsx}/runs").problems({}, {"output.root": fsx / "runs"})
+    assert hidden.startswith(f"output.root: {fsx / 'runs'} is not the host's inside") and f"{other} at " in hidden
+    [sibling] = pyxis(str(fsx)).problems({"data": f"{fsx}2/x"}, {})
+    assert "is not visible inside" in sibling
+    [linked] = pyxis(str(fsx)).problems({"data": tmp_path / "link" / "x"}, {})
+    assert linked.startswith(f"data: {tmp_path / 'link' / 'x'} is not visible inside")
+    [read_only] = pyxis(f"{fsx}:{fsx}:ro").problems({"data": fsx}, {"root": fsx / "runs"})
+    assert read_only.startswith(f"root: {fsx / 'runs'} is mounted read-only")
+    [missing] = pyxis(f"{tmp_path / 'nowhere'}:/data").problems({}, {})
+    assert missing.startswith("cluster.container.mounts: the source of the mount at /data")
+    [no_image] = Container(runtime="pyxis", image=str(tmp_path / "x.sqsh")).problems({}, {})
+    assert no_image.startswith(f"cluster.container.image: {tmp_path / 'x.sqsh'} does not exist")
+    with pytest.raises(ValueError, match="absolute path"):
+        Container(runtime="pyxis", image="./x.sqsh")
+    own = bundle(tmp_path / "own-pid", fsx)
+    spec = json.loads((own / "config.json").read_text())
+    spec["linux"]["namespaces"].append({"type": "pid"})
+    (own / "config.json").write_text(json.dumps(spec))
+    [pid] = Container(runtime="oci", image=str(own)).problems({}, {"root": fsx / "runs"})
+    assert pid.startswith("cluster.container.image: ") and "its own pid namespace" in pid
 
 
 def test_the_parallelcluster_pyxis_preset_writes_pyxis_options(tmp_path) -> None:

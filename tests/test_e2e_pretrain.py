@@ -24,7 +24,7 @@ from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_prefect import screenshot, start_server, stop
 from tests.fixtures_s3 import SECRET_KEY
 from tests.run_folder import job_records, wait_until
-from tests.test_evaluate import write_held_out
+from tests.test_evaluate import TASK, write_held_out, write_task
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -85,7 +85,8 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
         stop(proc, signal.SIGINT, timeout=30)
 
 
-def params(served: SimpleNamespace, run_name: str, upload: bool = False, **training) -> dict:
+def params(served: SimpleNamespace, run_name: str, upload: bool = False, evaluation: dict | None = None,
+           **training) -> dict:
     return {
         "model": "tiny",
         "data": {"sources": [f"s3://{served.bucket}/corpus/"], "endpoint_url": served.endpoint},
@@ -95,6 +96,7 @@ def params(served: SimpleNamespace, run_name: str, upload: bool = False, **train
         "cluster": {"preset": "slurm-local", "overrides": {"partition": served.partition, "time_limit": 20}},
         "output": {"root": str(served.work / "runs"), "run_name": run_name,
                    **({"uri": f"s3://{served.bucket}/runs/{run_name}", "endpoint_url": served.endpoint} if upload else {})},
+        **({"evaluation": evaluation} if evaluation else {}),
     }
 
 
@@ -106,10 +108,11 @@ def run_args(parameters: dict, timeout: int = 600) -> list[str]:
     return args
 
 
-def watched_run(served: SimpleNamespace, name: str, **training) -> tuple[Path, subprocess.Popen]:
+def watched_run(served: SimpleNamespace, name: str, evaluation: dict | None = None,
+                **training) -> tuple[Path, subprocess.Popen]:
     """Start `prefect deployment run ... --watch` in the background: the CLI blocks while it
     watches, and the test kills training jobs beside it."""
-    args = [sys.executable, "-m", "prefect", *run_args(params(served, name, **training))]
+    args = [sys.executable, "-m", "prefect", *run_args(params(served, name, evaluation=evaluation, **training))]
     proc = subprocess.Popen(args, env=served.server.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return served.work / "runs" / name, proc
 
@@ -212,7 +215,12 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
 
 
 def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served):
-    run_dir, proc = watched_run(served, "e2e-killed", train_iters=40)
+    """...and its evaluation, which fails (its task's data file parses as a file name at plan time,
+    not as JSON when lm-eval reads it), fails its own flow run, never the training's."""
+    broken = write_task(served.work / "broken-task")
+    (broken / "completions.jsonl").write_text("{this is not JSON\n")
+    evaluation = {"tasks": [TASK], "task_files": [str(broken)], "every": 1000}       # the last checkpoint only
+    run_dir, proc = watched_run(served, "e2e-killed", evaluation=evaluation, train_iters=40)
     try:
         wait_until(lambda: _checkpoints(run_dir), 400, "a first checkpoint")
         _kill_when_running(run_dir, 1)
@@ -231,6 +239,13 @@ def test_training_killed_once_is_retried_and_resumes_from_its_checkpoint(served)
                   if json.loads(line).get("kind", "train") == "train"]
     assert iterations[-1] == 40
     assert iterations.count(1) == 1 and iterations.count(2) == 1  # the retry did not start over
+
+    def ended() -> list[dict] | None:
+        runs = evaluate_runs(served, run_dir)
+        return runs if runs and all(r["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED") for r in runs) else None
+    [evaluated] = wait_until(ended, 300, "the run's evaluation to end")
+    assert evaluated["state"]["type"] == "FAILED" and int(evaluated["parameters"]["iteration"]) == 40, evaluated["state"]
+    assert served.server.flow_run(run["id"])["state"]["type"] == "COMPLETED"
 
 
 def test_served_nightly_benchmark_carries_its_schedule(served):

@@ -115,8 +115,6 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
         where = load_cluster(cluster.preset, **cluster.overrides)
     except (ValueError, OSError) as e:
         errors.append(f"cluster: {e}")
-    if where is not None and where.container is not None:
-        errors += where.container.problems(_container_paths(root, data))
     layout = Layout(root)
     config = _job_config(model, training, where, errors) if model in PRESETS else None
     if config is None or where is None:
@@ -126,6 +124,8 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     config = dataclasses.replace(config, run_dir=str(run_dir),
                                  init_from=_start_from(training, layout, boundary, config, errors))
     _check_start(config, boundary, root, errors)
+    if where.container is not None:
+        errors += where.container.problems(_container_reads(data, tokenizer, config), {"output.root": root})
     problem = memory_problem(config, where)
     if problem:
         errors.append(f"training: {problem}")
@@ -413,14 +413,17 @@ def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: l
             return
 
 
-def _container_paths(root: Path, data: DataParams) -> dict[str, str]:
-    """What the jobs read and write on the shared file system, by parameter: the output root (runs,
-    data, caches) and the local data sources and prefixes."""
-    paths = {"output.root": str(root)}
-    paths.update({f"data.sources[{i}]": _fixed_part(local_path(src)) for i, src in enumerate(data.sources)
-                  if not is_s3(src)})
+def _container_reads(data: DataParams, tokenizer: TokenizerParams, config: Config) -> dict[str, str]:
+    """What the jobs read from the shared file system besides the output root (which they write, and
+    which holds the rest: runs, synced data, caches), by the parameter that names it."""
+    paths = {f"data.sources[{i}]": _fixed_part(local_path(src)) for i, src in enumerate(data.sources) if not is_s3(src)}
     paths.update({f"data.prefixes[{i}].prefix": local_path(p.prefix) for i, p in enumerate(data.prefixes)
                   if not is_s3(p.prefix)})
+    paths.update({f"tokenizer.{name}": local_path(value) for name in ("vocab_file", "merge_file", "tokenizer_model")
+                  if (value := getattr(tokenizer, name)) and not is_s3(value)})
+    paths.update({field: value for field, value in (("training.init_from", config.init_from),
+                                                     ("training.overrides.init_from_hf", config.init_from_hf))
+                  if value and not is_s3(value)})
     return paths
 
 

@@ -12,6 +12,8 @@ import yaml
 from flows.plan.boundary import Boundary
 from flows.plan.build import check_prefix, check_source
 from flows.plan.params import EvaluationParams, ParameterError
+from tasks.cluster.container import Container
+from tasks.common.uri import is_s3
 from tasks.evaluate import task_manager
 from tasks.sync import local_path
 
@@ -32,9 +34,11 @@ def task_folders(evaluation: EvaluationParams) -> list[str]:
     return folders
 
 
-def check_evaluation(evaluation: EvaluationParams, root: Path, keep_last: int, boundary: Boundary | None = None) -> None:
+def check_evaluation(evaluation: EvaluationParams, root: Path, keep_last: int, boundary: Boundary | None = None,
+                     container: Container | None = None) -> None:
     """Raises ParameterError naming each field that cannot be evaluated as given (``keep_last``:
-    the run's, which must leave a saved checkpoint long enough to be kept for its evaluation)."""
+    the run's, which must leave a saved checkpoint long enough to be kept for its evaluation;
+    ``container``: the cluster's, in which the evaluation jobs read the task files and sets)."""
     if evaluation == EvaluationParams():
         return
     boundary = boundary or Boundary.from_env()
@@ -55,6 +59,11 @@ def check_evaluation(evaluation: EvaluationParams, root: Path, keep_last: int, b
             check_prefix(f"{field}.prefix", s.prefix, root, boundary, errors)
     for i, f in enumerate(evaluation.task_files):
         errors += _task_file_problems(f"evaluation.task_files[{i}]", f, root, boundary)
+    if container is not None:
+        reads = {f"evaluation.task_files[{i}]": folder for i, folder in enumerate(task_folders(evaluation))}
+        reads.update({f"evaluation.sets[{i}].prefix": local_path(s.prefix) for i, s in enumerate(evaluation.sets)
+                      if s.prefix and not is_s3(s.prefix)})
+        errors += container.problems(reads, {})
     if evaluation.task_files and not evaluation.tasks:
         errors.append("evaluation.tasks: name the tasks to run from evaluation.task_files")
     if not evaluation.wanted:

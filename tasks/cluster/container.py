@@ -3,25 +3,51 @@
 Two runtimes, as SLURM sites have them:
 
 - ``pyxis``: NVIDIA's Pyxis plugin runs each task in an enroot container. ``image`` is an enroot
-  squash file or a registry image (``nvcr.io#nvidia/pytorch:24.05-py3``), ``mounts`` are
-  ``SRC:DST[:FLAGS]`` entries, ``workdir`` is where the tasks start (``--container-image``,
-  ``--container-mounts``, ``--container-workdir``).
+  squash file (an absolute path) or a registry image (``nvcr.io#nvidia/pytorch:24.05-py3``),
+  ``mounts`` are ``SRC[:DST[:FLAGS]]`` entries, ``workdir`` is where the tasks start
+  (``--container-image``, ``--container-mounts``, ``--container-workdir``).
 - ``oci``: SLURM's own ``srun --container=<bundle>`` (oci.conf names the runtime: runc, crun). The
   bundle's ``config.json`` holds its mounts and working directory, so ``mounts`` and ``workdir``
-  stay empty here and are read from the bundle.
+  stay empty here and are read from the bundle. The jobs share the host's processes and network
+  (heartbeats name host PIDs; ranks on other nodes connect over it), so the bundle may not have
+  namespaces of its own for them.
 
-Either way a run's paths are absolute, so the output root and the local data must be mounted at
-the same path inside: ``problems`` says which are not, before anything is queued.
+Either way a run's paths are absolute, so what the jobs read and write must be mounted at its own
+path inside: ``problems`` says which is not, before anything is queued.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_CONTROL_OR_COMMA = set("\x00\n\r\t,")
+_FORBIDDEN = set("\x00\n\r\t,")
+SHARED_NAMESPACES = ("pid", "network")
+
+
+class Mount(NamedTuple):
+    """One mount of the container, in the order the runtime makes them."""
+    source: str
+    destination: PurePosixPath
+    bind: bool
+    writable: bool
+
+    @property
+    def same_path(self) -> bool:
+        return self.bind and _normal(self.source) == self.destination
+
+    def __str__(self) -> str:
+        where = str(self.destination) if self.same_path else f"{self.source} at {self.destination}"
+        return where + ("" if self.writable else " (read-only)")
+
+
+def _normal(path: str | os.PathLike) -> PurePosixPath:
+    """The path as a job spells it: absolute and normalized, links not followed (a job opens the
+    path it is given, inside the container, where a link may point elsewhere or nowhere)."""
+    return PurePosixPath(os.path.normpath(os.path.abspath(path)))
 
 
 class Container(BaseModel):
@@ -34,8 +60,8 @@ class Container(BaseModel):
 
     @field_validator("image", "workdir")
     @classmethod
-    def _line(cls, v: str | None, info) -> str | None:
-        if v is not None and any(c in _CONTROL_OR_COMMA or ord(c) < 32 for c in v):
+    def _line(cls, v: str | None, info: Any) -> str | None:
+        if v is not None and any(c in _FORBIDDEN or ord(c) < 32 for c in v):
             raise ValueError(f"container.{info.field_name}={v!r} must be one line without commas")
         return v
 
@@ -44,8 +70,8 @@ class Container(BaseModel):
     def _mounts(cls, v: list[str]) -> list[str]:
         for m in v:
             parts = m.split(":")
-            if any(c in _CONTROL_OR_COMMA or ord(c) < 32 for c in m) or not 1 <= len(parts) <= 3 \
-                    or not all(parts[:2]) or not parts[0].startswith("/"):
+            if any(c in _FORBIDDEN or ord(c) < 32 for c in m) or len(parts) > 3 or not all(parts[:2]) \
+                    or not all(p.startswith("/") for p in parts[:2]):
                 raise ValueError(f"container.mounts entry {m!r} must be /source[:/destination[:flags]]")
         return v
 
@@ -57,6 +83,9 @@ class Container(BaseModel):
                                  "working directory are in its config.json")
             if not self.image.startswith("/"):
                 raise ValueError(f"container.image={self.image!r}: an OCI bundle is an absolute folder path")
+        elif self.image.startswith(".") :
+            raise ValueError(f"container.image={self.image!r}: give a squash file by its absolute path (the jobs "
+                             "start in another folder)")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise ValueError(f"container.workdir={self.workdir!r} must be an absolute path")
         return self
@@ -65,57 +94,86 @@ class Container(BaseModel):
         if self.runtime == "oci":
             return [f"--container={self.image}"]
         args = [f"--container-image={self.image}"]
-        if self.mounts:
-            args.append(f"--container-mounts={','.join(self.mounts)}")
+        if self.mounts:     # a bare SRC as SRC:SRC, the form every Pyxis release reads
+            args.append(f"--container-mounts={','.join(m if ':' in m else f'{m}:{m}' for m in self.mounts)}")
         if self.workdir:
             args.append(f"--container-workdir={self.workdir}")
         return args
 
-    def same_path_mounts(self) -> list[PurePosixPath]:
-        """The host folders seen at their own path inside: a pyxis mount ``SRC`` or ``SRC:SRC``, an
-        OCI bundle's bind mount whose source is its destination."""
+    def _bundle(self) -> dict[str, Any]:
+        return json.loads((Path(self.image) / "config.json").read_text())
+
+    def all_mounts(self) -> list[Mount]:
+        """Every mount, in order: Pyxis's ``SRC[:DST[:FLAGS]]`` (binds; ``ro`` among the flags), or
+        the OCI bundle's (binds are ``bind``/``rbind``; ``ro`` among the options)."""
         if self.runtime == "pyxis":
-            pairs = [(m.split(":")[0], (m.split(":") + [m.split(":")[0]])[1]) for m in self.mounts]
-        else:
-            spec = json.loads((Path(self.image) / "config.json").read_text())
-            pairs = [(m.get("source", ""), m.get("destination", "")) for m in spec.get("mounts", [])
-                     if m.get("type") == "bind" or "bind" in m.get("options", []) or "rbind" in m.get("options", [])]
-        return [PurePosixPath(src) for src, dst in pairs if src and src == dst]
+            out = []
+            for m in self.mounts:
+                source, destination, flags = (m.split(":") + ["", ""])[:3]
+                out.append(Mount(source, _normal(destination or source), True, "ro" not in flags.split("+")))
+            return out
+        return [Mount(m.get("source", ""), _normal(m.get("destination", "/")),
+                      m.get("type") == "bind" or bool({"bind", "rbind"} & set(m.get("options", []))),
+                      "ro" not in m.get("options", []))
+                for m in self._bundle().get("mounts", [])]
 
     def describe(self) -> str:
-        """One line for the plan: the runtime, the image and what the jobs see of the host."""
+        """One line for the plan: the runtime, the image, its mounts and where the tasks start."""
         try:
-            seen = ", ".join(str(p) for p in self.same_path_mounts()) or "nothing"
+            mounts = ", ".join(map(str, self.all_mounts())) or "none"
+            workdir = self.workdir if self.runtime == "pyxis" else self._bundle().get("process", {}).get("cwd")
         except (OSError, ValueError):
-            seen = "(bundle unreadable)"
-        return f"{self.runtime} {self.image}; host folders inside: {seen}"
+            return f"{self.runtime} {self.image} (its config.json cannot be read)"
+        return f"{self.runtime} {self.image}; mounts: {mounts}; tasks start in {workdir or 'the image default'}"
 
-    def problems(self, paths: dict[str, str | Path]) -> list[str]:
-        """Why jobs in this container could not run this plan: a missing bundle or image file, a
-        missing mount source, or a path of ``paths`` (a parameter's name: its folder) that no mount
-        shows inside at the same path."""
+    def problems(self, reads: dict[str, str | Path], writes: dict[str, str | Path]) -> list[str]:
+        """Why jobs in this container could not run this plan: a missing bundle, image file or mount
+        source, a bundle with its own process or network namespace, a path of ``reads`` (by the
+        parameter that names it) that the jobs would not see at its own path, or one of ``writes``
+        they could not write."""
+        out = []
         if self.runtime == "oci":
             config = Path(self.image) / "config.json"
             if not config.is_file():
                 return [f"cluster.container.image: OCI bundle {self.image} has no config.json; build the bundle "
                         "(scripts/oci-bundle) or name one that exists"]
             try:
-                mounts = self.same_path_mounts()
-            except (OSError, ValueError) as e:
+                bundle = self._bundle()
+                mounts = self.all_mounts()
+            except (OSError, ValueError, AttributeError) as e:
                 return [f"cluster.container.image: {config} cannot be read as an OCI runtime configuration ({e})"]
+            rootfs = Path(self.image) / (bundle.get("root") or {}).get("path", "rootfs")
+            if not rootfs.is_dir():
+                out.append(f"cluster.container.image: the bundle's root file system {rootfs} does not exist")
+            own = [n.get("type") for n in (bundle.get("linux") or {}).get("namespaces", [])
+                   if n.get("type") in SHARED_NAMESPACES]
+            if own:
+                out.append(f"cluster.container.image: {config} gives the container its own {' and '.join(own)} "
+                           "namespace; the jobs share the host's (heartbeats name host processes, ranks reach each "
+                           "other over the host's network): remove it from linux.namespaces")
         else:
-            if self.image.startswith(("/", "./")) and not Path(self.image).exists():
-                return [f"cluster.container.image: {self.image} does not exist; import the image "
-                        "(enroot import) or name a registry image"]
-            missing = [m for m in self.mounts if not Path(m.split(":")[0]).exists()]
-            if missing:
-                return [f"cluster.container.mounts: the source of {missing[0]!r} does not exist on this machine; "
-                        "create it or remove the mount"]
-            mounts = self.same_path_mounts()
-        out = []
-        for name, path in paths.items():
-            p = PurePosixPath(Path(path).resolve())
-            if not any(p == m or m in p.parents for m in mounts):
-                out.append(f"{name}: {p} is not visible inside the cluster's container (its same-path mounts: "
-                           f"{', '.join(map(str, mounts)) or 'none'}); mount it there, or choose a folder that is")
+            if self.image.startswith("/") and not Path(self.image).exists():
+                out.append(f"cluster.container.image: {self.image} does not exist; import the image "
+                           "(enroot import -o) or name a registry image")
+            mounts = self.all_mounts()
+        out += [f"cluster.container.mounts: the source of the mount at {m.destination} ({m.source}) does not exist "
+                "on this machine; create it or remove the mount" for m in mounts if m.bind and not Path(m.source).exists()]
+        for name, path, write in [*((n, p, False) for n, p in reads.items()), *((n, p, True) for n, p in writes.items())]:
+            out += self._seen(name, _normal(path), write, mounts)
         return out
+
+    def _seen(self, name: str, path: PurePosixPath, write: bool, mounts: list[Mount]) -> list[str]:
+        # The jobs see a path through the last-made, innermost mount that holds it.
+        holding = [(len(m.destination.parts), i, m) for i, m in enumerate(mounts)
+                   if path == m.destination or m.destination in path.parents]
+        if not holding:
+            return [f"{name}: {path} is not visible inside the cluster's container (no mount holds it); mount it "
+                    "at its own path, or choose a folder that is"]
+        mount = max(holding)[2]
+        if not mount.same_path:
+            return [f"{name}: {path} is not the host's inside the cluster's container (the jobs see {mount} there); "
+                    "mount the host folder at its own path, or choose a folder that is"]
+        if write and not mount.writable:
+            return [f"{name}: {path} is mounted read-only inside the cluster's container (through "
+                    f"{mount.destination}); mount it writable, or choose a folder that is"]
+        return []
