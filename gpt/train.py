@@ -482,7 +482,9 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
                 run.log(f"stopping at iteration {it} on a signal; checkpoint saved", flush=True)
                 return "interrupted", valid_loss, steps
             steps.restart_clock()
-    finish_checkpoint(run, metrics)
+        # Still under the stop signal: a time limit's USR2 during the last checkpoint's write waits
+        # for it (the run is complete) instead of requeuing a job whose final save is cut short.
+        finish_checkpoint(run, metrics)
     return "completed", valid_loss, steps
 
 

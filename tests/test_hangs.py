@@ -212,3 +212,27 @@ def test_at_thousands_of_ranks_the_follower_reads_the_heartbeats_less_often(tmp_
     large.check("PENDING")                                            # requeued: read at once when it runs again
     large.check("RUNNING")
     assert reads.count(str(tmp_path / "large")) == 7
+
+
+def test_a_rank_that_failed_in_an_earlier_start_of_a_requeued_job_does_not_stop_the_new_one(tmp_path, monkeypatch):
+    """A rank that failed as its job was requeued leaves a "failed" heartbeat; once the new start's
+    ranks beat, that failure is over: only a failure that lasts FAILED_GRACE_S stops a job."""
+    from tasks.cluster import hang
+
+    beat = {"node": "n1", "step_s": 0.4, "longest": {}}
+    beats = [{**beat, "job": "9.2", "rank": 0, "phase": "save", "entered": 5, "iteration": 160},
+             {**beat, "job": "9.2", "rank": 1, "phase": "failed", "entered": 6, "iteration": 160}]
+    monkeypatch.setattr(hang.heartbeat, "read", lambda run_dir: list(beats))
+    now = [0.0]
+    watch = hang.HangWatch(tmp_path, "9", 2, None, clock=lambda: now[0])
+    watch.check("RUNNING")                                    # the new start, before its ranks beat
+    beats[0] = {**beats[0], "job": "9.3", "phase": "start", "entered": 1, "iteration": 100}
+    for t in range(2, 40, 2):
+        now[0] = float(t)
+        watch.check("RUNNING")
+        assert watch.abandoned() is None
+    beats[0] = {**beats[0], "phase": "failed"}              # a failure of this start does stop it
+    for t in range(40, 60, 2):
+        now[0] = float(t)
+        watch.check("RUNNING")
+    assert watch.abandoned()["rank"] == 0

@@ -91,9 +91,12 @@ class HangWatch:
         beats = self.beats()
         if self.progress_at is None:
             self.progress_at = now
+        failing = [b for b in beats if b["phase"] == "failed"]
+        if not failing:                     # e.g. a requeued job's new start: the earlier one's failure is over
+            self.failed = None
+        elif self.failed is None:
+            self.failed = (now, failing[0])
         for b in beats:
-            if b["phase"] == "failed" and self.failed is None:
-                self.failed = (now, b)
             mark = (b["entered"], b["iteration"])
             if self.seen.get(b["rank"]) != mark:
                 self.seen[b["rank"]] = mark
