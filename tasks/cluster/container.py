@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_FORBIDDEN = set("\x00\n\r\t,")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f,]")      # a control character, or the comma that joins Pyxis's mounts
 SHARED_NAMESPACES = ("pid", "network")
 
 
@@ -61,7 +62,7 @@ class Container(BaseModel):
     @field_validator("image", "workdir")
     @classmethod
     def _line(cls, v: str | None, info: Any) -> str | None:
-        if v is not None and any(c in _FORBIDDEN or ord(c) < 32 for c in v):
+        if v is not None and _UNSAFE.search(v):
             raise ValueError(f"container.{info.field_name}={v!r} must be one line without commas")
         return v
 
@@ -70,7 +71,7 @@ class Container(BaseModel):
     def _mounts(cls, v: list[str]) -> list[str]:
         for m in v:
             parts = m.split(":")
-            if any(c in _FORBIDDEN or ord(c) < 32 for c in m) or len(parts) > 3 or not all(parts[:2]) \
+            if _UNSAFE.search(m) or len(parts) > 3 or not all(parts[:2]) \
                     or not all(p.startswith("/") for p in parts[:2]):
                 raise ValueError(f"container.mounts entry {m!r} must be /source[:/destination[:flags]]")
         return v
@@ -83,7 +84,7 @@ class Container(BaseModel):
                                  "working directory are in its config.json")
             if not self.image.startswith("/"):
                 raise ValueError(f"container.image={self.image!r}: an OCI bundle is an absolute folder path")
-        elif self.image.startswith(".") :
+        elif self.image.startswith("."):
             raise ValueError(f"container.image={self.image!r}: give a squash file by its absolute path (the jobs "
                              "start in another folder)")
         if self.workdir is not None and not self.workdir.startswith("/"):
