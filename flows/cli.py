@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from flows import megatron_flags
 from flows.plan.build import Plan
 from flows.plan.params import (
+    SAMPLE_VOCAB_SIZE,
     BudgetParams,
     ClusterParams,
     DataParams,
@@ -30,6 +31,7 @@ from flows.plan.params import (
     parameter_errors,
 )
 from gpt.config import parse_overrides
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.cluster.config import ClusterConfig
 from tasks.train import trackers
 
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-model", help="a HuggingFace tokenizer.json (path or s3:// URI) instead of "
                                              "--vocab-file and --merge-file")
+    p.add_argument("--train-vocab-size", type=int, help="entries of the BPE trained when no vocab file or "
+                   f"tokenizer.json is given (default {GPT2_VOCAB_SIZE}, or {SAMPLE_VOCAB_SIZE} for the bundled sample corpus)")
     p.add_argument("--add-bos-token", action="store_true", default=None,
                    help="with --tokenizer-model: begin each document with the tokenizer's beginning-of-text token")
     p.add_argument("--train-iters", type=int, help="iterations; more than a run reached extends it")
@@ -133,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
         sources=a.source, json_keys=a.json_key, endpoint_url=a.endpoint_url, split=a.split,
         prefixes=[{"weight": w, "prefix": pr} for w, pr in a.prefix]))
     params["tokenizer"] = group("tokenizer", TokenizerParams, **pick(vocab_file=a.vocab_file, merge_file=a.merge_file,
-                                tokenizer_model=a.tokenizer_model, add_bos_token=a.add_bos_token))
+                                tokenizer_model=a.tokenizer_model, add_bos_token=a.add_bos_token,
+                                train_vocab_size=a.train_vocab_size))
     params["training"] = group("training", TrainingParams, **pick(
         train_iters=a.train_iters, train_samples=a.train_samples, micro_batch_size=a.micro_batch_size,
         global_batch_size=a.global_batch_size, seq_length=a.seq_length, tensor_parallel=a.tensor_parallel,

@@ -36,30 +36,24 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from gpt.config import ConfigError
 from gpt.faults import FAULT
 from gpt.files import WriteError
 from gpt.model import plain_name, tied
-from gpt.parallel.process_group import barrier
-from gpt.parallel.xla import sharded_names
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+# torch.distributed.checkpoint and the parallel layouts are imported where a checkpoint is read or
+# written, not with this module: importing them registers DTensor's operators (about 2 s of CPU),
+# which the flow's process, reading only folder names and markers, never needs.
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^iter_(\d{7,})$")
@@ -92,6 +86,8 @@ def _shares_objects() -> bool:
 def _read_and_check(path: Path) -> tuple[Metadata | None, str | None]:
     """Never raises: on rank 0 an error would leave the other ranks waiting for what it sends."""
     try:
+        from torch.distributed.checkpoint import FileSystemReader
+
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or torn .metadata
         return None, f"its metadata cannot be read: {type(e).__name__}: {e}"
@@ -147,6 +143,8 @@ class LayoutMismatch(ConfigError):
 
 def part_names(model: nn.Module) -> dict[str, str]:
     """State-dict key -> saved key, for the parameters split by gpt.parallel.xla."""
+    from gpt.parallel.xla import sharded_names
+
     return {plain_name(name): f"{plain_name(name)}.tp{shard.group.index}of{shard.group.size}"
             for name, shard in sharded_names(model).items()}
 
@@ -169,7 +167,10 @@ def _renamed(entries: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 # The optimizer state is kept flat ("state.<parameter>.exp_avg", "param_groups.<parameter>.lr"): each
 # entry under its parameter's name, whichever rank or pipeline stage holds it, so it loads into any
 # layout (nested, the parameter groups would list each rank's own parameters).
-OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+def _optimizer_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _renamed_optimizer(entries: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
@@ -266,6 +267,10 @@ class Checkpointer:
         kept for inspection under ``iter_N.damaged-<writer>``, a name no resume picks up. A save that
         fails (a full or read-only disk) leaves no temporary folder and raises WriteError naming the
         folder (an asynchronous one from ``finish`` or ``completed``)."""
+        import torch.distributed.checkpoint as dcp
+
+        from gpt.parallel.process_group import barrier
+
         self.finish()
         final = self.dir / f"iter_{iteration:07d}"
         writing = _Writing(iteration, self.dir / f"{final.name}.tmp-{self.writer}", final)
@@ -286,7 +291,7 @@ class Checkpointer:
                     dcp.save(state, checkpoint_id=writing.tmp, no_dist=not dist.is_initialized())
                     barrier()  # every rank's shards are on disk
                     self._complete(writing)
-        except (OSError, dcp.api.CheckpointException) as e:
+        except (OSError, _checkpoint_exception()) as e:
             raise self._failed(writing, e) from e
         writing.returned = time.perf_counter()
         writing.blocking_s = writing.returned - started
@@ -367,6 +372,10 @@ class Checkpointer:
     def _read(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
               extra: dict[str, Any], metadata: Metadata | None = None) -> dict[str, Any]:
         """Load the model (and optimizer) in place, and whatever ``extra`` names; returns the state read."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
         if metadata is None:
             metadata, problem = shared_metadata(path)
             if metadata is None:
@@ -374,23 +383,25 @@ class Checkpointer:
         state = self.to_host(self._state(model, optimizer, extra))
         _check_layout(path, state["model"], metadata)
         with _single_process_quiet():
-            dcp.load(state, storage_reader=_Read(path, metadata), planner=DefaultLoadPlanner(allow_partial_load=True),
+            dcp.load(state, storage_reader=_reader(path, metadata), planner=DefaultLoadPlanner(allow_partial_load=True),
                      no_dist=not dist.is_initialized())
         original = {saved: key for key, saved in part_names(model).items()}
         set_model_state_dict(model, _renamed(state["model"], original))
         if optimizer is not None:
             saved_as = {saved: key for key, saved in optimizer_names(model).items()}
             set_optimizer_state_dict(model, optimizer, _renamed_optimizer(state["optimizer"], saved_as),
-                                     options=OPTIMIZER_OPTIONS)
+                                     options=_optimizer_options())
         return state
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                extra: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds (or what is read of it), under the keys it is saved with."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         parts = part_names(model)
         state: dict[str, Any] = {"model": _renamed(get_model_state_dict(model), parts), **extra}
         if optimizer is not None:  # after the model's, as FSDP needs
-            state["optimizer"] = _renamed_optimizer(get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS),
+            state["optimizer"] = _renamed_optimizer(get_optimizer_state_dict(model, optimizer, options=_optimizer_options()),
                                                     optimizer_names(model))
         return state
 
@@ -420,6 +431,10 @@ def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str,
     """The model tensors of a checkpoint, whole, in one process, shaped as ``template`` (a plain
     model's state dict, or some of its tensors; on the meta device, they are made here): tensors saved whole or in DTensor shards are read as they are, tensors saved
     in parts (``.tpXofN``) are read part by part and joined along the dimension they were split."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted: dict[str, torch.Tensor] = {}
     parts: dict[str, list[str]] = {}
@@ -447,17 +462,23 @@ def load_whole_model(path: Path, template: dict[str, torch.Tensor]) -> dict[str,
     return whole
 
 
-class _Read(FileSystemReader):
+def _reader(path: Path, metadata: Metadata) -> Any:
     """DCP's file reader, with the metadata already read (shared_metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(str(path))
-        self.metadata = metadata
+    class Read(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            if metadata.storage_meta is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.metadata.storage_meta is not None:
-            self.metadata.storage_meta.load_id = self.load_id
-        return self.metadata
+    return Read(str(path))
+
+
+def _checkpoint_exception() -> type[Exception]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def _check_layout(path: Path, model_state: dict[str, Any], metadata: Metadata) -> None:
@@ -509,7 +530,7 @@ def iteration_of(path: Path) -> int:
 def _os_error(error: BaseException) -> OSError | None:
     """The operating system's error behind a failed save, from DCP's per-rank failures too."""
     found = [failure for failure, _ in error.failures.values()] \
-        if isinstance(error, dcp.api.CheckpointException) else [error]
+        if isinstance(error, _checkpoint_exception()) else [error]
     for e in found:
         while e is not None and not isinstance(e, OSError):
             e = e.__cause__ or e.__context__

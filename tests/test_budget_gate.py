@@ -42,7 +42,8 @@ def _paused(server, run_name: str) -> dict | None:
 
 def _start(server, tmp_path: Path, corpus: str, run_name: str) -> subprocess.Popen:
     env = {**server.env, "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-iters", "4", "--no-compile",
+    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-vocab-size", "2048", "--train-iters", "4",
+            "--no-compile",
             "--root", str(tmp_path / "root"), "--run-name", run_name, "--set", "eval_interval=100000",
             "--budget-node-hours", "1e-7"]
     log = open(tmp_path / f"{run_name}.log", "w")

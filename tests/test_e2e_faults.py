@@ -39,7 +39,8 @@ def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefe
     assert made.returncode == 0, made.stdout + made.stderr
     corpus = sample_corpus(str(tmp_path / "corpus"))
     run_dir = tmp_path / "root" / "faults"
-    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--cluster", "slurm-local",
+    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-vocab-size", "2048",
+            "--cluster", "slurm-local",
             "--cluster-set", f"partition={slurm_cluster['partition']}", "--train-iters", str(ITERS), "--no-compile",
             "--root", str(tmp_path / "root"), "--run-name", "faults", "--set", "save_interval=25",
             "--set", "log_interval=5", "--set", "eval_interval=100000", "--set", "lr_warmup_iters=10"]

@@ -58,6 +58,7 @@ def _cli(root: Path, small_corpus: Path, home: Path, storage: Path) -> subproces
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_LOCAL_STORAGE_PATH=str(storage), PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "flows.pretrain", "--source", str(small_corpus), "--split", "80,10,10",
+                             "--train-vocab-size", "1024",
                              "--root", str(root),
                              "--train-iters", str(ITERS), "--no-compile", "--set", "log_interval=5"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

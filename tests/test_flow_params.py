@@ -175,6 +175,7 @@ def test_cli_flags_map_to_parameters(tmp_path):
     assert params["cluster"].overrides == {"partition": "gpu", "nodes": 2}
     assert params["output"].uri == "s3://out/run" and params["output"].root == str(tmp_path)
     assert parse_args([])["data"] == DataParams()
+    assert parse_args(["--train-vocab-size", "2048"])["tokenizer"].train_vocab_size == 2048
 
 
 def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_would(tmp_path, monkeypatch):

@@ -288,7 +288,8 @@ def test_files_left_out_of_tokenizing_and_a_run_without_evaluation_are_said_not_
     with open(next(corpus.glob("*.jsonl")), "ab") as f:
         documents = sum(1 for _ in open(next(corpus.glob("*.jsonl")), "rb"))
         f.write(b'{"body": "no text field"}\n' * documents)
-    out = _cli("--source", str(corpus), "--split", "100,0,0", "--train-iters", "2", "--no-compile",
+    out = _cli("--source", str(corpus), "--split", "100,0,0", "--train-vocab-size", "2048", "--train-iters", "2",
+               "--no-compile",
                "--root", str(tmp_path / "root"), "--set", "eval_interval=100000", cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]

@@ -105,7 +105,8 @@ def _wandb_history(wandb_dir: Path) -> list[dict]:
 
 
 def _leg(tmp_path: Path, corpus: str, iters: int, env: dict[str, str], *trackers: str) -> str:
-    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-iters", str(iters), "--no-compile",
+    args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-vocab-size", "2048", "--train-iters", str(iters),
+            "--no-compile",
             "--root", str(tmp_path / "root"), "--run-name", "tracked", "--set", "eval_interval=4", "--set",
             "eval_iters=1", "--set", "log_interval=2", "--set", "lr_warmup_iters=1",
             *[f"--tracker={t}" for t in trackers]]

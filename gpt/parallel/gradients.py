@@ -11,7 +11,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 
 class Replicas(Protocol):
@@ -81,6 +80,8 @@ def average_on_xla(grads: list[torch.Tensor], replicas: list[list[int]]) -> None
 def grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients, over every shard of every rank (and every pipeline stage's
     parameters, summed over ``pp_group``)."""
+    from torch.distributed.tensor import DTensor  # DTensor's operators: only where a model trains
+
     with_grad = [p for p in parameters if p.grad is not None]
     sharded = [p.grad for p in with_grad if isinstance(p.grad, DTensor)]
     split = [p for p in with_grad if hasattr(p, "tp_shard")]  # by gpt.parallel.xla

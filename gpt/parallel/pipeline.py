@@ -22,11 +22,11 @@ from torch import nn
 
 from gpt.config import Config
 from gpt.model import GPT, tied
-from gpt.parallel.build import apply_layers, materialise
 from gpt.parallel.dims import ParallelDims
 
-# torch.distributed.pipelining, which brings TorchDynamo (a second per process), is imported by the
-# runs that build a pipeline only
+# torch.distributed.pipelining, which brings TorchDynamo (a second per process), and the layouts
+# (DTensor's operators, two more) are imported by the runs that build a pipeline only: the flow reads
+# bubble_fraction here
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
              "interleaved-zb": "ScheduleInterleavedZeroBubble"}
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")      # one stage per rank; the others loop over several
@@ -121,6 +121,8 @@ def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> P
     """This rank's stages of the GPT, with data and tensor parallel inside each, weights initialised
     as the whole model's, and the schedule."""
     from torch.distributed import pipelining
+
+    from gpt.parallel.build import apply_layers, materialise
 
     pp, virtual = config.pipeline_parallel, config.virtual_pipeline_stages
     stages = pp * virtual
