@@ -16,6 +16,7 @@ stopped at its end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tasks.evaluate import result_path
 from tasks.tokenize.sample_corpus import sample_corpus
@@ -42,9 +43,8 @@ def run(cluster: str = "slurm-local", iters: int = 40, save_interval: int = 10, 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-evaluation-") as tmp:
         work = Path(tmp).resolve()
         held_out = _held_out(work)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "GPT_INPUT_ROOTS": os.pathsep.join(filter(None, [str(work), os.environ.get("GPT_INPUT_ROOTS")])),
-               "GPT_OUTPUT_ROOTS": os.pathsep.join(filter(None, [str(work), os.environ.get("GPT_OUTPUT_ROOTS")]))}
+        env = {**os.environ, "PYTHONPATH": _prepended(ROOT, "PYTHONPATH"),
+               "GPT_INPUT_ROOTS": _prepended(work, "GPT_INPUT_ROOTS"), "GPT_OUTPUT_ROOTS": _prepended(work, "GPT_OUTPUT_ROOTS")}
         with _served(work, env) as served_env:
             runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
             for repeat in range(repeats):
@@ -76,44 +76,43 @@ def _held_out(work: Path) -> Path:
     return path
 
 
-class _served:
-    """A Prefect server with its database in `work`, and deployments/serve.py against it."""
+def _prepended(folder: Path, variable: str) -> str:
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get(variable)]))
 
-    def __init__(self, work: Path, env: dict[str, str]) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/api"
-        self.env = {**env, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": self.url,
-                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        self.work = work
-        self.procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> dict[str, str]:
-        server_env = {k: v for k, v in self.env.items() if k != "PREFECT_API_URL"}
-        port = self.url.rsplit(":", 1)[1].split("/")[0]
-        self._start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
-                    server_env, "server.log")
-        _wait(lambda: _answers(f"{self.url}/health"), 180, "the Prefect server")
-        self._start([sys.executable, str(ROOT / "deployments" / "serve.py"), "--history", str(self.work / "history")],
-                    self.env, "serve.log")
-        _wait(lambda: _answers(f"{self.url}/deployments/name/evaluate/checkpoint"), 180, "the served deployments")
-        return self.env
+@contextlib.contextmanager
+def _served(work: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A Prefect server with its database in `work`, and deployments/serve.py against it; yields the
+    environment that reports to it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**env, "PREFECT_HOME": str(work / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)        # the server's own environment; its clients get it below
+    started: list[subprocess.Popen] = []
 
-    def _start(self, args: list[str], env: dict[str, str], log: str) -> None:
-        with open(self.work / log, "w") as out:
-            self.procs.append(subprocess.Popen(args, env=env, cwd=self.work, stdout=out, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    def start(args: list[str], log: str) -> None:
+        with open(work / log, "w") as out:
+            started.append(subprocess.Popen(args, env=env, cwd=work, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True))
+    try:
+        start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], "server.log")
+        _wait(lambda: _answers(f"{url}/health"), 180, "the Prefect server")
+        env["PREFECT_API_URL"] = url
+        start([sys.executable, str(ROOT / "deployments" / "serve.py"), "--history", str(work / "history")], "serve.log")
+        _wait(lambda: _answers(f"{url}/deployments/name/evaluate/checkpoint"), 180, "the served deployments")
+        yield env
+    finally:
+        for proc in reversed(started):
+            if proc.poll() is not None:
+                continue
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _answers(url: str) -> bool:

@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 # torch.distributed.checkpoint and the parallel layouts are imported where a checkpoint is read or
-# written, not with this module: importing them registers DTensor's operators (about 2 s of CPU),
-# which the flow's process, reading only folder names and markers, never needs.
+# written, not with this module: importing them registers DTensor's operators (about a second of
+# CPU), which the flow's process, reading only folder names and markers, never needs.
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^iter_(\d{7,})$")

@@ -25,7 +25,7 @@ from gpt.model import GPT, tied
 from gpt.parallel.dims import ParallelDims
 
 # torch.distributed.pipelining, which brings TorchDynamo (a second per process), and the layouts
-# (DTensor's operators, two more) are imported by the runs that build a pipeline only: the flow reads
+# (DTensor's operators, about one more) are imported by the runs that build a pipeline only: the flow reads
 # bubble_fraction here
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
              "interleaved-zb": "ScheduleInterleavedZeroBubble"}
