@@ -1,15 +1,20 @@
 """Launch gpt.train as real processes (one per rank, gloo on loopback) for the gpt tests."""
 from __future__ import annotations
 
+import functools
 import json
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.process
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gpt.parallel.process_group import free_port
+from tests import rank_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,14 +31,64 @@ def slow_iterations(seconds: float) -> str:
     return f"rank=-1,iteration=1,every=1,phase=data,seconds={seconds}"
 
 
+class RankProcess:
+    """A forked rank, answering as subprocess.Popen does for what the tests ask of a rank."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, log: Path) -> None:
+        self.process, self.log = process, log
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0)
+        return self.process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.log.read_text(errors="replace"), None
+
+
+@functools.cache
+def _fork_server() -> multiprocessing.context.ForkServerContext:
+    """This test process's fork server, started once with torch imported (one thread per rank, as
+    OMP_NUM_THREADS=1 tells torch when it loads)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(rank_process.PRELOAD)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return context
+
+
 class GPTLauncher:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
 
     def start(self, config: dict, world_size: int = 1, prelude: str = "",
-              unset: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-        """Start every rank of ``python -m gpt.train`` on ``config``; ``prelude`` runs first in each;
-        the variables ``unset`` names are not in their environment."""
+              unset: tuple[str, ...] = ()) -> list[RankProcess]:
+        """Start every rank of ``python -c "from gpt.train import cli ..." --config PATH`` on ``config``;
+        ``prelude`` runs first in each; the variables ``unset`` names are not in their environment.
+        Each rank is forked from a server that imported torch once (tests.rank_process)."""
         cfg_path = Path(config["run_dir"]).with_suffix(".config.json")
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(json.dumps(config))
@@ -44,12 +99,14 @@ class GPTLauncher:
             env = {**{k: v for k, v in os.environ.items() if k not in unset}, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            procs.append(subprocess.Popen([sys.executable, "-c", code, "--config", str(cfg_path)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            log = cfg_path.with_suffix(f".rank{rank}.log")
+            process = _fork_server().Process(target=rank_process.run, args=(code, ["--config", str(cfg_path)], env, str(log)))
+            process.start()
+            procs.append(RankProcess(process, log))
         return procs
 
     @staticmethod
-    def wait(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+    def wait(procs: list[RankProcess], timeout: float = 240) -> list[tuple[int, str]]:
         out = []
         for p in procs:
             try:
