@@ -10,6 +10,7 @@ import multiprocessing.process
 import os
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -38,14 +39,7 @@ class RankProcess:
         self.process, self.log = process, log
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
     def returncode(self) -> int | None:
-        return self.process.exitcode
-
-    def poll(self) -> int | None:
         return self.process.exitcode
 
     def kill(self) -> None:
@@ -54,7 +48,7 @@ class RankProcess:
     def wait(self, timeout: float | None = None) -> int:
         self.process.join(timeout)
         if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0)
+            raise subprocess.TimeoutExpired(f"rank {self.process.pid}", timeout or 0)
         return self.process.exitcode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
@@ -68,15 +62,8 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     OMP_NUM_THREADS=1 tells torch when it loads)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(rank_process.PRELOAD)
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     return context
 
 
