@@ -52,7 +52,9 @@ class RankProcess:
         return self.process.exitcode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        self.wait(timeout)
+        code = self.wait(timeout)
+        if not self.log.exists():            # it ended before its first line: the fork server logged why
+            return f"rank exited {code} before it opened {self.log}", None
         return self.log.read_text(errors="replace"), None
 
 
@@ -75,7 +77,8 @@ class GPTLauncher:
               unset: tuple[str, ...] = ()) -> list[RankProcess]:
         """Start every rank of ``python -c "from gpt.train import cli ..." --config PATH`` on ``config``;
         ``prelude`` runs first in each; the variables ``unset`` names are not in their environment.
-        Each rank is forked from a server that imported torch once (tests.rank_process)."""
+        Each rank is forked from a server that imported torch once (tests.rank_process); as with any
+        multiprocessing server, a script that calls this starts under ``if __name__ == "__main__"``."""
         cfg_path = Path(config["run_dir"]).with_suffix(".config.json")
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(json.dumps(config))
