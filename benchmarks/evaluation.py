@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from tasks.cluster.record import JOBS_RECORD
 from tasks.evaluate import result_path
 from tasks.tokenize.sample_corpus import sample_corpus
 
@@ -137,7 +138,7 @@ def _pretrain(args: list[str], env: dict[str, str], run_dir: Path, evaluated: bo
                           text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the pretrain run {run_dir.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    jobs = [j for j in json.loads((run_dir / "jobs.json").read_text()) if j["name"].startswith("train")]
+    jobs = [j for j in json.loads((run_dir / JOBS_RECORD).read_text()) if j["name"].startswith("train")]
     started, ended = jobs[0]["submitted"], jobs[-1]["states"][-1]["time"]
     found: dict[str, Any] = {"train_job_s": round(ended - started, 2),
                              "train_wall_s": round(json.loads((run_dir / "summary.json").read_text())["wall_s"], 2)}

@@ -37,6 +37,7 @@ from flows.plan.params import (
 from flows.stages import Stages, export_intact, index_intact, trained_intact
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
+from tasks.evaluate import IN_PROGRESS as EVALUATION_IN_PROGRESS
 from tasks.evaluate import EvaluationSpec, results, summary, tracker_items
 from tasks.export import export_task
 from tasks.index import index_task
@@ -142,7 +143,7 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     )
     if output.uri:  # after the report, so the upload holds the loss plot and the export too
         stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
-                   profile=output.profile or data.profile)
+                   profile=output.profile or data.profile, exclude=EVALUATION_IN_PROGRESS)
     evaluated = results(Path(result.run_dir))
     if output.trackers and outlook.kind != "trained":     # last: evaluations written until now go with it
         Trackers(output.trackers, output.tracker_project, Path(result.run_dir), plan.config.to_dict()).finish(

@@ -28,7 +28,8 @@ from gpt.checkpoint import MARKER as COMPLETE
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import JobError, submit
+from tasks.cluster.jobs import JOBS_FOLDER, JobError, submit
+from tasks.cluster.record import JOBS_RECORD
 from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunBusy, RunOwner
 from tasks.common.retry import worth_retrying
@@ -37,6 +38,11 @@ from tasks.train.trackers import Item, Trackers, evaluation_logged, unlogged
 SPEC = "evaluation.json"
 FOLDER = "eval"
 PINNED = "pinned"
+# The evaluation's work in progress, which an upload of the run folder leaves out (paths in the run
+# folder, fnmatch): saves pinned until they are scored, the evaluation jobs' records and logs, and
+# files being written (gpt.files writes ``.NAME.tmp-*`` and renames it when complete). Its results
+# (eval/iter_N.json) written by then go with the upload.
+IN_PROGRESS = (f"{FOLDER}/{PINNED}/*", f"{FOLDER}/{JOBS_FOLDER}/*", f"{FOLDER}/{JOBS_RECORD}", f"{FOLDER}/.*")
 BATCH = 8                      # sequences per forward pass of a set's perplexity
 TRACKERS_WAIT_S = 300.0        # how long an evaluation waits for the run folder's owner to log it
 

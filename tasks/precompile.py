@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.config import ARCHITECTURE, Config, model_name
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import DistributedTask, JobError, submit
+from tasks.cluster.jobs import JOBS_FOLDER, DistributedTask, JobError, submit
 from tasks.cluster.launch import job_launch
 from tasks.cluster.run_context import run_logger
 from tasks.common.digest import digest
@@ -75,7 +75,7 @@ def sbatch_script(config: Config, cluster: ClusterConfig) -> str:
     """The batch script the compile job would be submitted with (nothing is submitted)."""
     work = Path(job_config(config).run_dir)
     launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=True)
-    return launch.sbatch_script(work / "jobs", job_name=f"precompile-{model_name(config)}", python=python)
+    return launch.sbatch_script(work / JOBS_FOLDER, job_name=f"precompile-{model_name(config)}", python=python)
 
 
 def precompile(config: Config, cluster: ClusterConfig) -> PrecompileManifest:

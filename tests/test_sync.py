@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import tasks.sync as sync_module
+from tasks.evaluate import IN_PROGRESS as EVALUATION_IN_PROGRESS
 from tasks.sync import (
     MANIFEST_NAME,
     PARTIAL_DIR,
@@ -24,6 +25,7 @@ from tasks.sync import (
     multipart_etag,
     sync,
     upload,
+    uploader,
 )
 from tests.fixtures_s3 import LIST_ONLY_BUCKET, SECRET_KEY, S3Server
 
@@ -469,6 +471,50 @@ def test_upload_folder(s3: S3Server, tmp_path: Path) -> None:
     back = sync([f"s3://{bucket}/runs/r1/"], str(tmp_path / "back"), endpoint_url=s3.endpoint_url)
     assert read_tree(tmp_path / "back") == tree | {"metrics.jsonl": b'{"iteration": 2}\n'}
     assert len(back.files) == len(tree)
+
+
+def test_upload_of_a_run_leaves_out_the_evaluation_in_progress(s3: S3Server, tmp_path: Path) -> None:
+    # While a run is uploaded its saves may still be evaluated: their pinned copies are removed once
+    # scored, the evaluation jobs write their logs and record, results are written under a temporary name.
+    bucket, run = s3.new_bucket(), tmp_path / "run"
+    kept = {"metrics.jsonl": b"{}\n", "checkpoints/iter_0000010/model.pt": b"w", "eval/iter_0000010.json": b"{}"}
+    working = {"eval/pinned/iter_0000020/checkpoints/iter_0000020/__0_0.distcp": b"w", "eval/jobs/12/12_0_log.out": b"",
+               "eval/jobs.json": b"[]", "eval/.iter_0000020.json.tmp-7-8": b"{"}
+    for rel, data in (kept | working).items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(data)
+    m = upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url, exclude=EVALUATION_IN_PROGRESS)
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix="runs/r1/")["Contents"]
+    assert {o["Key"] for o in listed} == {f"runs/r1/{rel}" for rel in [*kept, MANIFEST_NAME]}
+    assert {f.path for f in m.files} == set(kept)
+
+    # the same from the command line
+    r = cli(str(run), f"s3://{bucket}/runs/r2", "--endpoint-url", s3.endpoint_url,
+            *[arg for pattern in EVALUATION_IN_PROGRESS for arg in ("--exclude", pattern)], env=s3.env)
+    assert r.returncode == 0, r.stderr
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix="runs/r2/")["Contents"]
+    assert {o["Key"] for o in listed} == {f"runs/r2/{rel}" for rel in [*kept, MANIFEST_NAME]}
+
+
+def test_upload_of_a_file_removed_meanwhile_is_tried_again(s3: S3Server, tmp_path: Path, monkeypatch) -> None:
+    # Another process removes a file between the listing and its copy: the upload fails as transient,
+    # so the stage runs it again, and the next try lists the folder again.
+    bucket, run = s3.new_bucket(), tmp_path / "run"
+    run.mkdir()
+    (run / "kept.txt").write_text("kept")
+    (run / "scored.bin").write_bytes(b"pinned until scored")
+    listed_then_removed = uploader.list_local
+
+    def list_local(*args, **kwargs):
+        listed = listed_then_removed(*args, **kwargs)
+        (run / "scored.bin").unlink()
+        return listed
+    monkeypatch.setattr(uploader, "list_local", list_local)
+    with pytest.raises(TransientSyncError, match=r"scored.bin changed or was removed while it was uploaded"):
+        upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url)
+    monkeypatch.setattr(uploader, "list_local", listed_then_removed)
+    m = upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url)
+    assert [f.path for f in m.files] == ["kept.txt"]
 
 
 def test_upload_to_missing_bucket(s3: S3Server, tmp_path: Path) -> None:

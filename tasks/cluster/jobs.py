@@ -42,6 +42,7 @@ from tasks.cluster.stacks import save_stacks
 
 log = logging.getLogger(__name__)
 
+JOBS_FOLDER = "jobs"     # <run_dir>/jobs/: the jobs' scripts, logs and results
 POLL_S = 2.0
 CANCEL_CHECK_S = 5.0
 CANCEL_WAIT_S = 120.0    # for a cancelled hung job to end
@@ -376,7 +377,7 @@ def submit_array(fns: list[Callable[[], R]], cluster: ClusterConfig, *, run_dir:
 def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
             python: str | None, record: JobRecord) -> Any:
     """One job for ``fn``, or one array task for each of a list of them."""
-    folder = run_dir / "jobs"
+    folder = run_dir / JOBS_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     ex = _executor(cluster, folder, job_name, python)
     try:
@@ -398,7 +399,7 @@ def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterCon
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
             on_poll: Callable[[], None], watch: HangWatch | None = None) -> tuple[Any, str, str]:
     logger = run_logger()
-    job_id, folder = running.job_id, run_dir / "jobs"
+    job_id, folder = running.job_id, run_dir / JOBS_FOLDER
     with _ACTIVE_LOCK:
         _ACTIVE[job_id] = running
     result_paths = JobPaths(folder, job_id=job_id, task_id=0)
@@ -480,7 +481,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
 def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord, nodes: str) -> Hang:
     """Every rank's Python stack and the heartbeats into ``<run>/jobs/<job>/hang-<time>/`` with a
     report, then the job cancelled (its ranks no longer answer SIGTERM: killed)."""
-    folder = run_dir / "jobs" / running.job_id / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = run_dir / JOBS_FOLDER / running.job_id / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
     hang = dataclasses.replace(hang, folder=str(folder))
     logger = run_logger()

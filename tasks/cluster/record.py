@@ -10,12 +10,14 @@ from typing import Any
 from gpt.files import write_json
 from tasks.cluster.slurm import TERMINAL
 
+JOBS_RECORD = "jobs.json"
+
 
 class JobRecord:
     """Appends job ids and state changes to <run_dir>/jobs.json."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "jobs.json"
+        self.path = run_dir / JOBS_RECORD
         self.jobs: list[dict[str, Any]] = json.loads(self.path.read_text()) if self.path.exists() else []
 
     def add(self, job_id: str, kind: str, name: str, script: str | None) -> None:

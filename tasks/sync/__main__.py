@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=256, help="files in flight (s5cmd --numworkers)")
     p.add_argument("--part-size-mb", type=int, default=50, help="multipart part size in MiB")
     p.add_argument("--concurrency", type=int, default=5, help="parts in flight per file")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="upload: leave out the files whose path in SRC matches PATTERN (fnmatch; repeatable)")
     p.add_argument("--delete", action="store_true", help="remove local files that no source has")
     p.add_argument("--verify-content", action="store_true",
                    help="read everything again: hash every local source and its copy, verify every S3 copy")
@@ -37,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_s3(dest):
             if len(sources) != 1 or args.delete or args.verify_content:
                 p.error("an upload takes exactly one local SRC and no --delete or --verify-content")
-            m = upload(sources[0], dest, **opts)
+            m = upload(sources[0], dest, exclude=args.exclude, **opts)
         else:
+            if args.exclude:
+                p.error("--exclude is for an upload (an s3:// DST): list the sources to sync instead")
             m = sync(sources, dest, delete=args.delete, verify_content=args.verify_content, **opts)
     except SyncError as e:
         print(f"error: {redact(str(e))}", file=sys.stderr)

@@ -149,7 +149,9 @@ def walk_files(root: str) -> Iterator[str]:
             yield os.path.join(folder, name)
 
 
-def list_local(src: str, reach: Reach) -> list[Source]:
+def list_local(src: str, reach: Reach, exclude: Iterable[str] = ()) -> list[Source]:
+    """The local file, glob or folder `src`, less the files whose relative path matches a pattern of
+    `exclude` (fnmatch: ``*`` also matches ``/``)."""
     path = local_path(src)
     if any(c in path for c in GLOB_CHARS):
         base = _glob_base(path)
@@ -165,8 +167,11 @@ def list_local(src: str, reach: Reach) -> list[Source]:
             raise SyncError(f"{src} is an empty folder: check the path")
     else:
         pairs = [(path, os.path.basename(path))]
+    exclude = tuple(exclude)
     out = []
     for p, rel in pairs:
+        if any(fnmatch.fnmatchcase(rel, pattern) for pattern in exclude):
+            continue
         now = time.time_ns()
         st = reach.file(p)
         out.append(Source(p, rel, st.st_size, stat=LocalStat.of(st, now)))

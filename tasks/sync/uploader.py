@@ -4,7 +4,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import botocore.exceptions as bexc
 
@@ -21,17 +21,19 @@ from tasks.sync.listing import (
 )
 from tasks.sync.manifest import FileEntry, SyncManifest, stamp_fields
 from tasks.sync.reach import Reach
-from tasks.sync.remote import Remote, SyncError, s3_call, split_s3
+from tasks.sync.remote import Remote, SyncError, TransientSyncError, s3_call, split_s3
 from tasks.sync.s5cmd import run_s5cmd
 
 
 def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_request: bool = False,
            profile: str | None = None, workers: int = 256, part_size_mb: int = 50,
-           concurrency: int = 5) -> SyncManifest:
+           concurrency: int = 5, exclude: Sequence[str] = ()) -> SyncManifest:
     """Upload the local file or folder `src` under the S3 prefix `dest_uri`, verified by ETag.
 
     Objects already there with the same content are left alone. The manifest is written to
-    `<dest_uri>/.sync-manifest.json`.
+    `<dest_uri>/.sync-manifest.json`. Files whose path in `src` matches a pattern of `exclude`
+    (fnmatch) are left out. A file that another process changes or removes while it is uploaded fails
+    the upload as transient: the next try lists the folder again.
     """
     if not is_s3(dest_uri):
         raise SyncError(f"upload destination {dest_uri!r} is not an s3:// URI: write s3://BUCKET/PREFIX")
@@ -40,7 +42,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
     root = local_path(src)
     local_dir = root if os.path.isdir(root) else os.path.dirname(root)
-    objs = list_local(src, Reach())
+    objs = list_local(src, Reach(), exclude)
     client = remote.client()
     base = f"s3://{bucket}/{prefix}"
     there: dict[str, tuple[int, str]] = {}
@@ -98,6 +100,9 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
                            part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
         try:
+            if errors and (changed := changed_since_listed(todo)):
+                raise TransientSyncError(f"{changed[0]} changed or was removed while it was uploaded ({len(changed)} "
+                                         "file(s)): the next try lists the folder again")
             await_verifications(futures, progress, errors, failures, remote, "does not match its local file after upload")
         finally:
             progress.show(final=True)
@@ -113,6 +118,19 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     progress.logger.info(f"uploaded {progress.done_items} of {len(files)} files ({human_bytes(progress.done_bytes)}) "
                          f"to {base}; {len(files) - progress.done_items} were already there")
     return manifest
+
+
+def changed_since_listed(objs: list[Source]) -> list[str]:
+    """The local files of `objs` that were written or removed since they were listed."""
+    changed = []
+    for o in objs:
+        try:
+            same = o.stat.same(os.stat(o.uri), o.size)  # type: ignore[union-attr]
+        except FileNotFoundError:
+            same = False
+        if not same:
+            changed.append(o.uri)
+    return changed
 
 
 def _remote_manifest(client: Any, bucket: str, key: str) -> dict[str, FileEntry]:
