@@ -516,6 +516,16 @@ def test_upload_of_a_file_removed_meanwhile_is_tried_again(s3: S3Server, tmp_pat
     m = upload(str(run), f"s3://{bucket}/runs/r1", endpoint_url=s3.endpoint_url)
     assert [f.path for f in m.files] == ["kept.txt"]
 
+    # A copy that fails for another reason beside it is that failure, not worth trying again.
+    (run / "new.txt").write_text("new")
+    (run / "scored.bin").write_bytes(b"pinned again")
+    monkeypatch.setattr(uploader, "list_local", list_local)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(k, s3.lister_env[k])
+    with pytest.raises(SyncError, match=f"^access denied to s3://{LIST_ONLY_BUCKET}/runs/r1/") as e:
+        upload(str(run), f"s3://{LIST_ONLY_BUCKET}/runs/r1", endpoint_url=s3.endpoint_url)
+    assert not isinstance(e.value, TransientSyncError)
+
 
 def test_upload_to_missing_bucket(s3: S3Server, tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")

@@ -32,8 +32,8 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
 
     Objects already there with the same content are left alone. The manifest is written to
     `<dest_uri>/.sync-manifest.json`. Files whose path in `src` matches a pattern of `exclude`
-    (fnmatch) are left out. A file that another process changes or removes while it is uploaded fails
-    the upload as transient: the next try lists the folder again.
+    (fnmatch) are left out. When every failed copy is of a file that another process changed or removed
+    since the listing, the upload fails as transient: the next try lists the folder again.
     """
     if not is_s3(dest_uri):
         raise SyncError(f"upload destination {dest_uri!r} is not an s3:// URI: write s3://BUCKET/PREFIX")
@@ -100,10 +100,12 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
                            part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
         try:
-            if errors and (changed := changed_since_listed(todo)):
+            changed = changed_since_listed(todo) if errors else []
+            unexplained = [error for error in errors if not any(f" {path} " in error for path in changed)]
+            if errors and not unexplained:
                 raise TransientSyncError(f"{changed[0]} changed or was removed while it was uploaded ({len(changed)} "
                                          "file(s)): the next try lists the folder again")
-            await_verifications(futures, progress, errors, failures, remote, "does not match its local file after upload")
+            await_verifications(futures, progress, unexplained, failures, remote, "does not match its local file after upload")
         finally:
             progress.show(final=True)
     files = [entries[o.rel] for o in objs]
