@@ -5,7 +5,7 @@ import fnmatch
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from tasks.common.digest import Digest
 from tasks.common.uri import is_s3
@@ -149,7 +149,7 @@ def walk_files(root: str) -> Iterator[str]:
             yield os.path.join(folder, name)
 
 
-def list_local(src: str, reach: Reach, exclude: Iterable[str] = ()) -> list[Source]:
+def list_local(src: str, reach: Reach, exclude: Sequence[str] = ()) -> list[Source]:
     """The local file, glob or folder `src`, less the files whose relative path matches a pattern of
     `exclude` (fnmatch: ``*`` also matches ``/``)."""
     path = local_path(src)
@@ -167,7 +167,6 @@ def list_local(src: str, reach: Reach, exclude: Iterable[str] = ()) -> list[Sour
             raise SyncError(f"{src} is an empty folder: check the path")
     else:
         pairs = [(path, os.path.basename(path))]
-    exclude = tuple(exclude)
     out = []
     for p, rel in pairs:
         if any(fnmatch.fnmatchcase(rel, pattern) for pattern in exclude):

@@ -100,7 +100,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
         errors = run_s5cmd([(o.uri, base + o.rel) for o in todo], remote, workers=workers,
                            part_size_mb=part_size_mb, concurrency=concurrency, on_done=uploaded) if todo else []
         try:
-            changed = changed_since_listed(todo) if errors else []
+            changed = _changed_since_listed(todo) if errors else []
             unexplained = [error for error in errors if not any(f" {path} " in error for path in changed)]
             if errors and not unexplained:
                 raise TransientSyncError(f"{changed[0]} changed or was removed while it was uploaded ({len(changed)} "
@@ -122,7 +122,7 @@ def upload(src: str, dest_uri: str, *, endpoint_url: str | None = None, no_sign_
     return manifest
 
 
-def changed_since_listed(objs: list[Source]) -> list[str]:
+def _changed_since_listed(objs: list[Source]) -> list[str]:
     """The local files of `objs` that were written or removed since they were listed."""
     changed = []
     for o in objs:
