@@ -14,6 +14,9 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 # The temporary Prefect server of a flow run from the command line may start slowly while other
 # tests keep the cores busy.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# `pytest -n auto` runs one worker per core: each process (the worker, its flows, its jobs' ranks)
+# computes on one thread, where torch's default of every core would have them wait on each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")       # set under `pytest -n N`
 if WORKER:                                           # each worker's flows keep their own Prefect database
     os.environ.setdefault("PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"prefect-{WORKER}"))

@@ -1,11 +1,14 @@
 """The embedded default: no scheduler, submitit's local executor on this machine."""
 from __future__ import annotations
 
+import functools
 import json
+import os
 from pathlib import Path
 
 from gpt.config import Config
 from tasks.cluster.config import load_cluster
+from tasks.cluster.jobs import submit
 from tasks.train.stage import train
 
 
@@ -21,3 +24,17 @@ def test_local_executor_trains_in_its_run_folder(tmp_path: Path) -> None:
     metrics = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [m["iteration"] for m in metrics if m["kind"] == "train"] == [1, 2, 3, 4]
     assert "iteration        4/       4" in (Path(first) / "jobs" / f"{job['job_id']}_0_log.out").read_text()
+
+
+def test_the_local_executors_ranks_share_the_cores_unless_told(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = functools.partial(os.getenv, "OMP_NUM_THREADS")
+    shared, _, _ = submit(threads, load_cluster("local", tasks_per_node=2), run_dir=tmp_path / "a", job_name="threads")
+    assert shared == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    alone, _, _ = submit(threads, load_cluster("local"), run_dir=tmp_path / "b", job_name="threads")
+    assert alone is None                                    # one rank: torch's own default
+    told, _, _ = submit(threads, load_cluster("local", tasks_per_node=2, env={"OMP_NUM_THREADS": "3"}),
+                        run_dir=tmp_path / "c", job_name="threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    inherited, _, _ = submit(threads, load_cluster("local", tasks_per_node=2), run_dir=tmp_path / "d", job_name="threads")
+    assert (told, inherited) == ("3", "5")

@@ -256,8 +256,18 @@ def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str |
     ex = submitit.LocalExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     credentials = credential_variables()
     ex.update_parameters(tasks_per_node=cluster.tasks_per_node, nodes=1, timeout_min=cluster.time_limit,
-                         setup=[*([f"unset {' '.join(credentials)}"] if credentials else []), *cluster.setup_lines()])
+                         setup=[*([f"unset {' '.join(credentials)}"] if credentials else []),
+                                *_local_threads(cluster), *cluster.setup_lines()])
     return ex
+
+
+def _local_threads(cluster: ClusterConfig) -> list[str]:
+    """The local executor's ranks share this machine's cores, as torchrun's do: unless the preset
+    or the environment says otherwise, each rank's torch takes its share of them, where by default
+    every rank would take them all and their threads would wait on each other."""
+    if cluster.tasks_per_node == 1 or "OMP_NUM_THREADS" in cluster.env or "OMP_NUM_THREADS" in os.environ:
+        return []
+    return [f"export OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // cluster.tasks_per_node)}"]
 
 
 @dataclass
