@@ -108,7 +108,7 @@ args = json.loads(sys.argv[2])
 class Vocabulary:
     # the index stage reads only these; no tokenization happens
     vocab_size = GPT2_VOCAB_SIZE
-    eod = 50256
+    eod = GPT2_VOCAB_SIZE - 1   # GPT-2 gives <|endoftext|> the last id
     pad = -1
     unique_identifiers = {"class": "Vocabulary", "vocab_size": GPT2_VOCAB_SIZE}
 

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from gpt.checkpoint import Checkpointer, load_whole_model
-from gpt.config import GPT3_BLOCK, Config, block_family, model_name
+from gpt.config import GPT3_BLOCK, Config, ConfigError, block_family, model_name, shape_differences
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
-from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, param_count, split_qkv, tied
+from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, param_count, plain_name, split_qkv, tied
 from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
@@ -248,6 +248,23 @@ def ours_from_hf(weights: dict[str, torch.Tensor], config: Config) -> dict[str, 
     if family(config) == "llama":
         return hf_llama_to_ours(weights, config.padded_vocab_size(), config)
     return hf_to_ours(weights, config.padded_vocab_size(), config.num_attention_heads)
+
+
+def load_hf_weights(model: torch.nn.Module, config: Config) -> None:
+    """Every rank loads the whole HuggingFace state dict and keeps its own shard of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from gpt.parallel.xla import sharded_names
+
+    folder = Path(config.init_from_hf)
+    theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
+    differ = shape_differences(theirs, config, also=("vocab_size",))
+    if differ:
+        raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
+    weights = ours_from_hf(hf_weights(folder), config)
+    split = {plain_name(name): shard for name, shard in sharded_names(model).items()}
+    weights = {key: split[key].cut(value) if key in split else value for key, value in weights.items()}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
 # ---------------------------------------------------------------- reading a run

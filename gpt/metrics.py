@@ -1,16 +1,25 @@
-"""Megatron's log line on stdout, metrics.jsonl and TensorBoard events, written by rank 0."""
+"""Megatron's log line on stdout, metrics.jsonl and TensorBoard events, written by rank 0; the
+training loop's step log, which reads its figures from the device in batches."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import re
+import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gpt import heartbeat
 from gpt.config import Config
 from gpt.files import writing
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpt.backend import Backend
 
 
 def flops_per_token(config: Config, num_params: int) -> float:
@@ -154,3 +163,113 @@ def _iteration(line: bytes) -> float:
         return int(json.loads(line)["iteration"])
     except (ValueError, KeyError, TypeError):
         return math.inf
+
+
+# -- the training loop's records, read from the device in batches --------------------------------
+@dataclass
+class HeldStep:
+    """One iteration's figures, left on the device until the next read."""
+    iteration: int
+    consumed_samples: int
+    lr: float
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # loss, grad norm, stepped, loss scale
+
+
+class StepLog:
+    """The iterations' figures stay on the device until a read point (the log interval, an
+    evaluation, a checkpoint, the first and the last iteration), where they are read together: one
+    wait for the device there instead of one per iteration. Every iteration still gets its
+    metrics record; its time is the mean over the iterations read together."""
+
+    def __init__(self, config: Config, backend: Backend, metrics: MetricsWriter, world_size: int, start: float,
+                 log: Any, device: torch.device) -> None:
+        self.config, self.backend, self.metrics, self.world_size, self.start, self.log = (
+            config, backend, metrics, world_size, start, log)
+        self.device = device
+        from gpt.parallel.process_group import gather_objects
+
+        # Each rank's busy time goes to the records at each read, where the ranks can compare (not on
+        # XLA devices, whose step is one graph: a host-side time would say nothing).
+        self.nodes = gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname()) \
+            if world_size > 1 and not backend.lazy else None
+        self.busy = self._busy_s()
+        self.held: list[HeldStep] = []
+        self.clock = time.time()
+        self.first_iter_s: float | None = None
+        self.timed_tokens, self.timed_s = 0, 0.0
+        self.interval: list[dict[str, Any]] = []
+        self.last: dict[str, Any] | None = None
+        from gpt.model import param_count
+
+        self.flops_token = flops_per_token(config, param_count(config))
+        self.peak = config.peak_flops or backend.peak_flops(config.precision)
+
+    def hold(self, step: HeldStep) -> None:
+        self.held.append(step)
+
+    def read(self) -> list[dict[str, Any]]:
+        """Read the held iterations, write their records; returns them."""
+        values = self.backend.read([v for step in self.held for v in step.values])
+        now = time.time()
+        count, tokens = len(self.held), self.config.global_batch_size * self.config.seq_length
+        elapsed = (now - self.clock) / count
+        first = self.first_iter_s is None
+        if first:
+            self.first_iter_s = now - self.start
+        else:
+            self.timed_tokens, self.timed_s = self.timed_tokens + count * tokens, self.timed_s + now - self.clock
+        records = []
+        for i, step in enumerate(self.held):
+            loss, norm, stepped, scale = values[4 * i:4 * i + 4]
+            records.append({"iteration": step.iteration, "consumed_samples": step.consumed_samples, "lm_loss": loss,
+                            "lr": step.lr, "grad_norm": norm, "loss_scale": scale, "elapsed_ms": 1000 * elapsed,
+                            "tokens_per_s": tokens / elapsed, "mfu": self.mfu(tokens / elapsed),
+                            "skipped": int(not stepped), "nan": int(not math.isfinite(loss))})
+        for record in records:
+            self.metrics.train(record)
+        if self.nodes is not None:
+            from gpt.parallel.process_group import gather_floats
+
+            busy, self.busy = self._busy_s() - self.busy, self._busy_s()
+            busy_ms = gather_floats(1000 * busy / count, self.device)
+            if not first:   # the job's first iteration warms up: it tells nothing about the rank
+                self.metrics.ranks(records[-1]["iteration"], count, busy_ms, self.nodes)
+        self.held = []
+        self.interval += records
+        self.last = records[-1]
+        return records
+
+    @staticmethod
+    def _busy_s() -> float:
+        """Seconds this rank spent loading data and in forward passes: its own work, before it waits
+        for the others in a collective (gpt.heartbeat keeps the time per phase)."""
+        spent = heartbeat.spent()
+        return spent.get("data", 0.0) + spent.get("forward", 0.0)
+
+    def log_line(self) -> None:
+        """Megatron's line for the iterations since the last one: mean loss of the finite ones."""
+        finite = [r["lm_loss"] for r in self.interval if not r["nan"]]
+        ms = sum(r["elapsed_ms"] for r in self.interval) / len(self.interval)
+        tokens_per_s = self.config.global_batch_size * self.config.seq_length / (ms / 1000)
+        last = self.interval[-1]
+        self.log(train_line(iteration=last["iteration"], total=self.config.total_iters,
+                            consumed=last["consumed_samples"], elapsed_ms=ms, lr=last["lr"],
+                            batch=self.config.global_batch_size, loss=sum(finite) / max(1, len(finite)),
+                            loss_scale=last["loss_scale"], grad_norm=last["grad_norm"],
+                            skipped=sum(r["skipped"] for r in self.interval), nan=sum(r["nan"] for r in self.interval),
+                            tokens_per_s=tokens_per_s, mfu_value=self.mfu(tokens_per_s)), flush=True)
+        self.interval = []
+
+    def restart_clock(self) -> None:
+        """Evaluations and checkpoints are not training time."""
+        self.clock = time.time()
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(tokens_per_s, self.flops_token, self.peak, self.world_size)
+
+    def tokens_per_s(self) -> float | None:
+        """Over the timed iterations (all but the first), else the first alone."""
+        if self.timed_s:
+            return self.timed_tokens / self.timed_s
+        tokens = self.config.global_batch_size * self.config.seq_length
+        return tokens / self.first_iter_s if self.first_iter_s else None

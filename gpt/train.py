@@ -11,8 +11,6 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -27,20 +25,19 @@ from torch import nn
 from gpt import heartbeat
 from gpt.backend import Backend, get_backend, save_compile_cache, use_compile_cache
 from gpt.checkpoint import Checkpointer, writer_id
-from gpt.config import Config, ConfigError, parse_overrides, read_config_file, shape_differences
+from gpt.config import Config, ConfigError, parse_overrides, read_config_file
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.faults import FAULT
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
-from gpt.metrics import MetricsWriter, flops_per_token, mfu, saved_line, train_line, valid_line
-from gpt.model import param_count, plain_name
+from gpt.metrics import HeldStep, MetricsWriter, StepLog, saved_line, valid_line
 from gpt.optim import LossScaler, build_optimizer, lr_at
 from gpt.parallel.build import build_model
 from gpt.parallel.data import gradient_sync
 from gpt.parallel.dims import ParallelDims
 from gpt.parallel.gradients import clip_grads, scale_grads
 from gpt.parallel.pipeline import Pipeline, build_pipeline
-from gpt.parallel.process_group import all_reduce_sum, gather_floats, gather_objects, init_distributed, shutdown
+from gpt.parallel.process_group import StopSignal, all_reduce_sum, init_distributed, shutdown
 from gpt.parallel.xla import sharded_names
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run again to resume
@@ -158,159 +155,6 @@ def evaluate(model: nn.Module, dataset, config: Config, env: ParallelDims, devic
     return float(all_reduce_sum(total / count)) / (env.world_size // env.pp_size)
 
 
-# -- stopping on a signal --------------------------------------------------------------------
-class StopSignal:
-    """Records SIGUSR2/SIGTERM; ``should_stop`` agrees on all ranks (one all-reduced flag)."""
-
-    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignal:
-        try:
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        except ValueError:  # not the main thread: signals stay with whoever owns them
-            pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        self.received = True
-
-    def should_stop(self, device: torch.device) -> bool:
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.received
-        flag = torch.tensor(float(self.received), device=device)
-        return bool(all_reduce_sum(flag) > 0)
-
-
-def load_hf_weights(model: nn.Module, config: Config) -> None:
-    """Every rank loads the whole HuggingFace state dict and keeps its own shard of it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from gpt.export import config_from_hf, hf_weights, ours_from_hf
-
-    folder = Path(config.init_from_hf)
-    theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
-    differ = shape_differences(theirs, config, also=("vocab_size",))
-    if differ:
-        raise ConfigError(f"init_from_hf={folder}: the model there has another shape ({'; '.join(differ)})")
-    weights = ours_from_hf(hf_weights(folder), config)
-    split = {plain_name(name): shard for name, shard in sharded_names(model).items()}  # gpt.parallel.xla's
-    weights = {key: split[key].cut(value) if key in split else value for key, value in weights.items()}
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
-
-
-# -- metrics records, read from the device in batches ----------------------------------------
-@dataclass
-class HeldStep:
-    """One iteration's figures, left on the device until the next read."""
-    iteration: int
-    consumed_samples: int
-    lr: float
-    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # loss, grad norm, stepped, loss scale
-
-
-class StepLog:
-    """The iterations' figures stay on the device until a read point (the log interval, an
-    evaluation, a checkpoint, the first and the last iteration), where they are read together: one
-    wait for the device there instead of one per iteration. Every iteration still gets its
-    metrics record; its time is the mean over the iterations read together."""
-
-    def __init__(self, config: Config, backend: Backend, metrics: MetricsWriter, world_size: int, start: float,
-                 log: Any, device: torch.device) -> None:
-        self.config, self.backend, self.metrics, self.world_size, self.start, self.log = (
-            config, backend, metrics, world_size, start, log)
-        self.device = device
-        # Each rank's busy time goes to the records at each read, where the ranks can compare (not on
-        # XLA devices, whose step is one graph: a host-side time would say nothing).
-        self.nodes = gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname()) \
-            if world_size > 1 and not backend.lazy else None
-        self.busy = self._busy_s()
-        self.held: list[HeldStep] = []
-        self.clock = time.time()
-        self.first_iter_s: float | None = None
-        self.timed_tokens, self.timed_s = 0, 0.0
-        self.interval: list[dict[str, Any]] = []
-        self.last: dict[str, Any] | None = None
-        self.flops_token = flops_per_token(config, param_count(config))
-        self.peak = config.peak_flops or backend.peak_flops(config.precision)
-
-    def hold(self, step: HeldStep) -> None:
-        self.held.append(step)
-
-    def read(self) -> list[dict[str, Any]]:
-        """Read the held iterations, write their records; returns them."""
-        values = self.backend.read([v for step in self.held for v in step.values])
-        now = time.time()
-        count, tokens = len(self.held), self.config.global_batch_size * self.config.seq_length
-        elapsed = (now - self.clock) / count
-        first = self.first_iter_s is None
-        if first:
-            self.first_iter_s = now - self.start
-        else:
-            self.timed_tokens, self.timed_s = self.timed_tokens + count * tokens, self.timed_s + now - self.clock
-        records = []
-        for i, step in enumerate(self.held):
-            loss, norm, stepped, scale = values[4 * i:4 * i + 4]
-            records.append({"iteration": step.iteration, "consumed_samples": step.consumed_samples, "lm_loss": loss,
-                            "lr": step.lr, "grad_norm": norm, "loss_scale": scale, "elapsed_ms": 1000 * elapsed,
-                            "tokens_per_s": tokens / elapsed, "mfu": self.mfu(tokens / elapsed),
-                            "skipped": int(not stepped), "nan": int(not math.isfinite(loss))})
-        for record in records:
-            self.metrics.train(record)
-        if self.nodes is not None:
-            busy, self.busy = self._busy_s() - self.busy, self._busy_s()
-            busy_ms = gather_floats(1000 * busy / count, self.device)
-            if not first:   # the job's first iteration warms up: it tells nothing about the rank
-                self.metrics.ranks(records[-1]["iteration"], count, busy_ms, self.nodes)
-        self.held = []
-        self.interval += records
-        self.last = records[-1]
-        return records
-
-    @staticmethod
-    def _busy_s() -> float:
-        """Seconds this rank spent loading data and in forward passes: its own work, before it waits
-        for the others in a collective (gpt.heartbeat keeps the time per phase)."""
-        spent = heartbeat.spent()
-        return spent.get("data", 0.0) + spent.get("forward", 0.0)
-
-    def log_line(self) -> None:
-        """Megatron's line for the iterations since the last one: mean loss of the finite ones."""
-        finite = [r["lm_loss"] for r in self.interval if not r["nan"]]
-        ms = sum(r["elapsed_ms"] for r in self.interval) / len(self.interval)
-        tokens_per_s = self.config.global_batch_size * self.config.seq_length / (ms / 1000)
-        last = self.interval[-1]
-        self.log(train_line(iteration=last["iteration"], total=self.config.total_iters,
-                            consumed=last["consumed_samples"], elapsed_ms=ms, lr=last["lr"],
-                            batch=self.config.global_batch_size, loss=sum(finite) / max(1, len(finite)),
-                            loss_scale=last["loss_scale"], grad_norm=last["grad_norm"],
-                            skipped=sum(r["skipped"] for r in self.interval), nan=sum(r["nan"] for r in self.interval),
-                            tokens_per_s=tokens_per_s, mfu_value=self.mfu(tokens_per_s)), flush=True)
-        self.interval = []
-
-    def restart_clock(self) -> None:
-        """Evaluations and checkpoints are not training time."""
-        self.clock = time.time()
-
-    def mfu(self, tokens_per_s: float) -> float | None:
-        return mfu(tokens_per_s, self.flops_token, self.peak, self.world_size)
-
-    def tokens_per_s(self) -> float | None:
-        """Over the timed iterations (all but the first), else the first alone."""
-        if self.timed_s:
-            return self.timed_tokens / self.timed_s
-        tokens = self.config.global_batch_size * self.config.seq_length
-        return tokens / self.first_iter_s if self.first_iter_s else None
-
-
 def job_layout(config: Config, env: ParallelDims, model: nn.Module) -> dict[str, Any]:
     """How this job is laid out, as each checkpoint's marker keeps it (gpt.checkpoint.saved_layout)."""
     return {"world_size": env.world_size, "nodes": int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
@@ -419,6 +263,8 @@ def _start_from(run: Run) -> MetricsWriter:
         log(f"started from {'the weights and optimizer state' if config.init_from_optimizer else 'the weights'} "
             f"of {config.init_from}", flush=True)
     elif config.init_from_hf:
+        from gpt.export import load_hf_weights
+
         load_hf_weights(run.model, config)
         log(f"started from the HuggingFace weights in {config.init_from_hf}", flush=True)
     run_dir = Path(config.run_dir)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import MARKER as COMPLETE
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
-from gpt.files import write_json
+from gpt.files import replaced_folder, write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JOBS_FOLDER, JobError, submit
 from tasks.cluster.record import JOBS_RECORD
@@ -199,20 +199,21 @@ def pin(run_dir: Path, iteration: int) -> Path | None:
     None when the checkpoint is gone already."""
     source = run_dir / "checkpoints" / f"iter_{iteration:07d}"
     pinned = run_dir / FOLDER / PINNED / source.name
-    tmp = pinned.with_name(f"{source.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        (tmp / "checkpoints").mkdir(parents=True)
-        os.link(run_dir / "config.json", tmp / "config.json")
-        shutil.copytree(source, tmp / "checkpoints" / source.name, copy_function=os.link)
-        if not (tmp / "checkpoints" / source.name / COMPLETE).is_file():
-            raise FileNotFoundError(source / COMPLETE)
+        # one pinned before a rollback is replaced by this one
+        with replaced_folder(pinned, _not_a_pin, "the evaluation's pin") as tmp:
+            (tmp / "checkpoints").mkdir()
+            os.link(run_dir / "config.json", tmp / "config.json")
+            shutil.copytree(source, tmp / "checkpoints" / source.name, copy_function=os.link)
+            if not (tmp / "checkpoints" / source.name / COMPLETE).is_file():
+                raise FileNotFoundError(source / COMPLETE)
     except (FileNotFoundError, shutil.Error):
-        shutil.rmtree(tmp, ignore_errors=True)
         return None
-    shutil.rmtree(pinned, ignore_errors=True)          # one saved before a rollback: this one replaces it
-    os.rename(tmp, pinned)
     return pinned / "checkpoints" / source.name
+
+
+def _not_a_pin(folder: Path) -> list[str]:
+    return [entry.name for entry in folder.iterdir() if entry.name not in ("config.json", "checkpoints")]
 
 
 def checkpoint_at(run_dir: Path, iteration: int | None) -> Path:

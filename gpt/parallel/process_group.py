@@ -1,11 +1,12 @@
 """The process group a job's ranks join, and the collectives the training loop calls (sums and
-gathers of small values). Where each rank sits in the layout is gpt.parallel.dims; what each
-parallelism does to the model is gpt.parallel's.
+gathers of small values, the stop signal every rank agrees on). Where each rank sits in the layout
+is gpt.parallel.dims; what each parallelism does to the model is gpt.parallel's.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 from typing import Any
 
@@ -103,3 +104,34 @@ def shutdown(finished: bool) -> None:
         if finished:
             dist.barrier()
         dist.destroy_process_group()
+
+
+class StopSignal:
+    """Records SIGUSR2/SIGTERM; ``should_stop`` agrees on all ranks (one all-reduced flag)."""
+
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        try:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: signals stay with whoever owns them
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = True
+
+    def should_stop(self, device: torch.device) -> bool:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received
+        flag = torch.tensor(float(self.received), device=device)
+        return bool(all_reduce_sum(flag) > 0)

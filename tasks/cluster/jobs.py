@@ -1,5 +1,6 @@
 """Running one job on the cluster: submit it with submitit (SLURM, or local processes), follow
-it to its end, cancel it. Used by every stage that runs work on the cluster (precompile, train).
+it to its end, cancel it. Used by every stage that runs work on the cluster (sync, tokenize, precompile,
+train, evaluate).
 
 The submitting process watches the job itself (squeue / scontrol, no sacct needed), hands rank
 0's new log lines to a callback, records job ids and state changes in ``<run_dir>/jobs.json``, and
