@@ -104,44 +104,6 @@ class Backend:
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16  # fp8: float8 linears inside bf16
         return torch.autocast(self.kind.device_type, dtype=dtype)
 
-    def optimizer(self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float],
-                  eps: float) -> torch.optim.Optimizer:
-        """AdamW that ``step`` can skip on a device-side flag: torch_xla's sync-free AdamW on XLA,
-        torch's fused AdamW on accelerators, torch's foreach AdamW on CPU (as it always trained)."""
-        if self.lazy:
-            from torch_xla.amp.syncfree import AdamW
-
-            for group in groups:
-                for param in group["params"]:
-                    # A parameter made by to_empty and written by copy_ (weight init) is updated by
-                    # the sync-free step out of sight: give it storage of its own first.
-                    param.data = param.data.clone()
-            optimizer = AdamW(groups, lr=lr, betas=betas, eps=eps)
-            _create_state(optimizer)
-            optimizer.register_load_state_dict_post_hook(_state_to_parameter_device)
-            return optimizer
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind.fused_adamw or None)
-
-    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        """One optimizer step, or none where ``found_inf`` (a 0-dim float tensor) is 1: parameters
-        and optimizer state stay as they were. The flag is read on the device, or on the CPU, which
-        is the host (reading it waits for nothing there)."""
-        if self.lazy:
-            optimizer.step(found_inf=found_inf)
-            return
-        if not self.kind.fused_adamw:
-            if not found_inf.item():
-                optimizer.step()
-            return
-        from torch.distributed.tensor.experimental import implicit_replication
-
-        optimizer.found_inf = found_inf  # torch's fused AdamW skips on it, as under GradScaler
-        try:
-            with implicit_replication():  # tensor parallel: sharded and replicated parameters in one call
-                optimizer.step()
-        finally:
-            del optimizer.found_inf
-
     def sync(self) -> None:
         """End of one step's lazy graph: it runs now (XLA); nothing elsewhere."""
         if self.lazy:
@@ -204,25 +166,6 @@ def _status_bytes(field: str) -> int:
         line = next(row for row in Path("/proc/self/status").read_text().splitlines() if row.startswith(field + ":"))
         return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _create_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the sync-free optimizer's state with a skipped step, so that a checkpoint loads into
-    its layout (loading into an empty optimizer would make torch's own step create another one)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step(found_inf=torch.ones((), device=params[0].device))
-    for p in params:
-        p.grad = None
-
-
-def _state_to_parameter_device(optimizer: torch.optim.Optimizer) -> None:
-    """torch loads the step counts to the host; the sync-free optimizer keeps them with the parameter."""
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to(param.device)
 
 
 def get_backend(device: str) -> Backend:

@@ -1,9 +1,11 @@
 """The optimizer's parts, each small and separate: the learning-rate schedule (Megatron's warmup,
 then cosine, linear or constant decay to min_lr), fp16's dynamic loss scaling, and AdamW with weight
-decay on matrices only."""
+decay on matrices only: the one each device steps best (torch_xla's sync-free AdamW on XLA, torch's
+fused AdamW on accelerators, its foreach AdamW on CPU), whose step is skipped on a device-side flag."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,4 +71,63 @@ def build_optimizer(model: nn.Module, config: Config, backend: Backend) -> torch
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return backend.optimizer(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    return _adamw(groups, backend, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, backend: Backend) -> None:
+    """One optimizer step, or none where ``found_inf`` (a 0-dim float tensor) is 1: parameters
+    and optimizer state stay as they were. The flag is read on the device, or on the CPU, which
+    is the host (reading it waits for nothing there)."""
+    if backend.lazy:
+        optimizer.step(found_inf=found_inf)
+        return
+    if not backend.kind.fused_adamw:
+        if not found_inf.item():
+            optimizer.step()
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    optimizer.found_inf = found_inf  # torch's fused AdamW skips on it, as under GradScaler
+    try:
+        with implicit_replication():  # tensor parallel: sharded and replicated parameters in one call
+            optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def _adamw(groups: list[dict[str, Any]], backend: Backend, *, lr: float, betas: tuple[float, float],
+           eps: float) -> torch.optim.Optimizer:
+    """AdamW that ``step`` can skip on a device-side flag: torch_xla's sync-free AdamW on XLA,
+    torch's fused AdamW on accelerators, torch's foreach AdamW on CPU (as it always trained)."""
+    if backend.lazy:
+        from torch_xla.amp.syncfree import AdamW
+
+        for group in groups:
+            for param in group["params"]:
+                # A parameter made by to_empty and written by copy_ (weight init) is updated by
+                # the sync-free step out of sight: give it storage of its own first.
+                param.data = param.data.clone()
+        optimizer = AdamW(groups, lr=lr, betas=betas, eps=eps)
+        _create_state(optimizer)
+        optimizer.register_load_state_dict_post_hook(_state_to_parameter_device)
+        return optimizer
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=backend.kind.fused_adamw or None)
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the sync-free optimizer's state with a skipped step, so that a checkpoint loads into
+    its layout (loading into an empty optimizer would make torch's own step create another one)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step(found_inf=torch.ones((), device=params[0].device))
+    for p in params:
+        p.grad = None
+
+
+def _state_to_parameter_device(optimizer: torch.optim.Optimizer) -> None:
+    """torch loads the step counts to the host; the sync-free optimizer keeps them with the parameter."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(param.device)

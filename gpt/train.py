@@ -31,7 +31,7 @@ from gpt.faults import FAULT
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.metrics import HeldStep, MetricsWriter, StepLog, saved_line, valid_line
-from gpt.optim import LossScaler, build_optimizer, lr_at
+from gpt.optim import LossScaler, build_optimizer, lr_at, optimizer_step
 from gpt.parallel.build import build_model
 from gpt.parallel.data import gradient_sync
 from gpt.parallel.dims import ParallelDims
@@ -83,7 +83,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     finite = torch.isfinite(norm)
     if clip_grad > 0:
         clip_grads(params, clip_grad, norm.to(backend.kind.scalar_dtype))
-    backend.step(optimizer, (~finite).float())
+    optimizer_step(optimizer, (~finite).float(), backend)
     scaler.update(finite)
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
