@@ -168,18 +168,11 @@ def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any])
     """The flow's own plan-time checks, made before a Prefect server starts for the run, so that a
     mistake is answered at once; the flow makes them again (its parameters may come from elsewhere).
     Returns the plan."""
-    from flows.plan.approval import with_operator_caps
     from flows.plan.build import make_plan
-    from flows.plan.evaluation import check_evaluation
 
     given = inspect.signature(getattr(pretrain, "fn", pretrain)).bind(**params)
     given.apply_defaults()
-    plan = make_plan(**{name: value for name, value in given.arguments.items()
-                        if name not in ("budget", "evaluation", "dry_run")})
-    with_operator_caps(given.arguments["budget"])
-    check_evaluation(given.arguments["evaluation"], plan.layout.root, plan.config.keep_last,
-                     container=plan.cluster.container)
-    return plan
+    return make_plan(**{name: value for name, value in given.arguments.items() if name != "dry_run"})
 
 
 class _WithoutTraceback(logging.Formatter):

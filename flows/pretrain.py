@@ -21,7 +21,7 @@ from flows.local_server import lasting_api
 from flows.plan import approval, estimate, identity, provenance
 from flows.plan.artifact import dry_run_table, plan_table
 from flows.plan.build import Plan, make_plan, run_folder_problems
-from flows.plan.evaluation import check_evaluation, task_folders
+from flows.plan.evaluation import task_folders
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
@@ -75,19 +75,16 @@ def pretrain(
         dry_run: Only plan: the plan artifact (layout, memory per rank against the device, time and
             cost) and nothing synced, tokenized or submitted.
     """
-    plan = make_plan(model, data, tokenizer, training, cluster, output)
-    budget = approval.with_operator_caps(budget)      # an operator's cap that does not parse: refused now
-    check_evaluation(evaluation, plan.layout.root, plan.config.keep_last,
-                     container=plan.cluster.container)
+    plan = make_plan(model, data, tokenizer, training, cluster, output, budget, evaluation)
     if dry_run:
         return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
     with RunOwner(plan.run_dir, wait=progress_of_owner(plan.run_dir, plan.config.total_iters)):
-        return _pretrain(plan, model, data, tokenizer, output, budget, evaluation)
+        return _pretrain(plan, model, data, tokenizer, output, evaluation)
 
 
 def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams,
-              budget: BudgetParams, evaluation: EvaluationParams) -> dict:
+              evaluation: EvaluationParams) -> dict:
     stages = Stages()
     problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)   # as it is now that it is ours
     if problems:
@@ -118,9 +115,9 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
     plan_table(plan, outlook.message, warnings, cost.rows())
-    why = None if outlook.kind == "trained" else approval.over_budget(cost, budget)
+    why = None if outlook.kind == "trained" else approval.over_budget(cost, plan.budget)
     if why:
-        answer = approval.ask(cost, why, budget, server=lasting_api())
+        answer = approval.ask(cost, why, plan.budget, server=lasting_api())
         if not answer.approve:
             return Cancelled(message=f"not approved: {answer.reason or 'no reason given'} ({why})")
 

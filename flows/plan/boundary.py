@@ -27,12 +27,15 @@ Paths are compared after resolving links, so a link cannot lead out of a root.
 """
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tasks.common.uri import is_s3
+from tasks.sync import local_path
 from tasks.sync.reach import inside
 
 INPUT_ROOTS = "GPT_INPUT_ROOTS"
@@ -120,3 +123,42 @@ class Boundary:
 
 def _listed(folders: tuple[Path, ...]) -> str:
     return ", ".join(str(f) for f in folders)
+
+
+def refused(field: str, problem: str | None, errors: list[str]) -> bool:
+    """Record what the boundary refuses; True when it refused."""
+    if problem:
+        errors.append(f"{field}: {problem}")
+    return problem is not None
+
+
+def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
+    """A JSONL/Parquet source (a path, glob or s3:// URI) exists, lies where the operator allows and
+    is not the output root's own."""
+    if is_s3(src):
+        refused(field, boundary.s3_uri(src), errors)
+        return
+    matches = glob.glob(local_path(src))
+    if not matches:
+        errors.append(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
+    for match in matches:
+        real = Path(match).resolve()
+        if inside(real, root) or inside(root, real):
+            errors.append(f"{field}: {match} {'lies in' if inside(real, root) else 'holds'} the output root "
+                          f"{root}: a run never reads its own output back as a source; give the raw data's folder")
+            return
+        if refused(field, boundary.local_input(match, root), errors):
+            return
+
+
+def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
+    """A tokenized .bin/.idx pair exists and lies where the operator allows."""
+    if is_s3(prefix):
+        refused(field, boundary.s3_uri(prefix), errors)
+        return
+    for ext in (".bin", ".idx"):
+        path = local_path(prefix) + ext
+        if not os.path.isfile(path):
+            errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
+        elif refused(field, boundary.local_input(path, root), errors):
+            return

@@ -21,12 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from flows.plan import identity as run_identity
-from flows.plan.boundary import Boundary
+from flows.plan.approval import with_operator_caps
+from flows.plan.boundary import Boundary, check_prefix, check_source, refused
+from flows.plan.evaluation import check_evaluation
 from flows.plan.layout import Layout
 from flows.plan.outlook import Outlook, cannot_load, outlook
 from flows.plan.params import (
+    BudgetParams,
     ClusterParams,
     DataParams,
+    EvaluationParams,
     OutputParams,
     ParameterError,
     TokenizerParams,
@@ -41,7 +45,6 @@ from tasks.common.uri import is_s3
 from tasks.index import parse_split
 from tasks.precompile import cache_key
 from tasks.sync import local_path
-from tasks.sync.reach import inside
 from tasks.tokenize.hf_encoder import tokenizer_file
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
@@ -61,6 +64,7 @@ class Plan:
     layout: Layout
     run_dir: Path
     identity: dict[str, Any]
+    budget: BudgetParams = dataclasses.field(default_factory=BudgetParams)   # each limit at most the operator's cap
 
     @property
     def world_size(self) -> int:
@@ -89,10 +93,12 @@ class Plan:
 
 
 def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training: TrainingParams,
-              cluster: ClusterParams, output: OutputParams, boundary: Boundary | None = None) -> Plan:
+              cluster: ClusterParams, output: OutputParams, budget: BudgetParams = BudgetParams(),
+              evaluation: EvaluationParams = EvaluationParams(), boundary: Boundary | None = None) -> Plan:
     """Check every parameter (values, paths, endpoints, tokenizer, gpt Config, cluster, what the run
-    costs, the run folder's own run) and decide the plan. ``boundary``: what the operator allows
-    (default: from the environment, flows.plan.boundary).
+    costs, the run folder's own run, the operator's caps on the budget, the evaluation's sets and
+    tasks) and decide the plan. ``boundary``: what the operator allows (default: from the
+    environment, flows.plan.boundary).
 
     Raises ParameterError with one message per problem; nothing is submitted before this passes.
     """
@@ -137,7 +143,9 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
         errors += run_folder_problems(run_dir, identity, config)
     if errors:
         raise ParameterError(errors)
-    return Plan(config=config, cluster=where, layout=layout, run_dir=run_dir, identity=identity)
+    capped = with_operator_caps(budget)         # an operator's cap that does not parse: refused now
+    check_evaluation(evaluation, root, config.keep_last, boundary, container=where.container)
+    return Plan(config=config, cluster=where, layout=layout, run_dir=run_dir, identity=identity, budget=capped)
 
 
 def _output_root(output: OutputParams, boundary: Boundary, errors: list[str]) -> Path:
@@ -247,7 +255,7 @@ def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[st
                       "folder written by gpt.export or save_pretrained")
         return
     index = [folder / INDEX] if (folder / INDEX).is_file() else []
-    if any([_refused(field, boundary.local_input(str(path), root), errors)      # every file it reads
+    if any([refused(field, boundary.local_input(str(path), root), errors)      # every file it reads
             for path in (folder / "config.json", *index)]):
         return
     try:
@@ -255,7 +263,7 @@ def _check_start(config: Config, boundary: Boundary, root: Path, errors: list[st
     except (OSError, ValueError, KeyError) as e:
         errors.append(f"{field}: {folder / INDEX} cannot be read ({e}); export the model again")
         return
-    if any([_refused(field, boundary.local_input(str(path), root), errors) for path in weights]):
+    if any([refused(field, boundary.local_input(str(path), root), errors) for path in weights]):
         return
     try:
         theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
@@ -359,8 +367,8 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
         check_source(f"data.sources[{i}]", src, root, boundary, errors)
     for i, p in enumerate(data.prefixes):
         check_prefix(f"data.prefixes[{i}].prefix", p.prefix, root, boundary, errors)
-    _refused("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
-    _refused("data.profile", boundary.profile(data.profile), errors)
+    refused("data.endpoint_url", boundary.endpoint(data.endpoint_url), errors)
+    refused("data.profile", boundary.profile(data.profile), errors)
     if (tokenizer.vocab_file is None) != (tokenizer.merge_file is None):
         errors.append("tokenizer: give both vocab_file and merge_file, or neither to train a BPE tokenizer")
     if tokenizer.add_bos_token and not tokenizer.tokenizer_model:
@@ -374,15 +382,15 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
         if not value:
             continue
         if is_s3(value):
-            _refused(f"tokenizer.{name}", boundary.s3_uri(value), errors)
+            refused(f"tokenizer.{name}", boundary.s3_uri(value), errors)
         elif not os.path.isfile(local_path(value)) and not (
                 name == "tokenizer_model" and os.path.isfile(os.path.join(local_path(value), "tokenizer.json"))):
             errors.append(f"tokenizer.{name}: {value} not found" + (
                 " (a tokenizer.json, or the folder that holds one)" if name == "tokenizer_model" else ""))
-        elif not _refused(f"tokenizer.{name}", boundary.local_input(local_path(value), root), errors) \
+        elif not refused(f"tokenizer.{name}", boundary.local_input(local_path(value), root), errors) \
                 and name == "tokenizer_model":      # the files read, links resolved: not only the folder named
             for read in tokenizer_json_files(tokenizer_file(local_path(value))):
-                _refused(f"tokenizer.{name}", boundary.local_input(read, root), errors)
+                refused(f"tokenizer.{name}", boundary.local_input(read, root), errors)
     if data.prefixes and tokenizer.vocab_file is None and tokenizer.tokenizer_model is None:
         errors.append("tokenizer.vocab_file: data.prefixes were tokenized with some vocabulary; give its "
                       "vocab_file and merge_file, or its tokenizer_model (also used for the sources, so all "
@@ -392,25 +400,6 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
     except ValueError as e:
         errors.append(f"data.split: {e}")
 
-
-
-def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
-    """A JSONL/Parquet source (a path, glob or s3:// URI) exists, lies where the operator allows and
-    is not the output root's own."""
-    if is_s3(src):
-        _refused(field, boundary.s3_uri(src), errors)
-        return
-    matches = glob.glob(local_path(src))
-    if not matches:
-        errors.append(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
-    for match in matches:
-        real = Path(match).resolve()
-        if inside(real, root) or inside(root, real):
-            errors.append(f"{field}: {match} {'lies in' if inside(real, root) else 'holds'} the output root "
-                          f"{root}: a run never reads its own output back as a source; give the raw data's folder")
-            return
-        if _refused(field, boundary.local_input(match, root), errors):
-            return
 
 
 def _container_reads(data: DataParams, tokenizer: TokenizerParams, config: Config) -> dict[str, str]:
@@ -434,32 +423,13 @@ def _fixed_part(path: str) -> str:
     return path
 
 
-def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
-    """A tokenized .bin/.idx pair exists and lies where the operator allows."""
-    if is_s3(prefix):
-        _refused(field, boundary.s3_uri(prefix), errors)
-        return
-    for ext in (".bin", ".idx"):
-        path = local_path(prefix) + ext
-        if not os.path.isfile(path):
-            errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
-        elif _refused(field, boundary.local_input(path, root), errors):
-            return
-
 def _check_output(output: OutputParams, boundary: Boundary, errors: list[str]) -> None:
     if output.uri is not None and not is_s3(output.uri):
         errors.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")
     elif output.uri is not None:
-        _refused("output.uri", boundary.s3_uri(output.uri), errors)
-    _refused("output.endpoint_url", boundary.endpoint(output.endpoint_url), errors)
-    _refused("output.profile", boundary.profile(output.profile), errors)
-
-
-def _refused(field: str, problem: str | None, errors: list[str]) -> bool:
-    """Record what the boundary refuses; True when it refused."""
-    if problem:
-        errors.append(f"{field}: {problem}")
-    return problem is not None
+        refused("output.uri", boundary.s3_uri(output.uri), errors)
+    refused("output.endpoint_url", boundary.endpoint(output.endpoint_url), errors)
+    refused("output.profile", boundary.profile(output.profile), errors)
 
 
 def _config_field(name: str, training: TrainingParams) -> str:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.plan.boundary import Boundary
-from flows.plan.build import check_prefix, check_source
+from flows.plan.boundary import Boundary, check_prefix, check_source
 from flows.plan.params import EvaluationParams, ParameterError
 from tasks.cluster.container import Container
 from tasks.common.uri import is_s3
