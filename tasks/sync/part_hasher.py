@@ -54,12 +54,12 @@ class PartHasher:
     batch for all the files being written, so that their parts fill the SIMD lanes; an MD5 state is
     kept per part between batches, and a backlog is hashed without waiting. The last MARGIN bytes
     before where the data ends wait for the next round (the page being written already reads as
-    data), and a part's last bytes for the download to end. The open descriptor follows the file
+    data), and a part's last bytes for the download to end. The open descriptor stays on the file
     through the rename, and the inode is compared with the final file's. The ETag computed this
-    way is a shortcut: when it does not match (or the file could not be followed), `verify` hashes
+    way is a shortcut: when it does not match (or the file could not be tailed), `verify` hashes
     the complete file again.
 
-    Up to WINDOW objects are followed at once, in the order given (s5cmd's order).
+    Up to WINDOW objects are tailed at once, in the order given (s5cmd's order).
     """
 
     POLL_S = 0.05
@@ -78,7 +78,7 @@ class PartHasher:
         self._thread.start()
 
     def etag(self, uri: str) -> str | None:
-        """The ETag of the download of `uri`, which s5cmd reported complete, if it was followed."""
+        """The ETag of the download of `uri`, which s5cmd reported complete, if it was tailed."""
         with self._lock:
             if uri not in self._done:
                 return None
@@ -115,7 +115,7 @@ class PartHasher:
         while len(window) < self.WINDOW:
             with self._lock:
                 while self._pending and self._done[self._pending[-1][0].uri].is_set():
-                    self._pending.pop()         # complete before it could be followed
+                    self._pending.pop()         # complete before it could be tailed
                 if not self._pending:
                     return
                 o, staged = self._pending.pop()
@@ -143,7 +143,7 @@ class PartHasher:
                 if len(names) == 1:
                     f.fd = os.open(f.staged.parent / names[0], os.O_RDONLY)
             except FileNotFoundError:
-                if f.done.is_set():     # gone already: nothing to follow
+                if f.done.is_set():     # gone already: nothing to tail
                     window.remove(f)
                     f.end(None)
 
