@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt.data import DataIndex, MMapIndexedDataset, write_index
+from gpt.tokenizer import GPT2_VOCAB_SIZE
 from native import build_sample_idx
 from tasks.index import build_indices
 
@@ -107,10 +108,10 @@ args = json.loads(sys.argv[2])
 
 class Vocabulary:
     # the index stage reads only these; no tokenization happens
-    vocab_size = GPT2_VOCAB_SIZE
-    eod = GPT2_VOCAB_SIZE - 1   # GPT-2 gives <|endoftext|> the last id
+    vocab_size = args["vocab_size"]
+    eod = args["eod"]
     pad = -1
-    unique_identifiers = {"class": "Vocabulary", "vocab_size": GPT2_VOCAB_SIZE}
+    unique_identifiers = {"class": "Vocabulary", "vocab_size": args["vocab_size"]}
 
 
 config = GPTDatasetConfig(random_seed=args["seed"], sequence_length=args["seq_length"],
@@ -181,6 +182,7 @@ def bench_stage(work: Path, tokens: int, documents: int, seq_length: int, split:
         result["megatron_gpt_dataset"] = "unavailable"
         return result
     args = {"prefix": prefix, "seed": seed, "seq_length": seq_length, "split": split, "cache": str(work / "megatron"),
+            "vocab_size": GPT2_VOCAB_SIZE, "eod": GPT2_VOCAB_SIZE - 1,    # GPT-2's <|endoftext|> takes the last id
             "num_samples": [num_samples["train"], num_samples["valid"], num_samples["test"]]}
     out = subprocess.run([sys.executable, "-c", _MEGATRON_STAGE, str(megatron), json.dumps(args)],
                          capture_output=True, text=True)

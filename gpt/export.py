@@ -14,7 +14,8 @@ and the tokenizer (``vocab.json``, ``merges.txt``, ``tokenizer.json``, ``tokeniz
 which ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load with no code of
 ours. The checkpoint may have been saved under any parallel layout (DDP, FSDP2, tensor parallel):
 torch.distributed.checkpoint reads each layer whole, in one process, on the CPU.
-``load_hf`` reads such a folder back (``Config.init_from_hf`` starts training from it).
+``load_hf`` reads such a folder back, and ``load_hf_weights`` gives each rank its share of it
+(``Config.init_from_hf`` starts training from it).
 
 Every export also holds ``export.json``, naming this tool and the checkpoint it was made from (every
 export this tool ever wrote has one). OUT_DIR is written beside itself and replaced only when it is

@@ -97,7 +97,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, ba
 
 def _adamw(groups: list[dict[str, Any]], backend: Backend, *, lr: float, betas: tuple[float, float],
            eps: float) -> torch.optim.Optimizer:
-    """AdamW that ``step`` can skip on a device-side flag: torch_xla's sync-free AdamW on XLA,
+    """AdamW that ``optimizer_step`` can skip on a device-side flag: torch_xla's sync-free AdamW on XLA,
     torch's fused AdamW on accelerators, torch's foreach AdamW on CPU (as it always trained)."""
     if backend.lazy:
         from torch_xla.amp.syncfree import AdamW

@@ -196,7 +196,8 @@ def pin(run_dir: Path, iteration: int) -> Path | None:
     """Keep the checkpoint at ``iteration`` for its evaluation, whatever training's ``keep_last``
     or a rollback does to it meanwhile: ``<run>/eval/pinned/iter_N/`` is a run folder of that one
     checkpoint and the configuration it was trained with, hard links to their files (no copy).
-    None when the checkpoint is gone already."""
+    None when the checkpoint is gone already; NotReplaceable (its folder left as it is) when a
+    folder there holds what no pin wrote."""
     source = run_dir / "checkpoints" / f"iter_{iteration:07d}"
     pinned = run_dir / FOLDER / PINNED / source.name
     try:

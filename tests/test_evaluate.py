@@ -213,3 +213,29 @@ def test_on_this_machine_an_evaluation_waits_for_the_runs_training_to_end(evalua
         holder.wait(timeout=30)
     (job,) = [j for j in job_records(run_dir / "eval") if j["name"] == "evaluate-iter_0000020"]
     assert out["iteration"] == 20 and job["submitted"] >= released
+
+
+def test_a_pin_replaces_an_earlier_pin_whole_and_leaves_a_folder_it_did_not_write(tmp_path):
+    from gpt.checkpoint import MARKER
+    from gpt.files import NotReplaceable
+    from tasks.evaluate import pin
+
+    run_dir = tmp_path / "run"
+    saved = run_dir / "checkpoints" / "iter_0000004"
+    saved.mkdir(parents=True)
+    (saved / MARKER).write_text("{}")
+    (saved / "0.distcp").write_bytes(b"new")
+    (run_dir / "config.json").write_text("{}")
+    earlier = run_dir / "eval" / "pinned" / "iter_0000004" / "checkpoints" / "iter_0000004"
+    earlier.mkdir(parents=True)
+    (earlier / "0.distcp").write_bytes(b"saved before a rollback")
+    assert pin(run_dir, 4) == earlier and (earlier / "0.distcp").read_bytes() == b"new"
+    assert sorted(p.name for p in earlier.parent.parent.parent.iterdir()) == ["iter_0000004"]   # no temporary left
+    assert (earlier / "0.distcp").stat().st_ino == (saved / "0.distcp").stat().st_ino            # a link, no copy
+
+    notes = earlier.parent.parent / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(NotReplaceable, match="notes.txt"):
+        pin(run_dir, 4)
+    assert notes.read_text() == "mine"
+    assert pin(run_dir, 8) is None                    # gone already

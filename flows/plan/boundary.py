@@ -1,5 +1,6 @@
 """What the operator lets the form reach: the local folders a run may read and write, the S3
-locations and endpoints its credentials may be sent to.
+locations and endpoints its credentials may be sent to; and the checks of the inputs a run names
+against it (``check_source``, ``check_prefix``), which the plan and the evaluation's check share.
 
 Set in the environment of the process that runs the flow (the serve process, or the work pool's
 job variables), never by a flow parameter, like ``GPT_CLUSTER_PRESET_DIRS``:

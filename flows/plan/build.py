@@ -57,8 +57,8 @@ RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run does: the training job's configuration, the cluster, the folders, and what
-    defines the run (flows.plan.identity)."""
+    """What a run does: the training job's configuration, the cluster, the folders, what defines
+    the run (flows.plan.identity) and the budget it may spend without approval."""
     config: Config
     cluster: ClusterConfig
     layout: Layout
@@ -100,7 +100,8 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     tasks) and decide the plan. ``boundary``: what the operator allows (default: from the
     environment, flows.plan.boundary).
 
-    Raises ParameterError with one message per problem; nothing is submitted before this passes.
+    Raises ParameterError with one message per problem (the budget's caps and the evaluation are
+    checked once the rest passes); nothing is submitted before this passes.
     """
     boundary = boundary or Boundary.from_env()
     errors: list[str] = []
@@ -399,7 +400,6 @@ def _check_inputs(data: DataParams, tokenizer: TokenizerParams, root: Path, boun
         parse_split(data.split)
     except ValueError as e:
         errors.append(f"data.split: {e}")
-
 
 
 def _container_reads(data: DataParams, tokenizer: TokenizerParams, config: Config) -> dict[str, str]:

@@ -263,9 +263,9 @@ def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str |
 
 
 def _local_threads(cluster: ClusterConfig) -> list[str]:
-    """The local executor's ranks share this machine's cores, as torchrun's do: unless the preset
-    or the environment says otherwise, each rank's torch takes its share of them, where by default
-    every rank would take them all and their threads would wait on each other."""
+    """The local executor's ranks share this machine's cores: unless the preset or the environment
+    says otherwise, each rank's torch takes its share of them (torchrun gives each of several ranks
+    one), where by default every rank would take them all and their threads would wait on each other."""
     if cluster.tasks_per_node == 1 or "OMP_NUM_THREADS" in cluster.env or "OMP_NUM_THREADS" in os.environ:
         return []
     return [f"export OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // cluster.tasks_per_node)}"]

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.config import Config, model_name
 from gpt.data import DataIndex
-from gpt.files import write_json
+from gpt.files import NotReplaceable, write_json
 from gpt.metrics import saved_line, train_line, valid_line
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
@@ -214,7 +214,12 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
         """Whether the run evaluates this save: then it is pinned for its evaluation first."""
         if evaluation is None or not evaluation.evaluates(iteration, config.save_interval, total):
             return False
-        if pin(run_dir, iteration) is None:
+        try:
+            pinned = pin(run_dir, iteration)
+        except NotReplaceable as e:     # training goes on; this save is not evaluated
+            logger.warning("checkpoint %d is not evaluated: %s", iteration, e)
+            return False
+        if pinned is None:
             logger.warning("checkpoint %d was gone before it could be kept for its evaluation (keep_last %d): "
                            "it is not evaluated", iteration, config.keep_last)
             return False
