@@ -10,16 +10,16 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from gpt import heartbeat
+from gpt.backend import Backend
 from gpt.config import Config
 from gpt.files import writing
-
-if TYPE_CHECKING:
-    import torch
-
-    from gpt.backend import Backend
+from gpt.model import param_count
+from gpt.parallel.process_group import gather_floats, gather_objects
 
 
 def flops_per_token(config: Config, num_params: int) -> float:
@@ -186,8 +186,6 @@ class StepLog:
         self.config, self.backend, self.metrics, self.world_size, self.start, self.log = (
             config, backend, metrics, world_size, start, log)
         self.device = device
-        from gpt.parallel.process_group import gather_objects
-
         # Each rank's busy time goes to the records at each read, where the ranks can compare (not on
         # XLA devices, whose step is one graph: a host-side time would say nothing).
         self.nodes = gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname()) \
@@ -199,8 +197,6 @@ class StepLog:
         self.timed_tokens, self.timed_s = 0, 0.0
         self.interval: list[dict[str, Any]] = []
         self.last: dict[str, Any] | None = None
-        from gpt.model import param_count
-
         self.flops_token = flops_per_token(config, param_count(config))
         self.peak = config.peak_flops or backend.peak_flops(config.precision)
 
@@ -228,8 +224,6 @@ class StepLog:
         for record in records:
             self.metrics.train(record)
         if self.nodes is not None:
-            from gpt.parallel.process_group import gather_floats
-
             busy, self.busy = self._busy_s() - self.busy, self._busy_s()
             busy_ms = gather_floats(1000 * busy / count, self.device)
             if not first:   # the job's first iteration warms up: it tells nothing about the rank
