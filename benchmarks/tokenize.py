@@ -288,7 +288,8 @@ def run(corpus_mb: float = 200.0, random_words_mb: float = 120.0, repeats: int =
 
         def ours(path: str, workers: int, name: str) -> list[str]:
             return [sys.executable, "-m", "tasks.tokenize", "--input", path, "--output-prefix", str(work / "out" / name),
-                    "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", str(workers)]
+                    "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", str(workers),
+                    "--no-cache"]
 
         def raw_engine(path: str) -> list[str]:
             return [sys.executable, "-c", _RAW_GIGATOKEN, vocab, merges, path]

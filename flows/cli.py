@@ -172,7 +172,7 @@ def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any])
 
     given = inspect.signature(getattr(pretrain, "fn", pretrain)).bind(**params)
     given.apply_defaults()
-    return make_plan(**{name: value for name, value in given.arguments.items() if name != "dry_run"})
+    return make_plan(**given.arguments)
 
 
 class _WithoutTraceback(logging.Formatter):

@@ -1,5 +1,6 @@
 """The data half of the pretrain DAG: tokenizer files and tokenized prefixes from S3, sources synced
-and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes.
+and tokenized (the Shakespeare sample when nothing is given), the blend the index stage takes, and
+the index itself. Each stage is called with the plan's part it needs (flows.plan.inputs.DataPlan).
 
 Sync and tokenize run in this process, or, when the cluster preset says ``data_jobs: true``, as
 jobs on its compute nodes: each sync as one job, tokenize as a job array (tasks.tokenize.array)."""
@@ -11,26 +12,20 @@ from pathlib import Path
 
 import numpy as np
 
-from flows.plan.boundary import Boundary
+from flows.plan.evaluation import EvaluationPlan
+from flows.plan.inputs import DataPlan
 from flows.plan.layout import Layout
-from flows.plan.params import (
-    SAMPLE_VOCAB_SIZE,
-    DataParams,
-    EvaluationParams,
-    ParameterError,
-    TokenizerParams,
-    WeightedPrefix,
-)
+from flows.plan.params import ParameterError
 from flows.plan.sizes import GIB, physical_memory
-from flows.stages import Stages, tokenized_intact
+from flows.stages import Stages
 from gpt.config import Config
 from gpt.data import MMapIndexedDataset
-from gpt.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
+from gpt.tokenizer import Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
-from tasks.index import IndexManifest, index_needs, parse_split
-from tasks.sync import SyncManifest, local_path, sync_task
+from tasks.index import IndexManifest, index_needs, index_task, parse_split
+from tasks.sync import Remote, SyncManifest, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
 from tasks.tokenize.inputs import INPUT_SUFFIXES
 from tasks.tokenize.outputs import TokenizeManifest, nonzero_counts
@@ -43,6 +38,8 @@ from tasks.tokenize.vocabulary import named_tokenizer
 REPEAT_WARNING_EPOCHS = 4
 SKIPPED_LINES_WARNING = 0.05       # a larger share of an input's lines skipped is said in the plan
 
+TokenizerFiles = tuple[str | None, str | None, str | None]    # vocab.json, merges.txt, tokenizer.json
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -54,45 +51,44 @@ class Dataset:
     warnings: tuple[str, ...] = ()        # what the data stages found that the run goes on without
 
 
-def prepare(data: DataParams, tokenizer: TokenizerParams, layout: Layout, stages: Stages,
-            cluster: ClusterConfig) -> Dataset:
+def prepare(data: DataPlan, layout: Layout, stages: Stages, cluster: ClusterConfig) -> Dataset:
     """Everything the index stage needs, each piece by a cached stage."""
-    files = fetch_tokenizer(tokenizer, data, layout, stages)
-    blend = fetch_prefixes(data, layout, stages, cluster)
-    sources = list(data.sources)
-    if not sources and not blend:
-        sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))]
+    files = fetch_tokenizer(data, layout, stages)
+    blend = [(p.weight, fetch_prefix(p.uri, data.remote, layout, stages, cluster, f"sync-prefix-{i}"))
+             for i, p in enumerate(data.prefixes)]
+    sources = [stages.run("sample-corpus", sample_corpus_task, str(layout.sample()))] if data.sample \
+        else list(data.sources)
     if not sources:
         return Dataset(blend, named_tokenizer(*files))  # type: ignore[arg-type]   # the plan asked for one
-    tokenized, warnings = sync_and_tokenize(sources, data, tokenizer, files, layout, stages, cluster)
+    tokenized, warnings = sync_and_tokenize(sources, data.json_keys, data, files, layout, stages, cluster)
     return Dataset(blend + [(data.weight, p) for p in tokenized.prefixes.values()], tokenized.tokenizer, tokenized,
                    warnings)
 
 
-def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: TokenizerParams,
-                      files: tuple[str | None, str | None, str | None], layout: Layout, stages: Stages,
-                      cluster: ClusterConfig, evaluation_set: str | None = None) -> tuple[TokenizeManifest, tuple[str, ...]]:
+def sync_and_tokenize(sources: list[str], json_keys: tuple[str, ...], data: DataPlan, files: TokenizerFiles,
+                      layout: Layout, stages: Stages, cluster: ClusterConfig,
+                      evaluation_set: str | None = None) -> tuple[TokenizeManifest, tuple[str, ...]]:
     """The sources synced and tokenized; and what the run goes on without: synced files that are no
     input (by their names relative to the sync's folder), and sources' files the sync did not copy.
     ``evaluation_set``: the name of the evaluation set the sources are (its stages are named after it)."""
     label = f"-eval-{evaluation_set}" if evaluation_set else ""
-    raw = stages.run(f"sync{label}", sync_task, sources, str(layout.raw(sources, data.endpoint_url)), cluster=cluster,
-                     allowed_roots=[*map(str, Boundary.from_env().input_roots), str(layout.root)],
-                     verify_content=data.verify_content, **data.s3_access())
+    raw = stages.run(f"sync{label}", sync_task, sources, str(layout.raw(sources, data.remote.endpoint_url)),
+                     cluster=cluster, remote=data.remote, allowed_roots=list(data.readable),
+                     verify_content=data.verify_content)
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
     left_out = sorted(f.path for f in raw.files if not f.path.endswith(INPUT_SUFFIXES))
     if not inputs:
         field = "data.sources" if not evaluation_set else f"evaluation.sets ({evaluation_set!r}) sources"
         raise ParameterError([f"{field}: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
-    vocab_file, merge_file, tokenizer_file = files
-    out_prefix = layout.tokenized(raw.digest, vocab_file, merge_file, data.json_keys,
-                                  tokenizer.train_vocab_size, *filter(None, [tokenizer_file]),
-                                  *(["add_bos_token"] if tokenizer.add_bos_token else []))
-    train_vocab = tokenizer.train_vocab_size or (SAMPLE_VOCAB_SIZE if not data.sources else GPT2_VOCAB_SIZE)
-    tokenized = stages.run(f"tokenize{label}", tokenize_task, inputs, str(out_prefix), cluster=cluster, vocab_file=vocab_file,
-                           merge_file=merge_file, tokenizer_model=tokenizer_file, json_keys=list(data.json_keys),
-                           train_vocab_size=train_vocab, add_bos_token=tokenizer.add_bos_token, intact=tokenized_intact,
+    vocab_file, merge_file, tokenizer_model = files
+    t = data.tokenizer
+    out_prefix = layout.tokenized(raw.digest, vocab_file, merge_file, list(json_keys), t.train_vocab_size,
+                                  *filter(None, [tokenizer_model]), *(["add_bos_token"] if t.add_bos_token else []))
+    tokenized = stages.run(f"tokenize{label}", tokenize_task, inputs, str(out_prefix), cluster=cluster,
+                           vocab_file=vocab_file, merge_file=merge_file, tokenizer_model=tokenizer_model,
+                           json_keys=list(json_keys), train_vocab_size=data.bpe_vocab_size,
+                           add_bos_token=t.add_bos_token,
                            origins={str(Path(raw.local_dir) / f.path): f.key for f in raw.files})
     if not evaluation_set:
         reporting.dataset_table(tokenized)
@@ -109,8 +105,8 @@ def sync_and_tokenize(sources: list[str], data: DataParams, tokenizer: Tokenizer
     return tokenized, tuple(warnings)
 
 
-def evaluation_sets(evaluation: EvaluationParams, dataset: Dataset, data: DataParams, tokenizer: TokenizerParams,
-                    seq_length: int, layout: Layout, stages: Stages, cluster: ClusterConfig) -> dict[str, str]:
+def evaluation_sets(evaluation: EvaluationPlan, dataset: Dataset, data: DataPlan, seq_length: int, layout: Layout,
+                    stages: Stages, cluster: ClusterConfig) -> dict[str, str]:
     """Each evaluation set's local tokenized prefix: its sources synced and tokenized with the run's
     tokenizer (cached stages, like the training data's; the first of data.json_keys is the text), or
     its prefix, synced from S3 when remote. A set shorter than one window of the run is refused."""
@@ -118,12 +114,10 @@ def evaluation_sets(evaluation: EvaluationParams, dataset: Dataset, data: DataPa
     prefixes = {}
     for s in evaluation.sets:
         if s.prefix:
-            given = DataParams(prefixes=[WeightedPrefix(prefix=s.prefix)], **data.s3_access())
-            prefixes[s.name] = fetch_prefixes(given, layout, stages, cluster)[0][1]
+            prefixes[s.name] = fetch_prefix(s.prefix, data.remote, layout, stages, cluster, "sync-prefix-0")
             continue
-        sources = {"sources": list(s.sources), "json_keys": data.json_keys[:1]}     # the text field
-        tokenized, _ = sync_and_tokenize(list(s.sources), data.model_copy(update=sources), tokenizer, files, layout,
-                                         stages, cluster, evaluation_set=s.name)
+        tokenized, _ = sync_and_tokenize(list(s.sources), data.json_keys[:1], data, files, layout, stages, cluster,
+                                         evaluation_set=s.name)
         (prefixes[s.name],) = tokenized.prefixes.values()
     short = [f"evaluation.sets[{i}] ({s.name!r}): {tokens} tokens, fewer than one window of {seq_length + 1} (the "
              "run's seq_length + 1); give it more text" for i, s in enumerate(evaluation.sets)
@@ -137,37 +131,39 @@ def synced_files(manifest: SyncManifest) -> list[str]:
     return sorted(str(Path(manifest.local_dir) / f.path) for f in manifest.files)
 
 
-def fetch_tokenizer(tokenizer: TokenizerParams, data: DataParams, layout: Layout,
-                    stages: Stages) -> tuple[str | None, str | None, str | None]:
+def fetch_tokenizer(data: DataPlan, layout: Layout, stages: Stages) -> TokenizerFiles:
     """Local paths of the tokenizer files (vocab, merges, tokenizer.json), syncing them first when
     they are in S3: a tokenizer_model folder (``s3://.../llama3/``) whole, as HuggingFace saves one."""
-    files = [tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_model]
-    remote = [f for f in files if f and is_s3(f)]
-    synced: dict[str, str] = {}
-    folder = ""
-    if remote:
-        manifest = stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)), **data.s3_access())
-        synced, folder = {Path(p).name: p for p in synced_files(manifest)}, manifest.local_dir
-    vocab, merges = (synced[Path(f).name] if f and is_s3(f) else (local_path(f) if f else None) for f in files[:2])
-    model = tokenizer.tokenizer_model
-    if model:       # a file, or a folder as HuggingFace saves one (synced whole)
-        model = os.path.abspath(tokenizer_file(synced.get(Path(model).name, folder) if is_s3(model)
-                                               else local_path(model)))
+    t = data.tokenizer
+    remote = t.remote_files
+    if not remote:
+        return t.files
+    manifest = stages.run("sync-tokenizer", sync_task, remote, str(layout.tokenizer(remote)), remote=data.remote)
+    synced = {Path(p).name: p for p in synced_files(manifest)}
+    vocab, merges = (synced[Path(f).name] if f and is_s3(f) else f for f in (t.vocab_file, t.merge_file))
+    model = t.tokenizer_model
+    if model and is_s3(model):       # a file, or a folder as HuggingFace saves one (synced whole)
+        model = os.path.abspath(tokenizer_file(synced.get(Path(model).name, manifest.local_dir)))
     return vocab, merges, model
 
 
-def fetch_prefixes(data: DataParams, layout: Layout, stages: Stages, cluster: ClusterConfig) -> list[tuple[float, str]]:
-    """(weight, local prefix) for each tokenized input, syncing the .bin/.idx pairs from S3."""
-    out = []
-    for i, p in enumerate(data.prefixes):
-        if not is_s3(p.prefix):
-            out.append((p.weight, local_path(p.prefix)))
-            continue
-        local = layout.prefix(p.prefix)
-        stages.run(f"sync-prefix-{i}", sync_task, [p.prefix + ".bin", p.prefix + ".idx"], str(local.parent),
-                   cluster=cluster, **data.s3_access())
-        out.append((p.weight, str(local)))
-    return out
+def fetch_prefix(uri: str, remote: Remote, layout: Layout, stages: Stages, cluster: ClusterConfig, stage: str) -> str:
+    """The local prefix of a tokenized .bin/.idx pair, synced from S3 when it is there."""
+    if not is_s3(uri):
+        return uri
+    local = layout.prefix(uri)
+    stages.run(stage, sync_task, [uri + ".bin", uri + ".idx"], str(local.parent), cluster=cluster, remote=remote)
+    return str(local)
+
+
+def index(dataset: Dataset, data: DataPlan, config: Config, layout: Layout,
+          stages: Stages) -> tuple[IndexManifest, list[str]]:
+    """The index stage over the blend, once the blend is known to hold a sample of every split given
+    a share; and what the run goes on without (check_repetition)."""
+    warnings = check_repetition(dataset, data.split, config)
+    built = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=config.seq_length,
+                       seed=config.seed, num_samples=config.num_samples(), out_dir=str(layout.index()))
+    return built, warnings
 
 
 def check_repetition(dataset: Dataset, split: str, config: Config) -> list[str]:
@@ -198,14 +194,3 @@ def check_repetition(dataset: Dataset, split: str, config: Config) -> list[str]:
     if errors:
         raise ParameterError(errors)
     return warnings
-
-
-def check_vocabulary(index: IndexManifest, dataset: Dataset) -> None:
-    """Token ids beyond the vocabulary would crash the embedding mid-training: say so now."""
-    size = dataset.tokenizer.vocab_size
-    bad = {p: m for p, m in index.max_token_ids.items() if m >= size}
-    if bad:
-        raise ParameterError([f"data: {p}.bin holds token id {m}, but the vocabulary "
-                              f"{dataset.tokenizer.files[0]} has only {size} entries: the data "
-                              "was tokenized with another vocabulary; give that vocabulary or tokenize again"
-                              for p, m in sorted(bad.items())])

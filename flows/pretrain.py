@@ -18,10 +18,11 @@ from prefect.states import Cancelled
 
 from flows import data as data_stages
 from flows.local_server import lasting_api
-from flows.plan import approval, estimate, identity, provenance
+from flows.plan import approval, identity, provenance
 from flows.plan.artifact import dry_run_table, plan_table
-from flows.plan.build import Plan, make_plan, run_folder_problems
-from flows.plan.evaluation import task_folders
+from flows.plan.build import Plan, TrainJob, make_plan, run_folder_problems
+from flows.plan.estimate import Estimate
+from flows.plan.outlook import Outlook
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
@@ -34,14 +35,13 @@ from flows.plan.params import (
     TrainingParams,
     refused_as_failed_run,
 )
-from flows.stages import Stages, export_intact, index_intact, trained_intact
+from flows.stages import Stages
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
 from tasks.evaluate import IN_PROGRESS as EVALUATION_IN_PROGRESS
 from tasks.evaluate import EvaluationSpec, results, summary, tracker_items
 from tasks.export import export_task
-from tasks.index import index_task
-from tasks.precompile import precompile_task
+from tasks.precompile import PrecompileManifest, precompile_task
 from tasks.sync import upload_task
 from tasks.train.stage import progress_of_owner, train_task
 from tasks.train.trackers import Trackers
@@ -75,18 +75,67 @@ def pretrain(
         dry_run: Only plan: the plan artifact (layout, memory per rank against the device, time and
             cost) and nothing synced, tokenized or submitted.
     """
-    plan = make_plan(model, data, tokenizer, training, cluster, output, budget, evaluation)
+    plan = make_plan(model, data, tokenizer, training, cluster, output, budget, evaluation, dry_run=dry_run)
     if dry_run:
         return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
     with RunOwner(plan.run_dir, wait=progress_of_owner(plan.run_dir, plan.config.total_iters)):
-        return _pretrain(plan, model, data, tokenizer, output, evaluation)
+        return _pretrain(plan)
 
 
-def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerParams, output: OutputParams,
-              evaluation: EvaluationParams) -> dict:
+def _pretrain(plan: Plan) -> dict:
     stages = Stages()
-    problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)   # as it is now that it is ours
+    outlook, cost = begin(plan)
+    why = None if outlook.kind == "trained" else approval.over_budget(cost, plan.budget)
+    if why:             # before any stage: nothing is synced, tokenized or submitted unless approved
+        answer = approval.ask(cost, why, plan.budget, server=lasting_api())
+        if not answer.approve:
+            return Cancelled(message=f"not approved: {answer.reason or 'no reason given'} ({why})")
+
+    dataset = data_stages.prepare(plan.data, plan.layout, stages, plan.cluster)
+    index, warnings = data_stages.index(dataset, plan.data, plan.config, plan.layout, stages)
+    for warning in warnings:
+        print(f"warning: {warning}")
+    if warnings:
+        plan_table(plan, outlook.message, warnings, cost.rows())
+    job = plan.training_job(dataset.tokenizer, index)
+    if plan.evaluation:       # before training: its saves are evaluated as they come
+        evaluation_spec(plan, dataset, stages).write(plan.run_dir)
+    else:
+        EvaluationSpec.remove(plan.run_dir)
+    compiled = precompile(job, outlook, stages)
+    result = stages.run("train", train_task, job.config, job.cluster, precompiled=compiled, trackers=job.trackers,
+                        tracker_project=job.tracker_project)
+    exported = stages.run("export", export_task, result.run_dir, dataset.tokenizer)
+    url = flow_run.get_flow_run_ui_url() if lasting_api() else None  # None: a temporary server
+    figures = reporting.report_task(
+        model=job.config.model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
+        seq_length=job.config.seq_length, stages=stages.records, job_ids=result.job_ids,
+        uploaded_to=plan.output.uri, flow_run_url=url, exported=exported,
+    )
+    if plan.output.uri:  # after the report, so the upload holds the loss plot and the export too
+        stages.run("upload", upload_task, result.run_dir, plan.output.uri, remote=plan.output.remote,
+                   exclude=EVALUATION_IN_PROGRESS)
+    evaluated = results(Path(result.run_dir))
+    if job.trackers and outlook.kind != "trained":     # last: evaluations written until now go with it
+        Trackers(job.trackers, job.tracker_project, Path(result.run_dir), job.config.to_dict()).finish(
+            reporting.read_metrics(result.metrics_path), tracker_items(Path(result.run_dir), evaluated), figures,
+            reporting.samples_markdown(job.config.model, exported.samples, exported.path), Path(exported.path))
+    return {
+        **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
+        "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,
+        "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": dataset.tokenizer.files,
+        "export": exported.path, "uploaded_to": plan.output.uri, "flow_run": url,
+        "job_ids": result.job_ids, "stages": stages.records,
+        "evaluation": summary(evaluated[-1]) if evaluated else None,       # the latest written so far
+    }
+
+
+def begin(plan: Plan) -> tuple[Outlook, Estimate]:
+    """The run folder, now that this flow run owns it: checked again (another run may have started
+    it), its identity and this start recorded; what training will do there and what it will take,
+    shown as the plan's artifact (what the budget's gate sees)."""
+    problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)
     if problems:
         raise ParameterError(problems)
     outlook = plan.outlook()
@@ -94,79 +143,33 @@ def _pretrain(plan: Plan, model: str, data: DataParams, tokenizer: TokenizerPara
     provenance.record(plan.run_dir, flow_run.get_id() or None, dict(flow_run.parameters or {}))
     print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
-    plan_table(plan, outlook.message)
-
-    dataset = data_stages.prepare(data, tokenizer, plan.layout, stages, plan.cluster)
-    warnings = data_stages.check_repetition(dataset, data.split, plan.config)
-    for warning in warnings:
-        print(f"warning: {warning}")
-    if warnings:
-        plan_table(plan, outlook.message, warnings)
-    index = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=plan.config.seq_length,
-                       seed=plan.config.seed, num_samples=plan.config.num_samples(), out_dir=str(plan.layout.index()),
-                       intact=index_intact)
-    data_stages.check_vocabulary(index, dataset)
-    plan = plan.with_data(dataset.tokenizer.vocab_size, index.path)
-    if evaluation.wanted:       # before training: its saves are evaluated as they come
-        evaluation_spec(evaluation, dataset, data, tokenizer, plan, stages).write(plan.run_dir)
-    else:
-        EvaluationSpec.remove(plan.run_dir)
-
-    cost = estimate.estimate(plan.config, plan.cluster, outlook.done, estimate.read_history(plan.layout.root))
+    cost = plan.estimate(outlook)
     print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
-    plan_table(plan, outlook.message, warnings, cost.rows())
-    why = None if outlook.kind == "trained" else approval.over_budget(cost, plan.budget)
-    if why:
-        answer = approval.ask(cost, why, plan.budget, server=lasting_api())
-        if not answer.approve:
-            return Cancelled(message=f"not approved: {answer.reason or 'no reason given'} ({why})")
+    plan_table(plan, outlook.message, estimate=cost.rows())
+    return outlook, cost
 
-    compiled = None
+
+def precompile(job: TrainJob, outlook: Outlook, stages: Stages) -> PrecompileManifest | None:
+    """The graph cache training starts from, filled first where the job compiles."""
     if outlook.kind == "trained":
         stages.skip("precompile", "the run is trained to its length already")
-    elif plan.precompiles:
-        compiled = stages.run("precompile", precompile_task, plan.config, plan.cluster)
-    else:
+    elif not job.precompiles:
         stages.skip("precompile", "training.compile is off: nothing to compile")
-    result = stages.run("train", train_task, plan.config, plan.cluster, precompiled=compiled,
-                        trackers=tuple(output.trackers), tracker_project=output.tracker_project, intact=trained_intact)
-
-    exported = stages.run("export", export_task, result.run_dir, dataset.tokenizer, intact=export_intact)
-    url = flow_run.get_flow_run_ui_url() if lasting_api() else None  # None: a temporary server
-    figures = reporting.report_task(
-        model=model, run_dir=result.run_dir, metrics_path=result.metrics_path, summary=result.summary,
-        seq_length=plan.config.seq_length, stages=stages.records, job_ids=result.job_ids,
-        uploaded_to=output.uri, flow_run_url=url, exported=exported,
-    )
-    if output.uri:  # after the report, so the upload holds the loss plot and the export too
-        stages.run("upload", upload_task, result.run_dir, output.uri, endpoint_url=output.endpoint_url,
-                   profile=output.profile or data.profile, exclude=EVALUATION_IN_PROGRESS)
-    evaluated = results(Path(result.run_dir))
-    if output.trackers and outlook.kind != "trained":     # last: evaluations written until now go with it
-        Trackers(output.trackers, output.tracker_project, Path(result.run_dir), plan.config.to_dict()).finish(
-            reporting.read_metrics(result.metrics_path), tracker_items(Path(result.run_dir), evaluated), figures,
-            reporting.samples_markdown(model, exported.samples, exported.path), Path(exported.path))
-    return {
-        **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,
-        "checkpoints": str(Path(result.run_dir) / "checkpoints"), "dataset": dataset.blend, "index": index.path,
-        "compile_cache": compiled.cache_dir if compiled else None, "tokenizer": dataset.tokenizer.files,
-        "export": exported.path, "uploaded_to": output.uri, "flow_run": url,
-        "job_ids": result.job_ids, "stages": stages.records,
-        "evaluation": summary(evaluated[-1]) if evaluated else None,       # the latest written so far
-    }
+    else:
+        return stages.run("precompile", precompile_task, job.config, job.cluster)
+    return None
 
 
-def evaluation_spec(evaluation: EvaluationParams, dataset: data_stages.Dataset, data: DataParams,
-                    tokenizer: TokenizerParams, plan: Plan, stages: Stages) -> EvaluationSpec:
+def evaluation_spec(plan: Plan, dataset: data_stages.Dataset, stages: Stages) -> EvaluationSpec:
     """What each checkpoint of the run is evaluated on and where: the sets tokenized with the run's
     tokenizer, and the evaluation job's resources from the cluster preset."""
-    sets = data_stages.evaluation_sets(evaluation, dataset, data, tokenizer, plan.config.seq_length, plan.layout, stages,
+    e = plan.evaluation
+    sets = data_stages.evaluation_sets(e, dataset, plan.data, plan.config.seq_length, plan.layout, stages,
                                        plan.cluster)
     files = {"vocab_file": dataset.tokenizer.vocab_file, "merge_file": dataset.tokenizer.merge_file,
              "tokenizer_file": dataset.tokenizer.tokenizer_file}
-    return EvaluationSpec(sets=sets, set_tokens=evaluation.set_tokens, tasks=list(evaluation.tasks),
-                          task_paths=task_folders(evaluation), limit=evaluation.limit, every=evaluation.every,
-                          tokenizer=files, cluster=plan.cluster.eval_job().model_dump())
+    return EvaluationSpec(sets=sets, set_tokens=e.set_tokens, tasks=list(e.tasks), task_paths=list(e.task_paths),
+                          limit=e.limit, every=e.every, tokenizer=files, cluster=plan.cluster.eval_job().model_dump())
 
 
 if __name__ == "__main__":

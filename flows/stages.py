@@ -1,21 +1,13 @@
-"""Running the stages of a flow: each stage a cached task, its wall time and state recorded, a
-cached result whose outputs are gone or damaged run again; and the checks that tell."""
+"""Running the stages of a flow: each stage a cached task (whose own cache policy runs it again
+when its recorded outputs are gone or damaged: tasks.common.cache), its wall time and final state
+recorded, and a failure named by its stage."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
-
-from gpt.checkpoint import Checkpointer
-from gpt.data import DataIndex, MMapIndexedDataset
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from prefect import Task
-
-    from tasks.export import ExportManifest
-    from tasks.index import IndexManifest
-    from tasks.tokenize.outputs import TokenizeManifest
-    from tasks.train.stage import TrainResult
 
 R = TypeVar("R")
 
@@ -30,16 +22,12 @@ class Stages:
         print(f"stage {stage} skipped: {why}")
         self.records.append({"stage": stage, "state": "Skipped", "seconds": 0.0})
 
-    def run(self, stage: str, task_fn: "Task[..., R]", *args: Any, intact: Callable[[R], bool] | None = None,
-            origins: dict[str, str] | None = None, **kwargs: Any) -> R:
-        """Run a stage task; a cached result whose outputs are gone or damaged (``intact(result)``
-        is False) runs the stage again. ``origins``: the user's name (a source path or S3 key) of
-        each file the stage reads from a copy, which its error names instead of the copy."""
+    def run(self, stage: str, task_fn: "Task[..., R]", *args: Any, origins: dict[str, str] | None = None,
+            **kwargs: Any) -> R:
+        """Run a stage task. ``origins``: the user's name (a source path or S3 key) of each file the
+        stage reads from a copy, which its error names instead of the copy."""
         start = time.perf_counter()
         state = task_fn(*args, return_state=True, **kwargs)
-        if intact is not None and state.name == "Cached" and not intact(state.result()):
-            print(f"stage {stage}: the cached result's outputs are gone or damaged; running it again")
-            state = task_fn.with_options(refresh_cache=True)(*args, return_state=True, **kwargs)
         self.records.append({"stage": stage, "state": state.name, "seconds": time.perf_counter() - start})
         try:
             return state.result()  # raises the stage's error, failing the flow run
@@ -55,32 +43,3 @@ def named_as_given(text: str, origins: dict[str, str]) -> str:
     for copy in sorted(origins, key=len, reverse=True):
         text = text.replace(copy, origins[copy])
     return text
-
-
-def tokenized_intact(manifest: TokenizeManifest) -> bool:
-    try:
-        for prefix in manifest.prefixes.values():
-            MMapIndexedDataset(prefix)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def index_intact(manifest: IndexManifest) -> bool:
-    try:
-        files = DataIndex.read(manifest.path).files()
-    except ValueError:
-        return False
-    return all((Path(manifest.path).parent / name).is_file() for name in files)
-
-
-def trained_intact(result: TrainResult) -> bool:
-    """The run folder of a cached training still holds its metrics and a complete checkpoint (it may
-    have been deleted since, and the same parameters train it again)."""
-    return Path(result.metrics_path).is_file() and Checkpointer(Path(result.run_dir) / "checkpoints", 1, 0).latest() is not None
-
-
-def export_intact(manifest: ExportManifest) -> bool:
-    from gpt.export import weight_files
-
-    return bool(weight_files(manifest.path))

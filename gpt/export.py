@@ -40,7 +40,17 @@ import torch
 from gpt.checkpoint import Checkpointer, load_whole_model
 from gpt.config import GPT3_BLOCK, Config, ConfigError, block_family, model_name, shape_differences
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
-from gpt.model import GPT, LLAMA_NAMES, hf_llama_to_ours, hf_to_ours, param_count, plain_name, split_qkv, tied
+from gpt.model import (
+    GPT,
+    LLAMA_NAMES,
+    hf_llama_to_ours,
+    hf_to_ours,
+    param_count,
+    parameters,
+    plain_name,
+    split_qkv,
+    tied,
+)
 from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
@@ -335,10 +345,8 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, vocab_file:
 def export_bytes(config: Config, dtype: str | None = None) -> tuple[int, int]:
     """How large an export of this model is (bytes of weights) and the most one layer holds (the
     exporting process reads a layer in fp32 at a time), before any checkpoint exists."""
-    from gpt.memory import block_parameters
-
     size = DTYPES[dtype or export_precision(config)].itemsize
-    return param_count(config) * size, block_parameters(config) * 4
+    return param_count(config) * size, parameters(config).block * 4
 
 
 def export_precision(config: Config) -> str:

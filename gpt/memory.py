@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from gpt.config import Config, parse_overrides
+from gpt.model import parameters
 
 GIB = 1 << 30
 STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
@@ -56,18 +57,6 @@ def _split_activations(config: Config) -> tuple[float, float]:
     return attention, mlp
 
 
-def block_parameters(config: Config, t: int = 1) -> int:
-    """One block's parameters on a tensor-parallel rank of ``t``: its matrices split, norms and
-    output biases whole."""
-    h, groups, heads = config.hidden_size, config.num_query_groups, config.num_attention_heads
-    qkv = (heads + 2 * groups) * (h // heads)
-    inner = config.ffn_hidden_size * (2 if config.swiglu else 1)
-    matrices = h * qkv + h * h + h * inner + config.ffn_hidden_size * h
-    norms = (4 if config.normalization == "LayerNorm" else 2) * h
-    biases = (qkv + inner) // t + 2 * h if config.add_bias_linear else 0
-    return matrices // t + norms + biases
-
-
 def rank_memory(config: Config, world_size: int) -> RankMemory:
     """One rank's peak memory for this layout (pipeline x data x tensor parallel, the micro-batch, the
     activation-checkpointing scope, the pipeline schedule), on the stage that needs the most."""
@@ -76,7 +65,8 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
     h, s, b = config.hidden_size, config.seq_length, config.micro_batch_size
     vocab = config.padded_vocab_size()
     layers = config.num_layers // pp
-    block = block_parameters(config, t)
+    held = parameters(config, t)
+    block = held.block
     element = 4 if config.precision == "fp32" else 2
     micro_batches = max(1, config.global_batch_size // (b * dp))
     if pp == 1:
@@ -105,7 +95,7 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
     sixteen_bit = element < 4
     loss = (vocab * h * (4 + (element if sixteen_bit else 0) + (4 if t > 1 else 0))
             + chunk_tokens * vocab * (4 + (2 * element if sixteen_bit else 0)) + s * b * h * 4)
-    embedding = (vocab // t) * h
+    embedding = held.embedding
     fsdp = config.data_parallel_mode == "fsdp"
 
     def stage(name: str, extra: int, in_flight: float, loss: int) -> RankMemory:
@@ -116,13 +106,10 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
         return RankMemory(name, params, STATE_BYTES * params // (dp if fsdp else 1), gathered,
                           activations(in_flight), in_flight, loss)
 
-    positions = config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0
-    final_norm = (2 if config.normalization == "LayerNorm" else 1) * h
-    output = embedding if config.untie_embeddings_and_output_weights else 0     # tied: the embedding is it
     if pp == 1:
-        return stage("the only stage", embedding + positions + final_norm + output, 1.0, loss)
-    return max(stage("the first stage", embedding + positions, first_in_flight, 0),
-               stage("the last stage", embedding + final_norm, last_in_flight, loss), key=lambda m: m.total)
+        return stage("the only stage", embedding + held.positions + held.final_norm + held.output, 1.0, loss)
+    return max(stage("the first stage", embedding + held.positions, first_in_flight, 0),
+               stage("the last stage", embedding + held.final_norm, last_in_flight, loss), key=lambda m: m.total)
 
 
 def fitting_layout(config: Config, world_size: int, limit: int) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -363,8 +364,37 @@ def _as_is(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+@dataclass(frozen=True)
+class Parameters:
+    """A model's parameters by part, as one tensor-parallel rank of ``t`` holds them: its matrices
+    split over the ranks (the embedding by vocabulary rows), norms and output biases whole."""
+    block: int                  # one block: attention (grouped K/V), MLP (SwiGLU's gate), norms, biases
+    layers: int
+    embedding: int              # the token embedding
+    positions: int              # learned positions, whole (none with rotary ones)
+    final_norm: int
+    output: int                 # an output layer of its own (none when it is the embedding)
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.block + self.embedding + self.positions + self.final_norm + self.output
+
+
+def parameters(config: Config, t: int = 1) -> Parameters:
+    """What GPT(config) holds, by part, counted from the configuration (nothing is built)."""
+    h, groups, heads = config.hidden_size, config.num_query_groups, config.num_attention_heads
+    qkv = (heads + 2 * groups) * (h // heads)
+    inner = config.ffn_hidden_size * (2 if config.swiglu else 1)
+    matrices = h * qkv + h * h + h * inner + config.ffn_hidden_size * h
+    one_norm = (2 if config.normalization == "LayerNorm" else 1) * h
+    biases = (qkv + inner) // t + 2 * h if config.add_bias_linear else 0
+    embedding = config.padded_vocab_size() // t * h
+    return Parameters(block=matrices // t + 2 * one_norm + biases, layers=config.num_layers, embedding=embedding,
+                      positions=config.max_position_embeddings * h
+                      if config.position_embedding_type == "learned_absolute" else 0,
+                      final_norm=one_norm, output=0 if tied(config) else embedding)
+
+
 def param_count(config: Config) -> int:
-    """Number of parameters (tied weights once), counted on the meta device without allocation."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return sum(p.numel() for p in model.parameters())
+    """Number of parameters (tied weights once)."""
+    return parameters(config).total

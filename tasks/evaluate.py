@@ -30,9 +30,9 @@ from gpt.files import replaced_folder, write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JOBS_FOLDER, JobError, submit
 from tasks.cluster.record import JOBS_RECORD
-from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunBusy, RunOwner
 from tasks.common.retry import worth_retrying
+from tasks.common.run_context import run_logger
 from tasks.train.trackers import Item, Trackers, evaluation_logged, unlogged
 
 SPEC = "evaluation.json"

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.checkpoint import Checkpointer
 from gpt.files import write_atomic
 from gpt.tokenizer import Tokenizer
+from tasks.common.cache import StageCache
 from tasks.common.digest import Digest
 
 PROMPTS = ("The ", "It was the best of times", "To be, or not to be")
@@ -31,6 +32,15 @@ class ExportManifest(BaseModel):
     checkpoint: str
     samples: list[dict[str, str]]     # prompt, mode ("greedy" or "sampled, seed N"), text
     seconds: float
+
+    def intact(self) -> bool:
+        """The export's weights are still there."""
+        from gpt.export import weight_files
+
+        try:
+            return bool(weight_files(self.path))
+        except (OSError, ValueError, KeyError):
+            return False
 
 
 def export_run(run_dir: str, tokenizer: Tokenizer, prompts: tuple[str, ...] = PROMPTS) -> ExportManifest:
@@ -58,7 +68,7 @@ def export_run(run_dir: str, tokenizer: Tokenizer, prompts: tuple[str, ...] = PR
                           seconds=round(time.perf_counter() - started, 3))
 
 
-def _export_cache_key(context, parameters: dict) -> str | None:
+def _export_cache_key(parameters: dict) -> str | None:
     """The newest checkpoint (its name and marker time) and the tokenizer files' contents."""
     run = Path(parameters["run_dir"])
     checkpoint = Checkpointer(run / "checkpoints", 1, 0).latest()
@@ -70,4 +80,4 @@ def _export_cache_key(context, parameters: dict) -> str | None:
     return "export-" + key.hex(32)
 
 
-export_task = task(export_run, name="export", cache_key_fn=_export_cache_key, persist_result=True)
+export_task = task(export_run, name="export", cache_policy=StageCache(key_of=_export_cache_key), persist_result=True)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
 from gpt.files import replaced, write_atomic, writing
 from native import build_blending_indices, build_sample_idx
+from tasks.common.cache import StageCache, cached
 from tasks.common.digest import Digest, digest
 
 SPLITS = ("train", "valid", "test")
@@ -44,6 +45,14 @@ class IndexManifest(BaseModel):
     num_samples: dict[str, int]
     digest: str
     max_token_ids: dict[str, int] = {}     # per prefix: the largest token id in its .bin
+
+    def intact(self) -> bool:
+        """The index file and every array it names are still there, whole."""
+        try:
+            files = DataIndex.read(self.path).files()
+        except ValueError:
+            return False
+        return all(whole(Path(self.path).parent / name) for name in files)
 
 
 def parse_split(split: str) -> list[float]:
@@ -133,6 +142,18 @@ def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 
     return [os.path.getsize(data.idx_path), size, content.hex()]
 
 
+def whole(path: Path) -> bool:
+    """An index array that is there and holds what its header says: a cut file is not whole."""
+    try:
+        with open(path, "rb") as f:
+            read = (np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(f) == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(f)
+            return os.fstat(f.fileno()).st_size == f.tell() + math.prod(shape) * dtype.itemsize
+    except (OSError, ValueError):
+        return False
+
+
 def _save_npy(path: Path, array: np.ndarray) -> None:
     """An .npy file as np.save writes it, through a file write whose errors say what failed (numpy's
     own raises "N requested and M written" on a full disk)."""
@@ -155,7 +176,7 @@ def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[in
     names = {k: f"{key}-GPTDataset-{split}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")}
     entry = IndexedPart(prefix=os.path.abspath(data.prefix), description=description, **names)
     desc_path = out_dir / f"{key}-GPTDataset-{split}-description.txt"
-    if all((out_dir / n).exists() for n in names.values()) and desc_path.exists():
+    if all(whole(out_dir / n) for n in names.values()) and desc_path.exists():
         return entry, len(np.load(out_dir / names["shuffle_index"], mmap_mode="r"))
 
     docs = np.arange(documents[0], documents[1], dtype=np.int64)
@@ -333,7 +354,7 @@ def _build_blend(parts: list[IndexedPart], weights: list[float], sizes: list[int
     key = digest(description, length=32)
     names = Blend(dataset_index=f"{key}-BlendedDataset-{split}-dataset_index.npy",
                   dataset_sample_index=f"{key}-BlendedDataset-{split}-dataset_sample_index.npy")
-    if (out / names.dataset_index).exists() and (out / names.dataset_sample_index).exists():
+    if whole(out / names.dataset_index) and whole(out / names.dataset_sample_index):
         return names
     dataset_index = np.zeros(target, dtype=np.int16)
     dataset_sample_index = np.zeros(target, dtype=np.int64)
@@ -348,7 +369,7 @@ def _build_blend(parts: list[IndexedPart], weights: list[float], sizes: list[int
     return names
 
 
-def _index_cache_key(context, parameters: dict) -> str:
+def _index_cache_key(parameters: dict) -> str:
     """Arguments plus the identity (size, mtime) of every .bin/.idx they name."""
     entries = parse_data_path(parameters["data_path"])
     stamps = []
@@ -359,7 +380,7 @@ def _index_cache_key(context, parameters: dict) -> str:
     return "index-v2-" + digest(parameters, stamps, length=32)      # v2: manifests record how they were built
 
 
-index_task = task(build_indices, name="index", cache_key_fn=_index_cache_key, persist_result=True)
+index_task = task(build_indices, name="index", cache_policy=StageCache(key_of=_index_cache_key), persist_result=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -373,12 +394,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--test-samples", type=int, default=0)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--skip", type=int, nargs="*", default=[], help="positions of the train order to leave out")
+    p.add_argument("--no-cache", action="store_true", help="build even when the index of these inputs is there and "
+                                                           "intact (the stage's cache, shared with the pretrain flow)")
     a = p.parse_args(argv)
     start = time.perf_counter()
-    m = build_indices(a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
-                      num_samples={"train": a.train_samples, "valid": a.valid_samples, "test": a.test_samples},
-                      out_dir=a.out_dir, skipped=a.skip)
-    print(json.dumps({**m.model_dump(), "seconds": round(time.perf_counter() - start, 3)}))
+    options = dict(data_path=a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
+                   num_samples={"train": a.train_samples, "valid": a.valid_samples, "test": a.test_samples},
+                   out_dir=a.out_dir, skipped=a.skip)
+    m, was_cached = (build_indices(**options), False) if a.no_cache else cached(index_task, **options)
+    print(json.dumps({**m.model_dump(), "cached": was_cached, "seconds": round(time.perf_counter() - start, 3)}))
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JOBS_FOLDER, DistributedTask, JobError, submit
 from tasks.cluster.launch import job_launch
-from tasks.cluster.run_context import run_logger
 from tasks.common.digest import digest
 from tasks.common.retry import worth_retrying
+from tasks.common.run_context import run_logger
 
 MARKER = "precompile.json"
 # Fields that change the compiled graphs (global batch size only changes how often they run).

@@ -215,7 +215,7 @@ def _training_alert(line: str, run_name: str, event: str, payload: dict[str, Any
                     markdown: str) -> None:
     """A training incident in the run's log, and, inside a Prefect run, as an event on the run's
     resource and a markdown artifact."""
-    from tasks.cluster.run_context import run_context, run_logger
+    from tasks.common.run_context import run_context, run_logger
 
     run_logger().warning("%s", line)
     if run_context() is None:
@@ -262,7 +262,7 @@ def spike_report(spike: Spike, run_name: str, what_next: str) -> None:
 def checkpoint_saved(run_dir: Path, iteration: int, evaluate: bool) -> None:
     """A complete checkpoint as a Prefect event on the run's resource: the evaluation automation
     (deployments/evaluations.py) runs the evaluate flow for those marked ``gpt.evaluate: true``."""
-    from tasks.cluster.run_context import run_context
+    from tasks.common.run_context import run_context
 
     if run_context() is None:
         return

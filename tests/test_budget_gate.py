@@ -16,7 +16,7 @@ import pytest
 from tasks.benchmark_history import machine_facts
 from tasks.tokenize.sample_corpus import sample_corpus
 from tests.fixtures_gpt import ROOT
-from tests.run_folder import wait_until
+from tests.run_folder import job_records, wait_until
 
 pytestmark = pytest.mark.integration  # starts servers of its own
 
@@ -40,12 +40,12 @@ def _paused(server, run_name: str) -> dict | None:
     return mine[0] if mine else None
 
 
-def _start(server, tmp_path: Path, corpus: str, run_name: str) -> subprocess.Popen:
+def _start(server, tmp_path: Path, corpus: str, run_name: str, *flags: str) -> subprocess.Popen:
     env = {**server.env, "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "flows.pretrain", "--source", corpus, "--train-vocab-size", "2048", "--train-iters", "4",
             "--no-compile",
             "--root", str(tmp_path / "root"), "--run-name", run_name, "--set", "eval_interval=100000",
-            "--budget-node-hours", "1e-7"]
+            "--budget-node-hours", "1e-7", *flags]
     log = open(tmp_path / f"{run_name}.log", "w")
     return subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -62,13 +62,13 @@ def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_reje
         for name, run in paused.items():
             run_dir = tmp_path / "root" / name
             assert not (run_dir / "checkpoints").exists() and not (run_dir / "jobs.json").exists()
-            stages = {t["name"].rsplit("-", 1)[0] for t in prefect_server.task_runs(run["id"])}
-            assert {"sync", "tokenize", "index"} <= stages and not stages & {"precompile", "train"}
+            assert prefect_server.task_runs(run["id"]) == []     # the gate comes before every stage
+            assert not (tmp_path / "root" / "data").exists()
             keys = run["state"]["state_details"]["run_input_keyset"]
             form = prefect_server.api(f"/flow_runs/{run['id']}/input/{keys['description']}")
             assert "**Over budget:**" in form and "node-hours estimated" in form and "| node-hours |" in form
             plan = max((a for a in prefect_server.artifacts(run["id"]) if a["key"] == "pretrain-plan"),
-                       key=lambda a: a["created"])          # the plan again once the data stages ran
+                       key=lambda a: a["created"])          # what the gate saw
             assert "tokens to train" in plan["data"] and "benchmark train-tiny" in plan["data"]
 
         prefect_server.api(f"/flow_runs/{paused['approved']['id']}/resume", {"run_input": {"approve": True}})
@@ -102,6 +102,32 @@ def test_over_budget_pauses_with_nothing_submitted_then_approval_trains_and_reje
     assert not (tmp_path / "root" / "rejected" / "checkpoints").exists()
     starts = json.loads((tmp_path / "root" / "approved" / "provenance.json").read_text())["starts"]
     assert starts[0]["flow_run_id"] == paused["approved"]["id"] and starts[0]["parameters"]["budget"]["node_hours"] == 1e-7
+
+
+@pytest.mark.timeout(600)
+def test_with_data_jobs_nothing_is_submitted_before_approval_and_approved_the_run_completes(prefect_server, slurm_cluster,
+                                                                                            tmp_path):
+    """A preset that runs sync and tokenize as jobs: while the run waits for approval, no sync job and
+    no tokenize array is in SLURM's queue or its records; approved, they run and the run trains."""
+    corpus = sample_corpus(str(tmp_path / "corpus"))
+    proc = _start(prefect_server, tmp_path, corpus, "data-jobs", "--cluster", slurm_cluster["preset"],
+                  "--cluster-set", "data_jobs=true", "--cluster-set", "data_array_tasks=2")
+    try:
+        run = wait_until(lambda: _paused(prefect_server, "data-jobs"), 300, "the run to pause", every=2)
+        assert prefect_server.task_runs(run["id"]) == []
+        assert not (tmp_path / "root" / "data").exists()                # no job folder, nothing synced
+        queued = subprocess.run(["squeue", "-h", "-o", "%j %Z"], capture_output=True, text=True, check=True).stdout
+        assert str(tmp_path) not in queued
+        prefect_server.api(f"/flow_runs/{run['id']}/resume", {"run_input": {"approve": True}})
+        code = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, (tmp_path / "data-jobs.log").read_text()[-3000:]
+    names = sorted(j["name"] for path in (tmp_path / "root").rglob("*.jobs") for j in job_records(path))
+    assert names == ["sync", "tokenize", "tokenize"], names
+    assert prefect_server.flow_run(run["id"])["state"]["type"] == "COMPLETED"
+    assert (tmp_path / "root" / "data-jobs" / "summary.json").is_file()
 
 
 @pytest.mark.alone

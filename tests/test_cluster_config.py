@@ -141,6 +141,8 @@ def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_of
     for the compile job and training alike, and still precompiles; CUDA and CPU jobs compile."""
     from flows.plan.build import make_plan
     from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
+    from gpt.tokenizer import Tokenizer
+    from tasks.index import IndexManifest
     from tasks.precompile import job_config
 
     presets = {"neuron": ("trn1-32xl", {"nodes": 1, "tasks_per_node": 1}),
@@ -150,7 +152,9 @@ def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_of
         plan = make_plan("gpt3-125m", DataParams(), TokenizerParams(), TrainingParams(train_iters=100),
                          ClusterParams(preset=preset, overrides=overrides), OutputParams(root=str(tmp_path)))
         assert plan.config.device == device and plan.precompiles
-        complete = plan.with_data(50257, str(tmp_path / "index.json")).config
+        complete = plan.training_job(Tokenizer(None, None, None, 50256, 50257),
+                                     IndexManifest(path=str(tmp_path / "index.json"), seq_length=2048, num_samples={},
+                                                   digest="")).config
         assert complete.compile is (device != "neuron") and job_config(complete).compile is complete.compile
         assert complete.compile_cache_dir == str(tmp_path / "data" / "compile-cache" / cache_key(complete, plan.cluster))
         assert job_config(complete).run_dir == str(plan.run_dir / "precompile") and job_config(complete).precompile

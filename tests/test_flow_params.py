@@ -247,3 +247,61 @@ def test_device_memory_comes_from_the_preset_or_a_name_that_fixes_it_never_a_gue
                                   cluster=ClusterParams(preset="p4d-8gpu", overrides={**gpu, "device_memory_gib": 32}))
                if e.startswith("training:")]
     assert "but 32 GiB per device (device_memory_gib of the cluster preset)" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_dry_run_plans_for_a_cluster_whose_files_and_disk_this_machine_lacks(tmp_path):
+    """Sources and tokenizer files on the cluster's /fsx, which this machine has not, and checkpoints
+    larger than its disk: a dry run plans it, a warning row naming each; a real run refuses them as
+    before. What the plan can check itself (the memory per rank here) still refuses a dry run."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures_gpt import ROOT
+
+    fsx = f"/fsx-{tmp_path.name}"          # a folder this machine has not
+    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+           "GPT_OUTPUT_ROOTS": fsx, "GPT_INPUT_ROOTS": fsx}
+    flags = ["--model", "gpt3-175b", "--cluster", "p4d-8gpu", "--cluster-set", "nodes=128", "--tp", "8", "--pp", "32",
+             "--root", f"{fsx}/gpt", "--source", f"{fsx}/corpora/oscar/*.jsonl.zst",
+             "--vocab-file", f"{fsx}/gpt2/vocab.json", "--merge-file", f"{fsx}/gpt2/merges.txt"]
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.pretrain", *flags, *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=100)
+
+    planned = run("--dry-run")
+    assert planned.returncode == 0, planned.stderr
+    warnings = [line.split("warning: ", 1)[1] for line in planned.stdout.splitlines() if "warning: " in line]
+    assert [w.split(":")[0] for w in warnings] == ["data.sources[0]", "tokenizer.vocab_file", "tokenizer.merge_file",
+                                                   "output.root"], planned.stdout
+    assert "matches no file" in warnings[0] and "but the run writes at least 1,953" in warnings[3]
+    assert f"vocabulary: 50,257 assumed (GPT-2's): the tokenizer ({fsx}/gpt2/vocab.json" in planned.stdout
+    assert "memory per rank: " in planned.stdout and "node-hours: " in planned.stdout
+    assert not os.path.exists(fsx)
+
+    refused = run()
+    assert refused.returncode == 2
+    assert [line.split(":")[0] for line in refused.stderr.splitlines()[1:]] == [
+        "  - data.sources[0]", "  - tokenizer.vocab_file", "  - tokenizer.merge_file", "  - output.root"]
+    too_big = run("--dry-run", "--micro-batch-size", "4")      # four times the activations: refused still
+    assert too_big.returncode == 2 and "training: each rank needs an estimated" in too_big.stderr
+
+
+@pytest.mark.parametrize("model", ["gpt3-125m", "llama3-8b"])
+def test_the_disk_floor_counts_the_parameters_of_the_model_the_job_builds(tmp_path, model):
+    """The checkpoint the plan reserves disk for holds the built model's parameters (GQA, SwiGLU and an
+    output layer of its own counted) at 12 bytes each: the fp32 weight and AdamW's two moments."""
+    import torch
+
+    from flows.plan.sizes import CHECKPOINT_BYTES, written_bytes
+    from gpt.model import GPT
+
+    plan = _check(model=model, training=TrainingParams(train_iters=10),
+                  cluster=ClusterParams(preset="p4d-8gpu", overrides={"nodes": 4, "device_memory_gib": 1e5}),
+                  output=OutputParams(root=str(tmp_path)), dry_run=True)     # it may not fit this disk
+    with torch.device("meta"):
+        built = GPT(plan.config)
+    assert written_bytes(plan.config)[1] == CHECKPOINT_BYTES * sum(p.numel() for p in built.parameters())
+    assert CHECKPOINT_BYTES == 12

@@ -143,7 +143,7 @@ def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(pre
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[again.state_details.flow_run_id])))
     tokenize = sorted(r.state.name for r in runs if r.name.startswith("tokenize"))
-    assert tokenize == ["Cached", "Completed"]      # found stale, run again
+    assert tokenize == ["Completed"]                # found stale by its cache policy, run again
     assert Path(prefix + ".bin").is_file()
 
     shutil.rmtree(first.result()["run_dir"])         # the run folder deleted: the same parameters train it again
@@ -151,7 +151,7 @@ def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(pre
     assert retrained.is_completed(), retrained.message
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[retrained.state_details.flow_run_id])))
-    assert sorted(r.state.name for r in runs if r.name.startswith("train")) == ["Cached", "Completed"]
+    assert sorted(r.state.name for r in runs if r.name.startswith("train")) == ["Completed"]
     assert Path(retrained.result()["export"], "model.safetensors").is_file()
 
     with open(src, "a") as f:                        # new content at the same source path
@@ -161,6 +161,62 @@ def test_lost_outputs_are_rebuilt_and_changed_data_never_resumes_the_old_run(pre
     assert "holds checkpoints trained on" in changed.message and "set output.run_name" in changed.message.lower()
     states = _task_states(changed.state_details.flow_run_id)
     assert states["tokenize"] == "Completed" and states["index"] == "Completed"
+
+
+def test_a_damaged_output_reruns_its_stage_alone_from_the_flow_and_from_the_stages_command_line(
+        prefect_harness, small_corpus, tmp_path):
+    """Each stage's own cache policy finds its recorded outputs damaged: the flow's rerun computes
+    that stage again and takes every other from the cache; the stage's command line does the same
+    with its own record (cached while intact, computed again once damaged)."""
+    import subprocess
+    import sys
+
+    from tests.fixtures_gpt import ROOT
+
+    src = tmp_path / "small_corpus.jsonl"
+    src.write_text(small_corpus.read_text())
+    first = _run(src, tmp_path / "root", compile=False)
+    assert first.is_completed(), first.message
+    index = Path(first.result()["index"])
+    arrays = sorted(index.parent.glob("*.npy"))
+    with open(arrays[0], "r+b") as f:            # an index array cut short
+        f.truncate(64)
+    again = _run(src, tmp_path / "root", compile=False)
+    assert again.is_completed(), again.message
+    states = _task_states(again.state_details.flow_run_id)
+    assert {k: states[k] for k in ("sync", "tokenize", "index", "train", "export")} == {
+        "sync": "Cached", "tokenize": "Cached", "index": "Completed", "train": "Cached", "export": "Cached"}
+    assert arrays[0].stat().st_size > 64
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+
+    def tokenize_cli() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tasks.tokenize", "--input", str(src), "--output-prefix",
+                               str(tmp_path / "cli" / "plays"), "--vocab-size", "512", "--workers", "1"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    made = tokenize_cli()
+    assert made.returncode == 0 and "cached: " not in made.stderr, made.stderr[-2000:]
+    prefix = json.loads(made.stdout.splitlines()[-1])["prefixes"]["text"]
+    assert "cached: " in tokenize_cli().stderr
+    size = Path(prefix + ".bin").stat().st_size
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(size // 2)
+    remade = tokenize_cli()
+    assert remade.returncode == 0 and "cached: " not in remade.stderr and "gone or damaged" in remade.stderr
+    assert Path(prefix + ".bin").stat().st_size == size
+
+    def index_cli() -> dict:
+        out = subprocess.run([sys.executable, "-m", "tasks.index", "--data-path", prefix, "--seq-length", "16",
+                              "--train-samples", "50", "--out-dir", str(tmp_path / "cli" / "index")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True)
+        assert out.stdout.startswith("{"), out.stdout[:3000] + out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    assert index_cli()["cached"] is False and index_cli()["cached"] is True
+    for array in (tmp_path / "cli" / "index").glob("*.npy"):
+        array.unlink()
+    assert index_cli()["cached"] is False and len(list((tmp_path / "cli" / "index").glob("*.npy"))) > 0
 
 
 @pytest.mark.timeout(300)
@@ -179,7 +235,9 @@ def test_a_dry_run_records_the_plan_and_runs_nothing(prefect_harness, tmp_path):
     rows = {r["item"]: r["value"] for r in state.result()["plan"]}
     assert rows["model"] == "tiny-llama" and rows["what happens"].startswith("dry run, nothing synced")
     assert "memory per rank" in rows and "tokens to train" in rows
-    assert rows["export"].startswith("llama, 0.05 GiB of fp32 weights in 1 file(s)")
+    # the sample corpus's BPE bounds the vocabulary (4,096 entries), so the export is sized by it
+    assert rows["vocabulary"] == "at most 4,096 (the BPE trained on the sources)"
+    assert rows["export"].startswith("llama, 0.01 GiB of fp32 weights in 1 file(s)")
     table = _artifacts(state.state_details.flow_run_id)["pretrain-plan"]
     assert "dry run" in json.dumps(table.data)
     assert not root.exists()

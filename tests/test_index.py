@@ -221,8 +221,15 @@ def test_cli(tmp_path):
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path, monkeypatch):
-    from flows.data import Dataset, check_vocabulary
-    from flows.plan.params import ParameterError
+    from flows.plan.build import make_plan
+    from flows.plan.params import (
+        ClusterParams,
+        DataParams,
+        OutputParams,
+        ParameterError,
+        TokenizerParams,
+        TrainingParams,
+    )
     from gpt.tokenizer import Tokenizer
 
     prefix = str(tmp_path / "big_text_document")
@@ -237,9 +244,11 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path,
     assert again.max_token_ids == {prefix: 6800} and len(reads) == 1   # the .bin is read once per content
     monkeypatch.undo()
     assert MMapIndexedDataset(prefix).max_token_id() == 6800
-    check_vocabulary(index, Dataset([], Tokenizer("vocab.json", "merges.txt", None, 0, vocab_size=6801)))
+    plan = make_plan("tiny", DataParams(), TokenizerParams(), TrainingParams(), ClusterParams(),
+                     OutputParams(root=str(tmp_path / "runs")))
+    plan.training_job(Tokenizer("vocab.json", "merges.txt", None, 0, vocab_size=6801), index)
     with pytest.raises(ParameterError) as e:
-        check_vocabulary(index, Dataset([], Tokenizer("/data/gpt2/vocab.json", "merges.txt", None, 0, vocab_size=4096)))
+        plan.training_job(Tokenizer("/data/gpt2/vocab.json", "merges.txt", None, 0, vocab_size=4096), index)
     assert e.value.errors == [f"data: {prefix}.bin holds token id 6800, but the vocabulary /data/gpt2/vocab.json has "
                               "only 4096 entries: the data was tokenized with another vocabulary; give that vocabulary "
                               "or tokenize again"]

@@ -540,14 +540,14 @@ def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, 
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.sync import sync_task
+    from tasks.sync import Remote, sync_task
 
     bucket, files = corpus
     dest = str(tmp_path / "dest")
 
     @flow
     def pipeline(endpoint: str, dest: str):
-        return sync_task([f"s3://{bucket}/data/"], dest, endpoint_url=endpoint, return_state=True)
+        return sync_task([f"s3://{bucket}/data/"], dest, remote=Remote(endpoint), return_state=True)
 
     first = pipeline(s3.endpoint_url, dest)
     assert first.is_completed() and not first.name == "Cached"
@@ -565,7 +565,7 @@ def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, 
 
     @flow
     def attempts(src: str, endpoint: str) -> int:
-        state = quick([src], str(tmp_path / "x"), endpoint_url=endpoint, return_state=True)
+        state = quick([src], str(tmp_path / "x"), remote=Remote(endpoint), return_state=True)
         assert state.is_failed()
         with get_client(sync_client=True) as client:
             return client.read_task_run(state.state_details.task_run_id).run_count

@@ -126,10 +126,10 @@ def test_the_sync_jobs_cache_key_reads_its_options_as_the_in_process_stages(tmp_
     (tmp_path / "src" / "a.jsonl").write_text('{"text": "a"}\n')
     args = ([str(tmp_path / "src")], str(tmp_path / "dest"))
     cluster = {"cluster": load_cluster("local")}
-    key = _sync_cache_key(None, get_call_parameters(sync_stage, args, {**cluster, "allowed_roots": [str(tmp_path)]}))
-    assert key and key == _sync_cache_key(None, get_call_parameters(sync_stage, args, {"allowed_roots": [str(tmp_path)]}))
+    key = _sync_cache_key(get_call_parameters(sync_stage, args, {**cluster, "allowed_roots": [str(tmp_path)]}))
+    assert key and key == _sync_cache_key(get_call_parameters(sync_stage, args, {"allowed_roots": [str(tmp_path)]}))
     checked = get_call_parameters(sync_stage, args, {**cluster, "allowed_roots": [str(tmp_path)], "verify_content": True})
-    assert _sync_cache_key(None, checked) is None                 # verify_content reads everything again
+    assert _sync_cache_key(checked) is None                 # verify_content reads everything again
 
 
 def test_a_bad_line_in_a_later_piece_is_named_by_its_line_in_the_whole_file(tmp_path, bpe_vocab):
@@ -219,7 +219,7 @@ def test_a_huggingface_tokenizer_json_on_parquet_shards_and_a_killed_task_reruns
 
 def test_the_sync_job_mirrors_a_bucket_and_verifies_every_file_as_the_flow_process_does(tmp_path, slurm_cluster,
                                                                                        s3_server, prefect_harness):
-    from tasks.sync import sync, sync_on_cluster
+    from tasks.sync import Remote, sync, sync_on_cluster
 
     bucket = s3_server.new_bucket(public=True)
     files = {f"data/part-{i}.jsonl": (json.dumps({"text": f"document {i} " * 50}) + "\n").encode() * (i + 1) * 100
@@ -228,7 +228,8 @@ def test_the_sync_job_mirrors_a_bucket_and_verifies_every_file_as_the_flow_proce
     s3_server.put_tree(bucket, "", files)
     options = dict(endpoint_url=s3_server.endpoint_url, no_sign_request=True)
     here = sync([f"s3://{bucket}/data/"], str(tmp_path / "here"), **options)
-    there = sync_on_cluster([f"s3://{bucket}/data/"], str(tmp_path / "there"), _cluster(slurm_cluster), **options)
+    there = sync_on_cluster([f"s3://{bucket}/data/"], str(tmp_path / "there"), _cluster(slurm_cluster),
+                            remote=Remote(**options))
     assert [(f.path, f.size, f.check) for f in there.files] == [(f.path, f.size, f.check) for f in here.files]
     assert {f.check for f in there.files} >= {"md5", "multipart-etag"}
     for f in here.files:

@@ -163,6 +163,8 @@ def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: P
     from flows.plan.build import make_plan
     from flows.plan.params import ClusterParams, DataParams, OutputParams, TokenizerParams, TrainingParams
     from gpt.parallel import xla
+    from gpt.tokenizer import Tokenizer
+    from tasks.index import IndexManifest
 
     # Its root is shared storage with room for its 72 GiB checkpoints (FSx), unlike this machine's disk.
     monkeypatch.setattr(sizes, "free_bytes", lambda path: 100 * sizes.GIB * 1024)
@@ -171,7 +173,8 @@ def test_the_reference_setup_gpt3_6_7b_with_tensor_parallel_32_plans(tmp_path: P
                      ClusterParams(preset="trn1-32xl"), OutputParams(root=str(tmp_path)))
     index = tmp_path / "index.json"
     index.write_text("{}")
-    config = plan.with_data(50257, str(index)).config
+    config = plan.training_job(Tokenizer(None, None, None, 50256, 50257),
+                               IndexManifest(path=str(index), seq_length=2048, num_samples={}, digest="")).config
     assert (config.device, config.tensor_parallel, config.data_parallel_mode) == ("neuron", 32, "ddp")
     world = plan.cluster.nodes * plan.cluster.tasks_per_node
     assert world == 512

@@ -68,6 +68,7 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
             ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
             ("device memory", plan.device_memory),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
+            ("vocabulary", plan.vocabulary),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{c.train_samples:,} samples"),
             ("data stages", data_stages(k)), ("compile", str(c.compile)), ("export", export_row(c)),
             ("what happens", outlook)]
@@ -77,14 +78,12 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
 
 
 def dry_run_rows(plan: Plan) -> list[dict[str, str]]:
-    """The plan as a dry run shows it: what its folder says will happen and the estimate of time and
-    cost, with the vocabulary as configured (the tokenizer's is known once the data stages ran)."""
-    from flows.plan.estimate import estimate, read_history
-
+    """The plan as a dry run shows it: what its folder says will happen, what it could not check on
+    this machine (a warning each), and the estimate of time and cost, with the vocabulary as far as
+    the plan can tell (the row says how)."""
     outlook = plan.outlook()
-    cost = estimate(plan.config, plan.cluster, outlook.done, read_history(plan.layout.root))
     return plan_rows(plan, f"dry run, nothing synced, tokenized or submitted; a run would: {outlook.message}",
-                     estimate=cost.rows())
+                     warnings=list(plan.warnings), estimate=plan.estimate(outlook).rows())
 
 
 def dry_run_table(plan: Plan) -> list[dict[str, str]]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from flows.plan.params import Problems
 from tasks.common.uri import is_s3
 from tasks.sync import local_path
 from tasks.sync.reach import inside
@@ -133,7 +134,7 @@ def refused(field: str, problem: str | None, errors: list[str]) -> bool:
     return problem is not None
 
 
-def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
+def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: Problems) -> None:
     """A JSONL/Parquet source (a path, glob or s3:// URI) exists, lies where the operator allows and
     is not the output root's own."""
     if is_s3(src):
@@ -141,7 +142,7 @@ def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: l
         return
     matches = glob.glob(local_path(src))
     if not matches:
-        errors.append(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
+        errors.not_here(f"{field}: {src} matches no file or folder; give an existing path, a glob or an s3:// URI")
     for match in matches:
         real = Path(match).resolve()
         if inside(real, root) or inside(root, real):
@@ -152,7 +153,7 @@ def check_source(field: str, src: str, root: Path, boundary: Boundary, errors: l
             return
 
 
-def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors: list[str]) -> None:
+def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors: Problems) -> None:
     """A tokenized .bin/.idx pair exists and lies where the operator allows."""
     if is_s3(prefix):
         refused(field, boundary.s3_uri(prefix), errors)
@@ -160,6 +161,6 @@ def check_prefix(field: str, prefix: str, root: Path, boundary: Boundary, errors
     for ext in (".bin", ".idx"):
         path = local_path(prefix) + ext
         if not os.path.isfile(path):
-            errors.append(f"{field}: {path} not found; give the prefix without .bin/.idx")
+            errors.not_here(f"{field}: {path} not found; give the prefix without .bin/.idx")
         elif refused(field, boundary.local_input(path, root), errors):
             return

@@ -1,16 +1,17 @@
 """The run's evaluation, checked before anything runs: sets readable where the operator allows,
 task files that parse, and every task known to lm-evaluation-harness (its registry, or the task
-files). Refused by name, like any parameter."""
+files). Refused by name, like any parameter; what passes is the plan's ``EvaluationPlan``."""
 from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from flows.plan.boundary import Boundary, check_prefix, check_source
-from flows.plan.params import EvaluationParams, ParameterError
+from flows.plan.params import EvaluationParams, ParameterError, Problems
 from tasks.cluster.container import Container
 from tasks.common.uri import is_s3
 from tasks.evaluate import task_manager
@@ -24,6 +25,24 @@ class _TaskYaml(yaml.SafeLoader):
 _TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
 
 
+@dataclass(frozen=True)
+class EvaluationSet:
+    name: str
+    sources: tuple[str, ...]            # as given: tokenized with the run's tokenizer
+    prefix: str | None                  # or tokenized already (a local path or an s3:// URI)
+
+
+@dataclass(frozen=True)
+class EvaluationPlan:
+    """What every checkpoint the run saves (every ``every``-th, and the last) is evaluated on."""
+    sets: tuple[EvaluationSet, ...]
+    tasks: tuple[str, ...]              # lm-eval task names
+    task_paths: tuple[str, ...]         # folders lm-eval searches for the run's own tasks
+    limit: int | None
+    every: int
+    set_tokens: int
+
+
 def task_folders(evaluation: EvaluationParams) -> list[str]:
     """The folders lm-eval searches for the run's own tasks (a file's folder when a file is given)."""
     folders = []
@@ -34,14 +53,15 @@ def task_folders(evaluation: EvaluationParams) -> list[str]:
 
 
 def check_evaluation(evaluation: EvaluationParams, root: Path, keep_last: int, boundary: Boundary | None = None,
-                     container: Container | None = None) -> None:
-    """Raises ParameterError naming each field that cannot be evaluated as given (``keep_last``:
-    the run's, which must leave a saved checkpoint long enough to be kept for its evaluation;
-    ``container``: the cluster's, in which the evaluation jobs read the task files and sets)."""
+                     container: Container | None = None, dry_run: bool = False) -> tuple[EvaluationPlan | None, list[str]]:
+    """The evaluation's plan (None: none asked) and what a dry run could not check here; raises
+    ParameterError naming each field that cannot be evaluated as given (``keep_last``: the run's,
+    which must leave a saved checkpoint long enough to be kept for its evaluation; ``container``:
+    the cluster's, in which the evaluation jobs read the task files and sets)."""
     if evaluation == EvaluationParams():
-        return
+        return None, []
     boundary = boundary or Boundary.from_env()
-    errors: list[str] = []
+    errors = Problems(dry_run)
     if keep_last < 2:
         errors.append(f"training.overrides.keep_last: {keep_last} removes each checkpoint as the next one is "
                       "written, before it can be kept for its evaluation; keep 2 or more with an evaluation")
@@ -72,6 +92,10 @@ def check_evaluation(evaluation: EvaluationParams, root: Path, keep_last: int, b
         errors += _unknown_tasks(evaluation)
     if errors:
         raise ParameterError(errors)
+    sets = tuple(EvaluationSet(s.name, tuple(s.sources), s.prefix if not s.prefix or is_s3(s.prefix) else local_path(s.prefix))
+                 for s in evaluation.sets)
+    return EvaluationPlan(sets=sets, tasks=tuple(evaluation.tasks), task_paths=tuple(task_folders(evaluation)),
+                          limit=evaluation.limit, every=evaluation.every, set_tokens=evaluation.set_tokens), errors.warnings
 
 
 def _task_file_problems(field: str, given: str, root: Path, boundary: Boundary) -> list[str]:

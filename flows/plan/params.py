@@ -25,6 +25,20 @@ class ParameterError(ValueError):
         super().__init__("invalid parameters:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
+class Problems(list):
+    """What a plan refuses, one line per field. In a dry run, what only the cluster can answer (a
+    file that is not on this machine, the output root's free space) is a warning instead
+    (``not_here``): a dry run sizes a job before anyone has the cluster's files."""
+
+    def __init__(self, dry_run: bool = False) -> None:
+        super().__init__()
+        self.dry_run = dry_run
+        self.warnings: list[str] = []
+
+    def not_here(self, problem: str) -> None:
+        (self.warnings if self.dry_run else self).append(problem)
+
+
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -96,10 +110,6 @@ class DataParams(_Params):
     verify_content: bool = Field(False, description="Hash every local source and copy again and verify every "
                                                     "S3 copy, instead of trusting unchanged size, times and "
                                                     "ETags (slow: for a rerun after doubts about the storage)")
-
-    def s3_access(self) -> dict[str, Any]:
-        """How the data's S3 objects are reached, as the sync stage takes it."""
-        return {"endpoint_url": self.endpoint_url, "profile": self.profile, "no_sign_request": self.no_sign_request}
 
 
 class TokenizerParams(_Params):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gpt.config import Config
 from gpt.memory import GIB, fitting_layout, rank_memory
+from gpt.model import param_count
 from tasks.cluster.config import ClusterConfig
 
 # Memory of one device (GiB) of the generations sold in one size (a Trainium's per NeuronCore, the
@@ -19,15 +20,8 @@ from tasks.cluster.config import ClusterConfig
 # never guessed.
 ONE_SIZE_GIB = {"t4": 16, "a10g": 24, "l4": 24, "l40s": 48, "h200": 141, "trn1": 16, "trn2": 24}
 _VARIANT_GIB = re.compile(r"-(\d+(?:\.\d+)?)gb?$")
-SMALLEST_VOCABULARY = 257      # a byte-level BPE: the vocabulary is not known before the data stages
-CHECKPOINT_BYTES = 12          # per parameter: the weight and the two moments
+CHECKPOINT_BYTES = 12          # per parameter: the fp32 weight and AdamW's two moments
 INDEX_BYTES = 12               # per sample at least: its sample-index entry and its shuffle-index entry
-
-
-def parameters(config: Config, vocab_size: int = SMALLEST_VOCABULARY) -> int:
-    """GPT-2's parameter count: blocks, embeddings (tied output layer) and the final norm."""
-    h, layers = config.hidden_size, config.num_layers
-    return layers * (12 * h * h + 13 * h) + (vocab_size + config.max_position_embeddings) * h + 2 * h
 
 
 def device_memory(cluster: ClusterConfig) -> tuple[int | None, str]:
@@ -74,7 +68,7 @@ def memory_problem(config: Config, cluster: ClusterConfig) -> str | None:
 def written_bytes(config: Config) -> tuple[int, int]:
     """(index, one checkpoint) bytes the run writes under the output root at least."""
     samples = sum(config.num_samples().values())
-    return INDEX_BYTES * samples, CHECKPOINT_BYTES * parameters(config)
+    return INDEX_BYTES * samples, CHECKPOINT_BYTES * param_count(config)
 
 
 def physical_memory() -> int:

@@ -36,10 +36,10 @@ from tasks.cluster.config import ClusterConfig, ClusterError, credential_variabl
 from tasks.cluster.hang import Hang, HangWatch
 from tasks.cluster.processes import command_line, process_state, process_tree
 from tasks.cluster.record import JobRecord
-from tasks.cluster.run_context import flow_run_cancelled, flow_run_id, run_logger
 from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import TERMINAL, requeued, run_command, scancel, slurm_state
 from tasks.cluster.stacks import save_stacks
+from tasks.common.run_context import flow_run_cancelled, flow_run_id, run_logger
 
 log = logging.getLogger(__name__)
 

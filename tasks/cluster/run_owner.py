@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.cluster.run_context import flow_run_id
+from tasks.common.run_context import flow_run_id
 
 
 class RunBusy(RuntimeError):

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from tasks.cluster.run_context import run_context, run_logger
+from tasks.common.run_context import run_context, run_logger
 
 
 def human_bytes(n: float) -> str:

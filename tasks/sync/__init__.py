@@ -42,11 +42,11 @@ from tasks.sync.listing import (
     listing_digest,
     local_path,
 )
-from tasks.sync.manifest import FileEntry, SyncManifest, local_copy_matches
+from tasks.sync.manifest import FileEntry, SyncManifest
 from tasks.sync.part_hasher import PartHasher
 from tasks.sync.remote import Remote, SyncError, TransientSyncError, redact
 from tasks.sync.s5cmd import s5cmd_binary
 from tasks.sync.stage import sync_on_cluster, sync_stage, sync_task, upload_task
 from tasks.sync.uploader import upload
 
-__all__ = ['Check', 'FileEntry', 'HASHER', 'MANIFEST_NAME', 'Source', 'PARTIAL_DIR', 'PartHasher', 'Remote', 'SyncError', 'SyncManifest', 'TransientSyncError', 'list_sources', 'listing_digest', 'local_copy_matches', 'local_path', 'md5_check', 'multipart_etag', 'redact', 's5cmd_binary', 'sync', 'sync_on_cluster', 'sync_stage', 'sync_task', 'upload', 'upload_task', 'verify']
+__all__ = ['Check', 'FileEntry', 'HASHER', 'MANIFEST_NAME', 'Source', 'PARTIAL_DIR', 'PartHasher', 'Remote', 'SyncError', 'SyncManifest', 'TransientSyncError', 'list_sources', 'listing_digest', 'local_path', 'md5_check', 'multipart_etag', 'redact', 's5cmd_binary', 'sync', 'sync_on_cluster', 'sync_stage', 'sync_task', 'upload', 'upload_task', 'verify']

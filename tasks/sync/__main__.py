@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tasks.cluster.run_context import log_to_stderr
+from tasks.common.run_context import log_to_stderr
 from tasks.common.uri import is_s3
 from tasks.sync.download import sync
 from tasks.sync.remote import SyncError, redact

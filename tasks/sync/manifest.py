@@ -53,6 +53,18 @@ class SyncManifest(BaseModel):
     complete: bool = True     # False on disk while a sync is unfinished
     not_copied: list[str] = []    # sources' files named as the sync's own files (listing.is_reserved)
 
+    def intact(self) -> bool:
+        """Every file this sync verified is still there, untouched since (its size and mtime)."""
+        folder = Path(self.local_dir)
+        for f in self.files:
+            try:
+                st = (folder / f.path).stat()
+            except OSError:
+                return False
+            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+                return False
+        return Path(self.manifest_path).is_file()
+
 
 def read_manifest(path: Path) -> dict[str, FileEntry]:
     try:
@@ -92,18 +104,6 @@ def up_to_date(o: Source, old: FileEntry | None, path: Path) -> bool:
     its content digest was taken."""
     return copy_intact(o, old, path) and (o.stat is None or (
         old.content is not None and old.source_stamp == o.stat.stamp))  # type: ignore[union-attr]
-
-
-def local_copy_matches(dest: str | os.PathLike, objs: list[Source]) -> bool:
-    """Whether `dest` holds a complete sync of exactly the listing `objs`, its files untouched since."""
-    folder = Path(dest)
-    try:
-        data = json.loads((folder / MANIFEST_NAME).read_text())
-        entries = {f["path"]: FileEntry(**f) for f in data["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return (bool(data.get("complete")) and entries.keys() == {o.rel for o in objs}
-            and all(up_to_date(o, entries[o.rel], folder / o.rel) for o in objs))
 
 
 def sync_manifest(sources: list[str], objs: list[Source], entries: dict[str, FileEntry], folder: Path,

@@ -41,6 +41,10 @@ class Remote:
                     or env.get("S3_ENDPOINT_URL") or None)
         return Remote(endpoint, no_sign_request, profile)
 
+    def options(self) -> dict[str, Any]:
+        """As ``sync`` and ``upload`` take it (the endpoint as given: the environment's is theirs to add)."""
+        return {"endpoint_url": self.endpoint_url, "no_sign_request": self.no_sign_request, "profile": self.profile}
+
     def client(self) -> Any:
         core = botocore.session.Session(profile=self.profile)
         core.register_component("data_loader", _LOADER)   # parse botocore's model files once

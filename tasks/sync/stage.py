@@ -11,45 +11,41 @@ from prefect.tasks import exponential_backoff
 
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import ReturnedError, submit
+from tasks.common.cache import StageCache
 from tasks.common.retry import worth_retrying
 from tasks.sync.download import sync
 from tasks.sync.listing import list_sources, listing_digest
-from tasks.sync.manifest import SyncManifest, local_copy_matches
+from tasks.sync.manifest import SyncManifest
 from tasks.sync.reach import Reach
 from tasks.sync.remote import Remote, SyncError
 from tasks.sync.uploader import upload
 
 
-def _sync_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:
+def _sync_cache_key(parameters: dict[str, Any]) -> str | None:
     """The source listing (keys, sizes, ETags; local files' stat stamps), the destination and `delete`.
-
-    An intact local copy of an unchanged source is a cache hit. When a record exists for this key
-    but the local copy no longer matches it (files damaged or removed), no key is given, so the
-    sync runs again and repairs it; so it does with `verify_content`, which reads everything again.
-    """
-    from prefect.results import get_result_store
+    An intact local copy of an unchanged source is a cache hit; none with `verify_content`, which
+    reads everything again."""
     if parameters.get("verify_content"):
         return None
-    try:
-        sources = parameters["sources"]
-        remote = Remote.make(parameters.get("endpoint_url"), parameters.get("no_sign_request", False),
-                             parameters.get("profile"))
-        dest = str(Path(parameters["dest"]).expanduser().absolute())
-        objs = list_sources([sources] if isinstance(sources, str) else sources, remote,
-                            reach=Reach.make(parameters.get("allowed_roots"), dest))
-    except Exception:
-        return None                      # the sync itself will raise the clear error
-    key = "sync-" + listing_digest(objs, dest, bool(parameters.get("delete", False)))
-    if local_copy_matches(dest, objs) or not get_result_store().exists(key):
-        return key
-    return None
+    sources = parameters["sources"]
+    given = parameters.get("remote") or Remote()
+    dest = str(Path(parameters["dest"]).expanduser().absolute())
+    objs = list_sources([sources] if isinstance(sources, str) else sources,
+                        Remote.make(given.endpoint_url, given.no_sign_request, given.profile),
+                        reach=Reach.make(parameters.get("allowed_roots"), dest))
+    return "sync-" + listing_digest(objs, dest, bool(parameters.get("delete", False)))
 
 
 _RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=10), retry_jitter_factor=0.5,
                 retry_condition_fn=worth_retrying)
 
 
-upload_task = task(upload, name="upload", cache_policy=NO_CACHE, **_RETRIES)
+def upload_stage(folder: str, uri: str, *, remote: Remote = Remote(), exclude: tuple[str, ...] = ()) -> SyncManifest:
+    """The run folder uploaded to ``uri`` (tasks.sync.uploader), reached as ``remote`` says."""
+    return upload(folder, uri, exclude=exclude, **remote.options())
+
+
+upload_task = task(upload_stage, name="upload", cache_policy=NO_CACHE, **_RETRIES)
 
 
 @dataclass(frozen=True)
@@ -67,18 +63,15 @@ class SyncJob:
             return ReturnedError(e)
 
 
-def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig, *, endpoint_url: str | None = None,
-                    no_sign_request: bool = False, profile: str | None = None,
+def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig, *, remote: Remote = Remote(),
                     allowed_roots: list[str] | None = None, verify_content: bool = False) -> SyncManifest:
     """``sync`` as one job on a node of the data partition (cluster preset ``data_jobs: true``): the
     bytes move over that node's link into shared storage, verified as in this process; this process
     lists, follows and reads the manifest. The job's record and log are in ``<dest>.jobs/``. The
     job gets no credential from this process's environment: it reads the node's own (an instance
-    role, or the profile's files in a shared home). The options are ``sync``'s, named as there, so
-    that the cache key reads them as it reads the in-process stage's."""
+    role, or the profile's files in a shared home)."""
     dest = str(Path(dest).expanduser().absolute())
-    options = dict(endpoint_url=endpoint_url, no_sign_request=no_sign_request, profile=profile,
-                   allowed_roots=allowed_roots, verify_content=verify_content)
+    options = dict(**remote.options(), allowed_roots=allowed_roots, verify_content=verify_content)
     result, _, _ = submit(SyncJob(sources, dest, options), cluster.data_job(), run_dir=Path(dest + ".jobs"),
                           job_name="sync")
     if isinstance(result, ReturnedError):
@@ -86,17 +79,15 @@ def sync_on_cluster(sources: list[str] | str, dest: str, cluster: ClusterConfig,
     return result
 
 
-def sync_stage(sources: list[str] | str, dest: str, *, cluster: ClusterConfig | None = None,
-               endpoint_url: str | None = None, no_sign_request: bool = False, profile: str | None = None,
+def sync_stage(sources: list[str] | str, dest: str, *, cluster: ClusterConfig | None = None, remote: Remote = Remote(),
                allowed_roots: list[str] | None = None, verify_content: bool = False) -> SyncManifest:
     """The stage as the flow runs it: in this process, or as one job on the cluster's data partition
-    when its preset says ``data_jobs: true``; the same copy and manifest either way. The options
-    are ``sync``'s, named as there, so that the cache key reads them alike."""
-    options = dict(endpoint_url=endpoint_url, no_sign_request=no_sign_request, profile=profile,
-                   allowed_roots=allowed_roots, verify_content=verify_content)
+    when its preset says ``data_jobs: true``; the same copy and manifest either way."""
     if cluster is not None and cluster.data_jobs:
-        return sync_on_cluster(sources, dest, cluster, **options)
-    return sync(sources, dest, **options)
+        return sync_on_cluster(sources, dest, cluster, remote=remote, allowed_roots=allowed_roots,
+                               verify_content=verify_content)
+    return sync(sources, dest, allowed_roots=allowed_roots, verify_content=verify_content, **remote.options())
 
 
-sync_task = task(sync_stage, name="sync", cache_key_fn=_sync_cache_key, persist_result=True, **_RETRIES)
+sync_task = task(sync_stage, name="sync", cache_policy=StageCache(key_of=_sync_cache_key), persist_result=True,
+                 **_RETRIES)

@@ -6,7 +6,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from gpt.data import best_dtype
+from gpt.data import MMapIndexedDataset, best_dtype
 from gpt.tokenizer import Tokenizer, tokenizer_json_files
 from tasks.common.digest import digest, file_digest
 from tasks.tokenize.bpe import TokenizeError
@@ -35,6 +35,15 @@ class TokenizeManifest(BaseModel):
     @property
     def tokenizer(self) -> Tokenizer:
         return Tokenizer(self.vocab_file, self.merge_file, self.tokenizer_file, self.eod_id, self.vocab_size)
+
+    def intact(self) -> bool:
+        """Every .bin/.idx pair still reads as the format says, and the tokenizer files are there."""
+        try:
+            for prefix in self.prefixes.values():
+                MMapIndexedDataset(prefix)
+        except (OSError, ValueError):
+            return False
+        return all(os.path.isfile(f) for f in (self.vocab_file, self.merge_file, self.tokenizer_file) if f)
 
 
 def output_prefixes(output_prefix: str, json_keys: tuple[str, ...]) -> dict[str, str]:
@@ -79,7 +88,7 @@ def nonzero_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "none"
 
 
-def tokenize_cache_key(context, parameters: dict) -> str:
+def tokenize_cache_key(parameters: dict) -> str:
     """Arguments, input file sizes and mtimes, and the tokenizer files' contents; not where or on
     how many cores and tasks it runs, which changes nothing in the outputs."""
     files = expand_inputs(parameters["inputs"])

@@ -26,7 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.cluster.run_context import log_to_stderr
+from tasks.common.run_context import log_to_stderr
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.encode import encode
 from tasks.tokenize.inputs import Piece
@@ -93,15 +93,17 @@ def tokenize_stage(inputs: list[str] | str, output_prefix: str, *, cluster: Clus
 
 
 def __getattr__(name: str) -> Any:
-    """``tokenize_task``, the stage as a Prefect task, made on first use: the command line never
-    imports Prefect (a second and more of start-up)."""
+    """``tokenize_task``, the stage as a Prefect task, made on first use: a tokenize job on a node,
+    and the command line with --no-cache, never import Prefect (a second and more of start-up)."""
     if name != "tokenize_task":
         raise AttributeError(name)
     from prefect import task
 
+    from tasks.common.cache import StageCache
+
     global tokenize_task
-    tokenize_task = task(tokenize_stage, name="tokenize", cache_key_fn=tokenize_cache_key, persist_result=True,
-                         log_prints=True)
+    tokenize_task = task(tokenize_stage, name="tokenize", cache_policy=StageCache(key_of=tokenize_cache_key),
+                         persist_result=True, log_prints=True)
     return tokenize_task
 
 
@@ -122,17 +124,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE, help="size of the BPE trained when no vocab is given")
+    p.add_argument("--no-cache", action="store_true",
+                   help="tokenize even when the outputs of these inputs are there and intact (the stage's cache, "
+                        "shared with the pretrain flow's runs on this machine)")
     a = p.parse_args(argv)
     if (a.tokenizer_type == "HuggingFaceTokenizer") != (a.tokenizer_model is not None):
         p.error("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model go together")
     log_to_stderr()
+    options = dict(inputs=a.input, output_prefix=a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,
+                   json_keys=a.json_keys, append_eod=a.append_eod, workers=a.workers, strict=a.strict,
+                   train_vocab_size=a.vocab_size, tokenizer_model=a.tokenizer_model, add_bos_token=a.add_bos_token)
     try:
-        m = tokenize(a.input, a.output_prefix, vocab_file=a.vocab_file, merge_file=a.merge_file,
-                     json_keys=a.json_keys, append_eod=a.append_eod, workers=a.workers, strict=a.strict,
-                     train_vocab_size=a.vocab_size, tokenizer_model=a.tokenizer_model, add_bos_token=a.add_bos_token)
+        if a.no_cache:
+            m, was_cached = tokenize(**options), False
+        else:
+            from tasks.common.cache import cached
+
+            m, was_cached = cached(__getattr__("tokenize_task"), **options)
     except TokenizeError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if was_cached:
+        print(f"cached: {a.output_prefix} holds these inputs tokenized, intact (--no-cache tokenizes again)",
+              file=sys.stderr)
     print(m.model_dump_json())
 
 

@@ -23,11 +23,12 @@ from tasks.cluster.hang import Hang, HangWatch, Stragglers
 from tasks.cluster.jobs import DistributedTask, JobError, JobHung, submit
 from tasks.cluster.launch import job_launch
 from tasks.cluster.record import JobRecord
-from tasks.cluster.run_context import run_logger
 from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
+from tasks.common.cache import StageCache
 from tasks.common.progress import Progress, human_duration
 from tasks.common.retry import worth_retrying
+from tasks.common.run_context import run_logger
 from tasks.evaluate import EvaluationSpec, ResultsTail, pin, tracker_items
 from tasks.train.spikes import CannotRollBack, SpikeFound, SpikeWatch, roll_back, skipped_samples, skipping
 from tasks.train.trackers import Trackers
@@ -85,6 +86,12 @@ class TrainResult(BaseModel):
     metrics_path: str
     executor: str
     nodelist: str | None = None
+
+    def intact(self) -> bool:
+        """The run folder still holds its metrics and a complete checkpoint (it may have been
+        deleted since, and the same parameters train it again)."""
+        return Path(self.metrics_path).is_file() and \
+            Checkpointer(Path(self.run_dir) / "checkpoints", 1, 0).latest() is not None
 
 
 def on_compiled_nodes(cluster: ClusterConfig, precompiled: "PrecompileManifest | None") -> ClusterConfig:
@@ -347,7 +354,7 @@ def without_node(cluster: ClusterConfig, node: str | None) -> tuple[ClusterConfi
     return cluster.model_copy(update={"exclude": exclude, "nodelist": None}), f", without node {node}"
 
 
-def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+def _train_cache_key(parameters: dict[str, Any]) -> str:
     """Inputs that decide what training produces: the job's configuration (its compile cache
     included) and the cluster. Not the precompile result: which nodes compiled, or whether its
     cache was just built, found or not needed (a run trained to its length compiles nothing)."""
@@ -355,4 +362,4 @@ def _train_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 
 train_task = task(train, name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying,
-                  persist_result=True, cache_key_fn=_train_cache_key)
+                  persist_result=True, cache_policy=StageCache(key_of=_train_cache_key))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, NamedTuple, get_args
 
 from gpt.files import write_json
-from tasks.cluster.run_context import run_logger
+from tasks.common.run_context import run_logger
 from tasks.common.uri import hide_address_secrets, shown_address
 
 RECORD = "trackers.json"

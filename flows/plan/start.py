@@ -1,0 +1,106 @@
+"""Where a new run starts from, checked before anything runs: another run or one of its
+checkpoints (``training.init_from``), or a HuggingFace model folder (``init_from_hf``), each of this
+model's shape and loadable in this run's layout."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flows.plan.boundary import Boundary, refused
+from flows.plan.layout import Layout
+from flows.plan.outlook import cannot_load
+from flows.plan.output import RUN_NAME
+from flows.plan.params import Problems, TrainingParams
+from gpt.checkpoint import MARKER, damage, newest_intact
+from gpt.config import Config, ConfigError, shape_differences
+from tasks.sync import local_path
+
+
+def start_from(training: TrainingParams, layout: Layout, boundary: Boundary, config: Config,
+               errors: Problems) -> str | None:
+    """The checkpoint folder a new run starts from: training.init_from names a run (under the
+    output root) or a folder of one (its newest intact checkpoint), or a checkpoint folder."""
+    given = training.init_from
+    if given is None:
+        return None
+    where = layout.run(given) if RUN_NAME.fullmatch(given) else Path(local_path(given))
+    problem = boundary.local_input(str(where), layout.root)
+    if problem:
+        errors.append(f"training.init_from: {problem}")
+        return None
+    if (where / "checkpoints").is_dir():
+        checkpoint, _ = newest_intact(where / "checkpoints")
+        run_dir = where
+    elif (where / MARKER).is_file():
+        checkpoint, run_dir = where, where.parent.parent
+        problem = damage(where)
+        if problem:
+            errors.append(f"training.init_from: checkpoint {where} is damaged ({problem}); name its run to start "
+                          "from the newest intact checkpoint, or an older checkpoint")
+            return None
+    else:
+        checkpoint, run_dir = None, where
+    if checkpoint is None:
+        (errors.append if where.exists() else errors.not_here)(
+            f"training.init_from: {given!r} ({where}) is neither a run with an intact checkpoint nor a checkpoint "
+            "folder (iter_NNNNNNN with COMPLETE); name a run under output.root or a checkpoint")
+        return None
+    try:
+        theirs = Config.load(run_dir / "config.json")
+    except ConfigError as e:
+        errors.append(f"training.init_from: {e}")
+        return None
+    differ = shape_differences(theirs, config)
+    if differ:
+        errors.append(f"training.init_from: {checkpoint} holds another model ({'; '.join(differ)}); start from a "
+                      f"run of {config.model} with these shapes")
+    problem = cannot_load(checkpoint, config)
+    if problem:
+        errors.append(f"training.init_from: {problem}")
+    return str(checkpoint)
+
+
+def check_start(config: Config, boundary: Boundary, root: Path, errors: Problems) -> None:
+    """A HuggingFace folder to start from is readable and holds a GPT-2 or Llama of this model's shape."""
+    if not config.init_from_hf:
+        return
+    from gpt.export import INDEX, WEIGHTS, ExportError, config_from_hf, weight_files
+
+    field = "training.overrides.init_from_hf"
+    folder = Path(local_path(config.init_from_hf))
+    problem = boundary.local_input(str(folder), root)
+    if problem:
+        errors.append(f"{field}: {problem}")
+        return
+    if not folder.exists():
+        errors.not_here(f"{field}: {folder} does not exist; give a folder written by gpt.export or save_pretrained")
+        return
+    missing = [n for n in ("config.json",) if not (folder / n).is_file()]
+    if not (folder / WEIGHTS).is_file() and not (folder / INDEX).is_file():
+        missing.append(WEIGHTS)
+    if missing:
+        errors.append(f"{field}: {folder} is not a HuggingFace model folder (no {' or '.join(missing)}); give a "
+                      "folder written by gpt.export or save_pretrained")
+        return
+    index = [folder / INDEX] if (folder / INDEX).is_file() else []
+    if any([refused(field, boundary.local_input(str(path), root), errors)      # every file it reads
+            for path in (folder / "config.json", *index)]):
+        return
+    try:
+        weights = weight_files(folder)
+    except (OSError, ValueError, KeyError) as e:
+        errors.append(f"{field}: {folder / INDEX} cannot be read ({e}); export the model again")
+        return
+    if any([refused(field, boundary.local_input(str(path), root), errors) for path in weights]):
+        return
+    try:
+        theirs = config_from_hf(json.loads((folder / "config.json").read_text()))
+    except KeyError as e:
+        errors.append(f"{field}: {folder}/config.json has no {e} field: it is not a GPT-2 or Llama model's configuration")
+        return
+    except (ExportError, ValueError, TypeError) as e:
+        errors.append(f"{field}: {folder}/config.json: {e}")
+        return
+    differ = shape_differences(theirs, config)
+    if differ:
+        errors.append(f"{field}: the model in {folder} has another shape ({'; '.join(differ)})")
