@@ -51,7 +51,7 @@ def run(model: str = "gpt3-125m", cluster: str = "local", iters: int = 6, save_i
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt3-125m")
-    parser.add_argument("--cluster", default="local", help="preset in deployments/clusters or a YAML path")
+    parser.add_argument("--cluster", default="local", help="preset in tasks/cluster/presets or a YAML path")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--save-interval", type=int, default=2)
     parser.add_argument("--seq-length", type=int, default=512)

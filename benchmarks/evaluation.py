@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tasks.cluster.record import JOBS_RECORD
-from tasks.evaluate import result_path
+from tasks.evaluate.records import result_path
 from tasks.tokenize.sample_corpus import sample_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ def _pretrain(args: list[str], env: dict[str, str], run_dir: Path, evaluated: bo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", default="slurm-local", help="preset in deployments/clusters or a YAML path")
+    parser.add_argument("--cluster", default="slurm-local", help="preset in tasks/cluster/presets or a YAML path")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--save-interval", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2, help="pairs of runs, without then with evaluations")

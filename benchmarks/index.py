@@ -31,7 +31,7 @@ import numpy as np
 
 from gpt.data import DataIndex, MMapIndexedDataset, write_index
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from native import build_sample_idx
+from native.index import build_sample_idx
 from tasks.index import build_indices
 
 MEGATRON_CORE = "megatron-core==0.16.1"

@@ -50,7 +50,7 @@ def run(model: str = "tiny", cluster: str = "local", iters: int = 4, device: str
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--cluster", default="local", help="preset in deployments/clusters or a YAML path")
+    parser.add_argument("--cluster", default="local", help="preset in tasks/cluster/presets or a YAML path")
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32")

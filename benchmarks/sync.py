@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 import boto3
 from boto3.s3.transfer import TransferConfig
 
-from native import md5_lanes, md5_ranges
+from native.md5 import md5_lanes, md5_ranges
 from tasks.sync import s5cmd_binary, sync
 
 MIB = 1 << 20

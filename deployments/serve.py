@@ -6,7 +6,7 @@
     prefect deployment run pretrain/gpt3 --param model=gpt3-125m --watch
 
 Flow runs started here send heartbeats, and the server gets the automation that marks a run
-Crashed when they stop (deployments/zombies.py), and the one that evaluates each checkpoint a
+Crashed when they stop (flows/heartbeats.py), and the one that evaluates each checkpoint a
 run saves (deployments/evaluations.py). For a work pool instead (workers on other
 machines), see deployments/prefect.yaml.
 """
@@ -19,9 +19,9 @@ from prefect import serve
 from prefect.schedules import Cron
 
 from deployments import evaluations
-from deployments.zombies import HEARTBEAT_S, ensure_automation
 from flows.benchmark import benchmark
 from flows.evaluate import evaluate
+from flows.heartbeats import HEARTBEAT_S, ensure_automation
 from flows.pretrain import pretrain
 
 NIGHTLY_CRON = "0 2 * * *"  # 02:00 every day, in `--timezone`

@@ -1,5 +1,5 @@
 """Everything the Prefect server needs once for this project, in one command: the process work pool
-the deployments use, the automation that marks silent flow runs Crashed (deployments/zombies.py),
+the deployments use, the automation that marks silent flow runs Crashed (flows/heartbeats.py),
 the one that evaluates each checkpoint once `evaluate/checkpoint` is deployed
 (deployments/evaluations.py) and, when a channel is given, the alert automation (deployments/alerts.py).
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deployments import alerts, evaluations, zombies
+from deployments import alerts, evaluations
+from flows import heartbeats
 
 POOL = "gpt"
 
@@ -44,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     block_id = alerts.block_from_arguments(p, a)
     created = ensure_work_pool(a.pool)
     print(f"work pool {a.pool!r} {'created' if created else 'already there'}")
-    zombies.ensure_automation()
-    print(f"automation {zombies.NAME!r} in place; run workers with "
-          f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={zombies.HEARTBEAT_S}")
+    heartbeats.ensure_automation()
+    print(f"automation {heartbeats.NAME!r} in place; run workers with "
+          f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={heartbeats.HEARTBEAT_S}")
     evaluate = evaluations.deployment_id()
     if evaluate is None:
         print(f"automation {evaluations.NAME!r} not made: deploy {evaluations.DEPLOYMENT} first (prefect deploy --all "

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks.gpu import CASES as GPU_CASES
 from tasks import benchmark_history
-from tasks.report import png_markdown
+from tasks.common.figures import png_markdown
 
 MODULES = {
     "tokenize": "benchmarks.tokenize",

@@ -32,8 +32,8 @@ from flows.plan.params import (
 )
 from gpt.config import parse_overrides
 from gpt.tokenizer import GPT2_VOCAB_SIZE
+from tasks import trackers
 from tasks.cluster.config import ClusterConfig
-from tasks.train import trackers
 
 # The cluster fields --cluster-set may name, with their types.
 CLUSTER_FIELDS = {name: field.annotation for name, field in ClusterConfig.model_fields.items()}
@@ -229,7 +229,7 @@ def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
             print(f"{row['item']:>16}: {row['value']}")
         return 0
     run_dir = plan.run_dir
-    from deployments.zombies import heartbeats_from_this_process
+    from flows.heartbeats import heartbeats_from_this_process
     from flows.local_server import ensure_api, lasting_api
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
     heartbeats_from_this_process(server_outlives_it=lasting_api() is not None)

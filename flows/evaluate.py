@@ -20,19 +20,18 @@ import sys
 from pathlib import Path
 
 from prefect import flow
-from prefect.concurrency.sync import concurrency
 
 from flows.plan import provenance
 from flows.plan.boundary import Boundary
 from flows.plan.params import ParameterError, refused_as_failed_run
 from flows.stages import Stages
 from tasks import report as reporting
-from tasks.common.digest import digest
-from tasks.evaluate import EvaluationSpec, checkpoint_at, evaluate_task, evaluated, results, summary, to_trackers
+from tasks.evaluate.records import results, summary
+from tasks.evaluate.stage import evaluate_task
 
 
 def run_folder(run: str) -> Path:
-    """The run folder ``run`` names, checked: inside the output roots, and given an evaluation."""
+    """The run folder ``run`` names, checked: inside the output roots, and a run's."""
     run_dir = Path(run).expanduser().resolve()
     problem = Boundary.from_env().output_root(run_dir)
     if problem:
@@ -40,25 +39,6 @@ def run_folder(run: str) -> Path:
     if not (run_dir / "config.json").is_file():
         raise ParameterError([f"run: {run_dir} is no run folder (no config.json); give the folder a pretrain run wrote"])
     return run_dir
-
-
-def one_at_a_time(run_dir: Path) -> str:
-    """The concurrency limit (one slot) that queues a run's evaluations behind each other, made by
-    the run's first evaluation (two at once: one makes it, the other finds it)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    name = f"evaluate-{run_dir.name}-{digest(str(run_dir), length=8)}"      # two roots may hold one run name
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-            except ObjectAlreadyExists:
-                pass
-    return name
 
 
 @flow(name="evaluate", persist_result=True, log_prints=True)
@@ -72,18 +52,7 @@ def evaluate(run: str, iteration: int | None = None) -> dict:
         iteration: The checkpoint's iteration; empty: the newest complete checkpoint.
     """
     run_dir = run_folder(run)
-    spec = EvaluationSpec.read(run_dir)
-    if spec is None:
-        raise ParameterError([f"run: {run_dir} names no evaluation (no evaluation.json): give the pretrain flow "
-                              "evaluation.sets or evaluation.tasks"])
-    try:
-        checkpoint_at(run_dir, iteration)
-    except FileNotFoundError as e:
-        if evaluated(run_dir, iteration) is None:
-            raise ParameterError([f"iteration: {e}"]) from None
-    with concurrency(one_at_a_time(run_dir), occupy=1, strict=True):
-        result = Stages().run("evaluate", evaluate_task, str(run_dir), iteration, spec)
-    to_trackers(run_dir, result)            # outside the slot: the next evaluation need not wait for it
+    result = Stages().run("evaluate", evaluate_task, str(run_dir), iteration)
     figures = summary(result)
     print(f"evaluation of {run_dir.name} at iteration {result.iteration}: "
           + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in figures.items()))

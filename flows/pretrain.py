@@ -38,13 +38,13 @@ from flows.plan.params import (
 from flows.stages import Stages
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
-from tasks.evaluate import IN_PROGRESS as EVALUATION_IN_PROGRESS
-from tasks.evaluate import EvaluationSpec, results, summary, tracker_items
+from tasks.evaluate.records import IN_PROGRESS as EVALUATION_IN_PROGRESS
+from tasks.evaluate.records import EvaluationSpec, results, summary, tracker_items
 from tasks.export import export_task
 from tasks.precompile import PrecompileManifest, precompile_task
 from tasks.sync import upload_task
+from tasks.trackers import Trackers
 from tasks.train.stage import progress_of_owner, train_task
-from tasks.train.trackers import Trackers
 
 
 @flow(name="pretrain", persist_result=True, log_prints=True)
@@ -67,7 +67,7 @@ def pretrain(
         data: JSONL sources and/or tokenized prefixes; empty runs on the bundled Shakespeare sample.
         tokenizer: GPT-2 style vocab.json/merges.txt; empty trains a BPE on the sources.
         training: Schedule, batch sizes, parallel layout and any other gpt Config field.
-        cluster: Where training runs: a preset from deployments/clusters plus overrides.
+        cluster: Where training runs: a preset from tasks/cluster/presets plus overrides.
         output: Root folder on shared storage, run name, and an s3:// URI to upload the run to.
         budget: Node-hours or cost above which the run waits for approval before anything is submitted.
         evaluation: Named sets and lm-eval tasks every checkpoint is evaluated on, by the evaluate flow

@@ -53,7 +53,6 @@ from gpt.model import (
 )
 from gpt.tokenizer import EOD, Tokenizer, TokenizerFileError, byte_level_bpe
 
-TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOOL = "python -m gpt.export"
 MARKER = "export.json"
 WEIGHTS = "model.safetensors"                  # the weights in one file, or ...

@@ -134,9 +134,8 @@ void build_blending_indices(py::array_t<int16_t, py::array::c_style> dataset_ind
 
 }  // namespace
 
-void register_md5(py::module_ &m);  // md5.cpp
 
-PYBIND11_MODULE(_native, m) {
+PYBIND11_MODULE(_index, m) {
   m.doc() = "Index builders for GPT datasets (sample index, blending index).";
   const char *sample_doc =
       "Sample index [num_samples + 1, 2] of (position in document_idx, token offset) over the "
@@ -151,5 +150,4 @@ PYBIND11_MODULE(_native, m) {
         "Fill dataset_index/dataset_sample_index in place by greedy blending of weighted datasets.",
         py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("weights"), py::arg("num_datasets"),
         py::arg("size"), py::arg("verbose") = false);
-  register_md5(m);
 }

@@ -246,7 +246,8 @@ std::vector<py::object> md5_ranges(const py::sequence &ranges, size_t lanes) {
 
 }  // namespace md5
 
-void register_md5(py::module_ &m) {
+PYBIND11_MODULE(_md5, m) {
+  m.doc() = "Multi-buffer MD5 of byte ranges of open files (S3 ETags).";
   m.def("md5_ranges", &md5::md5_ranges,
         "MD5 digests (16 bytes) of (fd, offset, length) byte ranges of open files, several hashed at once in SIMD "
         "lanes (lanes=0: as many as the CPU has). None for a range the file ends before. Releases the GIL.\n"

@@ -6,7 +6,6 @@ lines from a machine with the same hardware (`machine.key`), so a laptop never r
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tasks.common.figures import png_bytes, pyplot
 from tasks.common.uri import bucket_and_key, is_s3
 
 HISTORY_FILE = "history.jsonl"
@@ -215,13 +215,9 @@ def trend_png(records: list[dict], metrics: list[str], *, max_plots: int = 24) -
     metrics = metrics[:max_plots]
     if not metrics:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cols = min(3, len(metrics))
     rows = -(-len(metrics) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows), dpi=80, squeeze=False)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows), dpi=80, squeeze=False)
     for ax, metric in zip(axes.flat, metrics):
         points = [(i, r["metrics"][metric]) for i, r in enumerate(records) if metric in r.get("metrics", {})]
         if points:
@@ -233,10 +229,7 @@ def trend_png(records: list[dict], metrics: list[str], *, max_plots: int = 24) -
         ax.axis("off")
     fig.supxlabel("run", fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def now() -> str:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
 from gpt.files import replaced, write_atomic, writing
-from native import build_blending_indices, build_sample_idx
+from native.index import build_blending_indices, build_sample_idx
 from tasks.common.cache import StageCache, cached
 from tasks.common.digest import Digest, digest
 

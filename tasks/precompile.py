@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict
 from gpt.config import ARCHITECTURE, Config, model_name
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.jobs import JOBS_FOLDER, DistributedTask, JobError, submit
-from tasks.cluster.launch import job_launch
+from tasks.cluster.jobs import JOBS_FOLDER, JobError, submit
+from tasks.cluster.launch import DistributedTask, job_launch
 from tasks.common.digest import digest
 from tasks.common.retry import worth_retrying
 from tasks.common.run_context import run_logger

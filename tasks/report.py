@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 import shlex
@@ -19,13 +17,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from gpt.files import write_atomic
+from tasks.common.figures import png_bytes, png_markdown, pyplot
 
 if TYPE_CHECKING:
-    from tasks.cluster.hang import Hang
-    from tasks.evaluate import EvalResult
+    from tasks.evaluate.records import EvalResult
     from tasks.export import ExportManifest
     from tasks.tokenize.outputs import TokenizeManifest
-    from tasks.train.spikes import Spike
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -99,11 +96,7 @@ def loss_curve_png(rows: list[dict], title: str) -> bytes | None:
 def curves_png(curves: dict[str, list[tuple[int, float]]], title: str, ylabel: str) -> bytes:
     """Each curve (label: (iteration, value) points) against iteration as one PNG; a curve of few
     points is drawn with its points marked."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=90)
+    fig, ax = pyplot().subplots(figsize=(7, 3.6), dpi=90)
     for label, points in curves.items():
         ax.plot(*zip(*points), "o-" if len(points) <= 50 else "-", label=label, linewidth=1.2, markersize=4)
     ax.set_xlabel("iteration")
@@ -112,14 +105,7 @@ def curves_png(curves: dict[str, list[tuple[int, float]]], title: str, ylabel: s
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def png_markdown(png: bytes, alt: str) -> str:
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+    return png_bytes(fig)
 
 
 def summary_rows(summary: dict, rows: list[dict], *, seq_length: int, stages: list[dict],
@@ -209,67 +195,6 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
 
 
 report_task = task(report, name="report")
-
-
-def _training_alert(line: str, run_name: str, event: str, payload: dict[str, Any], key: str, description: str,
-                    markdown: str) -> None:
-    """A training incident in the run's log, and, inside a Prefect run, as an event on the run's
-    resource and a markdown artifact."""
-    from tasks.common.run_context import run_context, run_logger
-
-    run_logger().warning("%s", line)
-    if run_context() is None:
-        return
-    run_event(event, run_name, payload)
-    create_markdown_artifact(key=key, description=description, markdown=markdown)
-
-
-def run_event(event: str, run_name: str, payload: dict[str, Any], **labels: str) -> None:
-    """A Prefect event on the run's resource (``gpt.run.<name>``), with labels automations match on."""
-    from prefect.events import emit_event
-
-    emit_event(event=event, resource={"prefect.resource.id": f"gpt.run.{run_name}", "prefect.resource.name": run_name,
-                                      **labels}, payload=payload)
-
-
-def hang_report(hang: Hang, run_name: str) -> None:
-    """A hung job (tasks.cluster.hang.Hang): an event and an artifact naming the rank, node, phase and
-    iteration, with every rank's last heartbeat."""
-    rows = "\n".join(f"| {b['rank']} | {b['node']} | {b['phase']} | {b['iteration']} | {b['entered']} |"
-                     for b in sorted(hang.ranks, key=lambda b: b["rank"]))
-    _training_alert(hang.line(), run_name, "gpt.training.hang",
-                    {k: v for k, v in hang.to_dict().items() if k != "ranks"}, "training-hang",
-                    f"job {hang.job_id} hung at iteration {hang.iteration}",
-                    f"**{hang.line()}**\n\n| rank | node | phase | iteration | phases entered |\n|---|---|---|---|---|\n"
-                    f"{rows}\n")
-
-
-SPIKE_ROWS = 64           # samples listed in the training-spike artifact; skipped.json keeps them all
-
-
-def spike_report(spike: Spike, run_name: str, what_next: str) -> None:
-    """A loss spike (tasks.train.spikes.Spike): an event and an artifact naming the iterations, the
-    losses, and each sample with the documents it came from."""
-    rows = "\n".join(f"| {d['sample']} | `{d['prefix']}` | {', '.join(map(str, d['documents']))} |"
-                     for d in spike.documents[:SPIKE_ROWS])
-    more = len(spike.documents) - SPIKE_ROWS
-    _training_alert(f"{spike.line()}: {what_next}", run_name, "gpt.training.spike",
-                    {k: v for k, v in spike.to_dict().items() if k != "documents"}, "training-spike", spike.line(),
-                    f"**{spike.line()}**: {what_next}\n\n| sample | prefix | documents |\n|---|---|---|\n{rows}\n"
-                    + (f"\n{more} more samples: see `skipped.json` in the run folder\n" if more > 0 else ""))
-
-
-def checkpoint_saved(run_dir: Path, iteration: int, evaluate: bool) -> None:
-    """A complete checkpoint as a Prefect event on the run's resource: the evaluation automation
-    (deployments/evaluations.py) runs the evaluate flow for those marked ``gpt.evaluate: true``."""
-    from tasks.common.run_context import run_context
-
-    if run_context() is None:
-        return
-    run_event("gpt.checkpoint.saved", run_dir.name,
-              {"run_dir": str(run_dir), "iteration": iteration,
-               "path": str(run_dir / "checkpoints" / f"iter_{iteration:07d}")},
-              **{"gpt.evaluate": "true" if evaluate else "false"})
 
 
 def evaluation_markdown(run_name: str, results: list[EvalResult]) -> str:

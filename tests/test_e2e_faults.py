@@ -34,7 +34,7 @@ def test_killed_flow_process_crashes_its_run_and_the_rerun_follows_its_job(prefe
     # The job sleeps 0.4 s an iteration: it outlives the killed flow process until the rerun follows it.
     env = {**prefect_server.env, "PYTHONPATH": str(ROOT), "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
            "GPT_FAULT": slow_iterations(0.4)}
-    made = subprocess.run([sys.executable, "-m", "deployments.zombies"], env=env, cwd=ROOT, capture_output=True,
+    made = subprocess.run([sys.executable, "-m", "flows.heartbeats"], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert made.returncode == 0, made.stdout + made.stderr
     corpus = sample_corpus(str(tmp_path / "corpus"))

@@ -175,7 +175,7 @@ def test_the_run_folder_records_each_start_with_the_commit_and_the_package_versi
 
 
 def test_training_progress_shows_the_time_left_and_the_cost_so_far():
-    from tasks.train.stage import eta_and_cost
+    from tasks.train.watch import eta_and_cost
 
     priced = load_cluster("p4d-8gpu")                       # 16 nodes at 32.77 USD
     assert eta_and_cost(600, 300.0, 1800.0, priced) == "ETA 3 min, 262.16 USD so far"

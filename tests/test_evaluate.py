@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from flows.plan.boundary import Boundary
 from flows.plan.evaluation import check_evaluation
 from flows.plan.params import ClusterParams, EvalSet, EvaluationParams, OutputParams, ParameterError, TrainingParams
-from tasks.evaluate import EvaluationSpec, results
+from tasks.evaluate.records import EvaluationSpec, results
 from tests.run_folder import job_records, wait_until
 
 TASK = "shakespeare_completion"
@@ -218,7 +218,7 @@ def test_on_this_machine_an_evaluation_waits_for_the_runs_training_to_end(evalua
 def test_a_pin_replaces_an_earlier_pin_whole_and_leaves_a_folder_it_did_not_write(tmp_path):
     from gpt.checkpoint import MARKER
     from gpt.files import NotReplaceable
-    from tasks.evaluate import pin
+    from tasks.evaluate.records import pin
 
     run_dir = tmp_path / "run"
     saved = run_dir / "checkpoints" / "iter_0000004"

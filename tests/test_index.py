@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from gpt.data import GPTDataset, IndexedDatasetWriter, MMapIndexedDataset
-from native import build_blending_indices, build_sample_idx, sample_idx_dtype
-from native._native import build_sample_idx_int64
+from native._index import build_sample_idx_int64
+from native.index import build_blending_indices, build_sample_idx, sample_idx_dtype
 from tasks.index import build_indices, parse_data_path, parse_split, split_bounds
 
 

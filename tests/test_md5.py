@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from native import md5_lanes, md5_ranges
+from native.md5 import md5_lanes, md5_ranges
 from tasks.sync import HASHER, md5_check, multipart_etag
 
 WIDTHS = [w for w in (1, 8, 16, 32) if w <= md5_lanes()]
@@ -83,13 +83,13 @@ def test_the_portable_build_for_cpus_without_x86_simd(tmp_path, data_file) -> No
     out = tmp_path / "native"
     out.mkdir()
     (out / "__init__.py").write_text("")
-    target = out / f"_native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    target = out / f"_md5{sysconfig.get_config_var('EXT_SUFFIX')}"
     subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-DMD5_PORTABLE",
                     f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}",
-                    str(root / "native" / "index.cpp"), str(root / "native" / "md5.cpp"), "-o", str(target)],
+                    str(root / "native" / "md5.cpp"), "-o", str(target)],
                    check=True, timeout=300)
     fd, data = data_file
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from native._native import md5_lanes, md5_ranges; "
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from native._md5 import md5_lanes, md5_ranges; "
             "fd = os.open(sys.argv[2], os.O_RDONLY); "
             "print(md5_lanes(), *[d.hex() for d in md5_ranges([(fd, 0, 3_000_000), (fd, 7, 1000), (fd, 5, 0)])])")
     path = os.readlink(f"/proc/self/fd/{fd}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tasks.sync as sync_module
-from tasks.evaluate import IN_PROGRESS as EVALUATION_IN_PROGRESS
+from tasks.evaluate.records import IN_PROGRESS as EVALUATION_IN_PROGRESS
 from tasks.sync import (
     MANIFEST_NAME,
     PARTIAL_DIR,

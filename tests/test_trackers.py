@@ -160,7 +160,7 @@ def test_a_tracker_that_cannot_be_reached_is_a_warning_naming_it(tmp_path):
 def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_server, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from tasks.train import trackers
+    from tasks import trackers
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     monkeypatch.setattr(trackers, "RETRY_S", 0.0)
@@ -189,7 +189,7 @@ def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_ser
 
 @pytest.mark.timeout(120)
 def test_a_tracker_address_is_shown_and_kept_without_its_secrets(tmp_path, monkeypatch, caplog):
-    from tasks.train import trackers
+    from tasks import trackers
 
     port = free_port()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:pw0rd@127.0.0.1:{port}/mlflow?token=SECRETTOKEN#frag")
@@ -209,7 +209,7 @@ def test_a_tracker_address_is_shown_and_kept_without_its_secrets(tmp_path, monke
 def _evaluation(run_dir: Path, iteration: int):
     """An evaluation result as the evaluation job writes it."""
     from gpt.files import write_json
-    from tasks.evaluate import EvalResult, result_path
+    from tasks.evaluate.records import EvalResult, result_path
 
     path = result_path(run_dir, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,10 +245,11 @@ def test_evaluations_reach_the_training_runs_tracker_runs_each_once_by_one_write
     that could not wait long enough is sent by the next."""
     from mlflow import MlflowClient
 
-    from tasks import evaluate
-    from tasks.evaluate import ResultsTail, to_trackers, tracker_items
-    from tasks.train import trackers
-    from tasks.train.trackers import Trackers
+    from tasks import trackers
+    from tasks.evaluate import records, stage
+    from tasks.evaluate.records import ResultsTail, tracker_items
+    from tasks.evaluate.stage import to_trackers
+    from tasks.trackers import Trackers
 
     for name, value in {"MLFLOW_TRACKING_URI": mlflow_server.url, "WANDB_MODE": "offline",
                         "WANDB_SILENT": "true"}.items():
@@ -276,9 +277,9 @@ def test_evaluations_reach_the_training_runs_tracker_runs_each_once_by_one_write
     training.leave()
 
     _evaluation(run_dir, 6)
-    to_trackers(run_dir, evaluate.results(run_dir)[-1])         # training has ended: logged by the evaluation
+    to_trackers(run_dir, records.results(run_dir)[-1])         # training has ended: logged by the evaluation
     training = _OtherOwner(run_dir)                             # a second leg that owns the folder ...
-    monkeypatch.setattr(evaluate, "TRACKERS_WAIT_S", 1.0)
+    monkeypatch.setattr(stage, "TRACKERS_WAIT_S", 1.0)
     with caplog.at_level("WARNING"):
         to_trackers(run_dir, _evaluation(run_dir, 8))           # ... and is not logging: left for the next
     assert "the trackers did not get evaluation 8 in 1 s: the run folder is owned by training" in caplog.text

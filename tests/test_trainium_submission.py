@@ -22,8 +22,8 @@ from submitit.core.utils import JobPaths, pickle_load
 
 from gpt.config import Config
 from tasks.cluster.config import load_cluster
-from tasks.cluster.jobs import DistributedTask, submit
-from tasks.cluster.launch import job_launch, neuron_launch
+from tasks.cluster.jobs import submit
+from tasks.cluster.launch import DistributedTask, job_launch, neuron_launch, rendezvous_port
 from tasks.precompile import PrecompileManifest, cache_key, sbatch_script
 from tasks.train.stage import on_compiled_nodes
 
@@ -124,15 +124,28 @@ def test_each_torchrun_rank_is_its_own_task_of_the_world(tmp_path: Path) -> None
 
 
 def _job_id_with_a_free_port() -> int:
-    """A job id whose launcher port (15000 + id % 15000) is free on this machine."""
+    """A job id whose launcher port (the one rule, its first start) is free on this machine."""
     for job_id in random.sample(range(15000), 200):
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", 15000 + job_id))
+                s.bind(("127.0.0.1", rendezvous_port(job_id, 0)))
             except OSError:
                 continue
         return job_id
     raise RuntimeError("no free port between 15000 and 30000")
+
+
+def test_the_node_launcher_and_the_ranks_take_the_port_of_the_one_rule(monkeypatch) -> None:
+    """Trainium's launcher computes the port in bash, every other job's ranks in Python: the same
+    port for the same job and restart, another one at each restart."""
+    from tasks.cluster import launch
+
+    line = next(part for part in launch._NODE_LAUNCHER.split("; ") if part.startswith("port="))
+    for job_id, restarts in [(1, 0), (12345, 0), (12345, 1), (29999, 4)]:
+        shell = subprocess.run(["bash", "-c", f"{line}; echo $port"], capture_output=True, text=True, check=True,
+                               env={"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(restarts)})
+        assert int(shell.stdout) == rendezvous_port(job_id, restarts)
+    assert rendezvous_port(12345, 0) != rendezvous_port(12345, 1)
 
 
 @pytest.mark.slurm

@@ -3,7 +3,9 @@ locations and endpoints its credentials may be sent to; and the checks of the in
 against it (``check_source``, ``check_prefix``), which the plan and the evaluation's check share.
 
 Set in the environment of the process that runs the flow (the serve process, or the work pool's
-job variables), never by a flow parameter, like ``GPT_CLUSTER_PRESET_DIRS``:
+job variables), never by a flow parameter; and so is ``GPT_CLUSTER_PRESET_DIRS``, the folders whose
+cluster presets runs may name besides the shipped ones (tasks.cluster.config.preset_dirs), which the
+plan hands to the cluster's loader:
 
 =====================  =======================================================  ==================
 variable               what                                                     unset
@@ -36,6 +38,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from flows.plan.params import Problems
+from tasks.cluster.config import PRESET_DIR, preset_dirs
 from tasks.common.uri import is_s3
 from tasks.sync import local_path
 from tasks.sync.reach import inside
@@ -71,6 +74,7 @@ class Boundary:
     s3: tuple[str, ...] | None          # allowed s3://bucket[/prefix] entries; None: any
     endpoints: tuple[str, ...]          # allowed endpoint URLs, normalised
     profiles: tuple[str, ...] | None = None   # allowed AWS profiles; None: any
+    presets: tuple[Path, ...] = (PRESET_DIR,)  # the folders cluster presets load from
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Boundary:
@@ -78,7 +82,7 @@ class Boundary:
         return cls(input_roots=_folders(env.get(INPUT_ROOTS)), output_roots=_folders(env.get(OUTPUT_ROOTS)),
                    s3=tuple(e.rstrip("/") for e in s3) or None,
                    endpoints=tuple(normalise_endpoint(e) for e in _entries(env.get(S3_ENDPOINTS))),
-                   profiles=_entries(env.get(AWS_PROFILES)) or None)
+                   profiles=_entries(env.get(AWS_PROFILES)) or None, presets=preset_dirs(env))
 
     def output_root(self, path: Path) -> str | None:
         """What is wrong with ``path`` (resolved) as the output root, or None."""

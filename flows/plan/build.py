@@ -153,7 +153,7 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
 
     where = None
     try:
-        where = load_cluster(cluster.preset, **cluster.overrides)
+        where = load_cluster(cluster.preset, dirs=boundary.presets, **cluster.overrides)
     except (ValueError, OSError) as e:
         problems.append(f"cluster: {e}")
     layout = Layout(root)

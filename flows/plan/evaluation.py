@@ -14,7 +14,7 @@ from flows.plan.boundary import Boundary, check_prefix, check_source
 from flows.plan.params import EvaluationParams, ParameterError, Problems
 from tasks.cluster.container import Container
 from tasks.common.uri import is_s3
-from tasks.evaluate import task_manager
+from tasks.evaluate.job import task_manager
 from tasks.sync import local_path
 
 

@@ -9,20 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpt.config import PRESETS
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.train.trackers import Tracker
+from tasks.common.errors import ParameterError
+from tasks.trackers import Tracker
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
 
 
 SAMPLE_VOCAB_SIZE = 4096  # keeps the tiny model's output layer cheap on a CPU
-
-
-class ParameterError(ValueError):
-    """Invalid flow parameters; `errors` holds one message per field."""
-
-    def __init__(self, errors: list[str]):
-        self.errors = errors
-        super().__init__("invalid parameters:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
 class Problems(list):
@@ -192,7 +185,7 @@ class EvaluationParams(_Params):
 
 
 class ClusterParams(_Params):
-    preset: str = Field("local", description="Cluster preset name: a file of deployments/clusters/ or of the "
+    preset: str = Field("local", description="Cluster preset name: a file of tasks/cluster/presets/ or of the "
                                              "operator's GPT_CLUSTER_PRESET_DIRS")
     overrides: dict[str, Any] = Field(default_factory=dict,
                                       description='Fields to change, e.g. {"partition": "gpu", "nodes": 2}')

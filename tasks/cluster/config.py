@@ -2,7 +2,7 @@
 
 Two kinds of author, two levels of trust:
 
-- The operator writes presets: YAML files in ``deployments/clusters/`` or in the folders listed
+- The operator writes presets: YAML files in ``tasks/cluster/presets/`` or in the folders listed
   in ``GPT_CLUSTER_PRESET_DIRS`` (the environment of the process that runs the flow, never a
   flow parameter). A preset may hold anything: ``setup`` shell lines, container images and
   mounts, any extra sbatch/srun option, any environment variable.
@@ -22,6 +22,7 @@ import re
 import shlex
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +39,7 @@ from pydantic import (
 from gpt.config import split_assignment
 from tasks.cluster.container import Container
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "deployments" / "clusters"
+PRESET_DIR = Path(__file__).resolve().parent / "presets"        # the reviewed presets shipped with this package
 PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -46,6 +47,15 @@ _HOSTLIST = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.,&|()\[\]*:-]+$")
 _GRES = re.compile(r"^[A-Za-z0-9_.,:-]+$")
 _MEM = re.compile(r"^[0-9]+[KMGT]?$")
+# The string fields whose shape is checked: the pattern each must match, and what it should look like.
+_SHAPES = {
+    **dict.fromkeys(("name", "partition", "account", "qos", "accelerator", "data_partition", "eval_partition"),
+                    (_NAME, "may only contain letters, digits and _.+-")),
+    **dict.fromkeys(("nodelist", "exclude"), (_HOSTLIST, "is not a SLURM hostlist such as node[1-4],gpu7")),
+    "constraint": (_CONSTRAINT, "may only contain feature names and & | , ( ) [ ] * :"),
+    "gres": (_GRES, "must look like gpu:8 or gpu:a100:8"),
+    **dict.fromkeys(("mem", "data_mem"), (_MEM, "must be a size such as 0, 64G or 512000M")),
+}
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
 _SECRET_KEY = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|API_KEY|AUTH", re.I)
@@ -118,43 +128,16 @@ class ClusterConfig(BaseModel):
     data_cpus_per_task: int | None = Field(None, ge=1, le=4096)
     data_mem: str | None = None
     data_array_tasks: int | None = Field(None, ge=1, le=10_000)
-    # Evaluation jobs (tasks/evaluate.py): one task on one node of `eval_partition` (default: the
+    # Evaluation jobs (tasks/evaluate/): one task on one node of `eval_partition` (default: the
     # training job's partition), with one GPU where training has them.
     eval_partition: str | None = None
 
-    @field_validator("name", "partition", "account", "qos", "accelerator", "data_partition", "eval_partition")
+    @field_validator(*_SHAPES)
     @classmethod
-    def _plain_name(cls, v: str | None, info: Any) -> str | None:
-        if v is not None and not _NAME.match(v):
-            raise ValueError(f"{info.field_name}={v!r} may only contain letters, digits and _.+-")
-        return v
-
-    @field_validator("nodelist", "exclude")
-    @classmethod
-    def _hostlist(cls, v: str | None, info: Any) -> str | None:
-        if v is not None and not _HOSTLIST.match(v):
-            raise ValueError(f"{info.field_name}={v!r} is not a SLURM hostlist such as node[1-4],gpu7")
-        return v
-
-    @field_validator("constraint")
-    @classmethod
-    def _constraint(cls, v: str | None) -> str | None:
-        if v is not None and not _CONSTRAINT.match(v):
-            raise ValueError(f"constraint={v!r} may only contain feature names and & | , ( ) [ ] * :")
-        return v
-
-    @field_validator("gres")
-    @classmethod
-    def _gres(cls, v: str | None) -> str | None:
-        if v is not None and not _GRES.match(v):
-            raise ValueError(f"gres={v!r} must look like gpu:8 or gpu:a100:8")
-        return v
-
-    @field_validator("mem", "data_mem")
-    @classmethod
-    def _mem(cls, v: str | None, info: Any) -> str | None:
-        if v is not None and not _MEM.match(v):
-            raise ValueError(f"{info.field_name}={v!r} must be a size such as 0, 64G or 512000M")
+    def _shaped(cls, v: str | None, info: Any) -> str | None:
+        pattern, shape = _SHAPES[info.field_name]
+        if v is not None and not pattern.match(v):
+            raise ValueError(f"{info.field_name}={v!r} {shape}")
         return v
 
     @field_validator("time_limit", mode="before")
@@ -421,15 +404,14 @@ def credential_variables(environ: dict[str, str] | os._Environ = os.environ) -> 
 # ---------------------------------------------------------------- presets
 
 
-def preset_dirs() -> list[Path]:
+def preset_dirs(environ: Mapping[str, str] = os.environ) -> tuple[Path, ...]:
     """The reviewed presets folder, then the folders the operator lists in GPT_CLUSTER_PRESET_DIRS."""
-    extra = [Path(d).expanduser().resolve() for d in os.environ.get(PRESET_DIRS_VARIABLE, "").split(os.pathsep) if d]
-    return [PRESET_DIR, *extra]
+    extra = [Path(d).expanduser().resolve() for d in environ.get(PRESET_DIRS_VARIABLE, "").split(os.pathsep) if d]
+    return (PRESET_DIR, *extra)
 
 
-def preset_path(preset: str) -> Path:
-    """The preset file for a name, or for a path inside one of the preset folders."""
-    dirs = preset_dirs()
+def preset_path(preset: str, dirs: Sequence[Path]) -> Path:
+    """The preset file for a name, or for a path inside one of the preset folders ``dirs``."""
     if "/" in preset or preset.endswith((".yaml", ".yml")):
         path = Path(preset).expanduser().resolve()
         if not any(path.is_relative_to(d) for d in dirs):
@@ -447,11 +429,12 @@ def preset_path(preset: str) -> Path:
     raise ClusterError(f"unknown cluster preset {preset!r}: use one of {names}")
 
 
-def load_cluster(preset: str = "local", **overrides: Any) -> ClusterConfig:
-    """A preset (by name, from the presets folders) plus field overrides from flow parameters,
+def load_cluster(preset: str = "local", *, dirs: Sequence[Path] | None = None, **overrides: Any) -> ClusterConfig:
+    """A preset (by name, from the presets folders ``dirs`` the caller hands in; by default those of
+    this process's environment, ``preset_dirs``) plus field overrides from flow parameters,
     validated. Overrides pass ``check_overrides``; ``env`` and ``sbatch_extra`` overrides add to
     the preset's entries."""
-    path = preset_path(preset)
+    path = preset_path(preset, preset_dirs() if dirs is None else dirs)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         check_overrides(overrides)

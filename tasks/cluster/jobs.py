@@ -13,27 +13,22 @@ import contextlib
 import dataclasses
 import logging
 import os
-import random
-import re
 import signal
-import subprocess
 import threading
 import time
-import uuid
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import submitit
-from submitit.core.utils import DelayedSubmission, FailedJobError, JobPaths, pickle_load
-from submitit.slurm.slurm import SlurmJob
+from submitit.core.utils import FailedJobError, JobPaths
 
 from gpt import heartbeat
-from gpt.config import Config
 from gpt.files import write_json
-from tasks.cluster.config import ClusterConfig, ClusterError, credential_variables
+from tasks.cluster.config import ClusterConfig, ClusterError
+from tasks.cluster.executors import executor
 from tasks.cluster.hang import Hang, HangWatch
+from tasks.cluster.outcome import await_result, failure_report
 from tasks.cluster.processes import command_line, process_state, process_tree
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_owner import RunOwner
@@ -47,12 +42,10 @@ JOBS_FOLDER = "jobs"     # <run_dir>/jobs/: the jobs' scripts, logs and results
 POLL_S = 2.0
 CANCEL_CHECK_S = 5.0
 CANCEL_WAIT_S = 120.0    # for a cancelled hung job to end
-RESULT_GRACE_S = 20.0
 # Pending reasons that no amount of waiting resolves: fail at once with SLURM's words.
 PENDING_FOREVER = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
-            "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
-            "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxWallDurationPerJobLimit"}
-SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: task (\d+): (?:Killed|Exited|Segmentation|Aborted|Terminated)")
+                   "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
+                   "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxWallDurationPerJobLimit"}
 
 class JobError(RuntimeError):
     """A job failed; the message carries SLURM's state and the failing rank's log tail. Running it
@@ -93,42 +86,6 @@ class JobHung(JobError):
         self.hang = hang
 
 
-class DistributedTask(submitit.helpers.Checkpointable):
-    """What every submitit task runs: torch.distributed env from submitit, then gpt.train.main.
-
-    On USR2 (time limit or preemption) gpt stops at an iteration boundary on all ranks and saves a
-    checkpoint; rank 0 then hands over to submitit's own handler (unless the job is being cancelled), which dumps this callable again
-    (``checkpoint``) and requeues the job: the next start resumes from that checkpoint.
-    """
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def __call__(self) -> dict[str, Any]:
-        import gpt.train
-
-        if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
-            # A requeued job keeps its id: a new port per restart avoids the old one's TIME_WAIT.
-            seed = f"{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-            os.environ["MASTER_PORT"] = str(15000 + random.Random(seed).randrange(15000))
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        requeue = signal.getsignal(signal.SIGUSR2)
-        summary = gpt.train.main(Config.from_dict(self.config))
-        if (summary.get("status") == "interrupted" and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-                and os.environ.get("RANK") == "0"):
-            signal.signal(signal.SIGUSR2, requeue)
-            # SIGTERM from scancel also interrupts training: a cancelled job must stay cancelled.
-            job = slurm_state(os.environ["SLURM_JOB_ID"])
-            if callable(requeue) and job is not None and job[0] == "RUNNING":
-                try:
-                    requeue(signal.SIGUSR2, None)  # rank 0: checkpoint + `scontrol requeue` + exit
-                except (subprocess.SubprocessError, OSError) as e:
-                    # The job ends with its checkpoint saved and the summary saying so: the process
-                    # that follows it submits it again (tasks.train.stage), instead of a FAILED job.
-                    print(f"scontrol requeue failed ({e}): ending with the checkpoint saved", flush=True)
-        return summary
-
-
 _ACTIVE: dict[str, "RunningJob"] = {}
 _ACTIVE_LOCK = threading.Lock()
 
@@ -162,113 +119,6 @@ def _exit_on_sigterm() -> Callable[[], None]:
 
 
 # ---------------------------------------------------------------- submission and monitoring
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        with path.open("r", errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except FileNotFoundError:
-        return ""
-
-
-def _load_result(paths: JobPaths) -> tuple[str, Any] | None:
-    try:
-        return pickle_load(paths.result_pickle)
-    except (FileNotFoundError, EOFError):
-        return None
-
-
-def _await_result(paths: JobPaths) -> tuple[str, Any] | None:
-    """Rank 0's result, allowing shared storage a moment to show it."""
-    deadline = time.monotonic() + RESULT_GRACE_S
-    result = _load_result(paths)
-    while result is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-        result = _load_result(paths)
-    return result
-
-
-def _failing_rank(folder: Path, job_id: str, num_tasks: int) -> int:
-    """The first task srun reported dead, else the first whose result is an error, else the first
-    with a traceback, else rank 0."""
-    paths = [JobPaths(folder, job_id=job_id, task_id=r) for r in range(num_tasks)]
-    reported = [int(r) for r in SRUN_TASK_FAILED.findall(_tail(paths[0].stderr, 400)) if int(r) < num_tasks]
-    if reported:
-        return reported[0]
-    for rank, p in enumerate(paths):
-        result = _load_result(p)
-        if result is not None and result[0] == "error":
-            return rank
-    for rank, p in enumerate(paths):
-        if "Traceback" in _tail(p.stderr, 200):
-            return rank
-    return 0
-
-
-def _failure_report(folder: Path, job_id: str, num_tasks: int, state: str, reason: str) -> str:
-    """SLURM's verdict plus the tail of the failing rank's log."""
-    rank = _failing_rank(folder, job_id, num_tasks)
-    paths = JobPaths(folder, job_id=job_id, task_id=rank)
-    err = _tail(paths.stderr)
-    out = _tail(paths.stdout, 10)
-    why = f" (reason: {reason})" if reason not in ("", "None") else ""
-    return (f"job {job_id} ended {state}{why}; rank {rank} log tail "
-            f"({paths.stderr}):\n{err or '(empty)'}\n--- stdout ({paths.stdout}):\n{out or '(empty)'}")
-
-
-class _SlurmExecutor(submitit.SlurmExecutor):
-    """submitit's SLURM executor with sbatch started without the submitter's credentials: sbatch
-    exports its environment to every rank and SLURM keeps a copy of it with the job."""
-
-    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-        unset = [arg for name in credential_variables() for arg in ("-u", name)]
-        return ["env", *unset, *super()._make_submission_command(submission_file_path)]
-
-    def _internal_process_submissions(self, delayed: list[DelayedSubmission]) -> list[submitit.Job]:
-        """An array is submitted by this class too (submitit's own array path, as of submitit 1.5.4,
-        submits through its plain executor, whose sbatch would carry the credentials): each task's
-        pickle is written first, one sbatch with ``--array`` follows, then the pickles take the
-        tasks' ids, as submitit does it."""
-        if len(delayed) == 1:
-            return super()._internal_process_submissions(delayed)
-        staging = JobPaths.get_first_id_independent_folder(self.folder)
-        staging.mkdir(parents=True, exist_ok=True)
-        pickles = [staging / f"{uuid.uuid4().hex}.pkl" for _ in delayed]
-        for submission, path in zip(delayed, pickles):
-            submission.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
-            submission.dump(path)
-        array = _SlurmExecutor(self.folder, self.max_num_timeout, python=self.python)
-        array.update_parameters(**self.parameters)
-        array.parameters["map_count"] = len(delayed)
-        first = array._submit_command(self._submitit_command_str)
-        jobs = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=list(range(first.num_tasks)))
-                for i in range(len(delayed))]
-        for job, path in zip(jobs, pickles):
-            job.paths.move_temporary_file(path, "submitted_pickle")
-        return jobs
-
-
-def _executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str | None) -> submitit.Executor:
-    if cluster.kind == "slurm":
-        ex = _SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues, python=python)
-        ex.update_parameters(**cluster.slurm_parameters(job_name))
-        return ex
-    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
-    credentials = credential_variables()
-    ex.update_parameters(tasks_per_node=cluster.tasks_per_node, nodes=1, timeout_min=cluster.time_limit,
-                         setup=[*([f"unset {' '.join(credentials)}"] if credentials else []),
-                                *_local_threads(cluster), *cluster.setup_lines()])
-    return ex
-
-
-def _local_threads(cluster: ClusterConfig) -> list[str]:
-    """The local executor's ranks share this machine's cores: unless the preset or the environment
-    says otherwise, each rank's torch takes its share of them (torchrun gives each of several ranks
-    one), where by default every rank would take them all and their threads would wait on each other."""
-    if cluster.tasks_per_node == 1 or "OMP_NUM_THREADS" in cluster.env or "OMP_NUM_THREADS" in os.environ:
-        return []
-    return [f"export OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // cluster.tasks_per_node)}"]
 
 
 @dataclass
@@ -330,6 +180,14 @@ def _unfinished(record: JobRecord, job_name: str, kind: str) -> RunningJob | Non
 R = TypeVar("R")     # what a job's function returns
 
 
+@contextlib.contextmanager
+def _job_folder(run_dir: Path) -> Iterator[JobRecord]:
+    """The folder's jobs record, for one submitter at a time: the folder's owner (under the run's
+    own owner, the train stage or the flow, the same lock)."""
+    with RunOwner(run_dir):
+        yield JobRecord(run_dir)
+
+
 def submit(fn: Callable[[], R], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
            python: str | None = None, on_poll: Callable[[], None] | None = None,
            watch: Callable[[str], HangWatch] | None = None) -> tuple[R, str, str]:
@@ -343,8 +201,7 @@ def submit(fn: Callable[[], R], cluster: ClusterConfig, *, run_dir: Path, job_na
     instead of submitting a second one. Raises ClusterError when SLURM refuses the request,
     RunBusy when another process owns the folder, JobError when the job fails.
     """
-    with RunOwner(run_dir):
-        record = JobRecord(run_dir)
+    with _job_folder(run_dir) as record:
         running = _unfinished(record, job_name, cluster.kind)
         if running is not None:
             run_logger().info("job %s of an earlier run is still %s: following it instead of submitting another",
@@ -361,8 +218,7 @@ def submit_array(fns: list[Callable[[], R]], cluster: ClusterConfig, *, run_dir:
     all run side by side), follow every task to its end, and return, in order, each task's result
     or the JobError it failed with: a failed task does not stop the others. The flow run cancelled,
     or this process exiting, cancels them all."""
-    with RunOwner(run_dir):
-        record = JobRecord(run_dir)
+    with _job_folder(run_dir) as record:
         while (earlier := _unfinished(record, job_name, cluster.kind)) is not None:
             run_logger().warning("task %s of an earlier %s array still runs, followed by no process: cancelling it "
                                  "before the new array writes where it writes", earlier.job_id, job_name)
@@ -390,7 +246,7 @@ def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterCon
     """One job for ``fn``, or one array task for each of a list of them."""
     folder = run_dir / JOBS_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    ex = _executor(cluster, folder, job_name, python)
+    ex = executor(cluster, folder, job_name, python)
     try:
         jobs = ex.submit_array(fn) if isinstance(fn, list) else [ex.submit(fn)]
     except FailedJobError as e:
@@ -457,14 +313,14 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
                 _kill(running, nodes)
                 record.state(job_id, "FAILED", f"rank {failed['rank']} failed, the others stopped", nodes)
                 finished = True
-                raise JobError(_failure_report(folder, job_id, cluster.world_size, "FAILED",
+                raise JobError(failure_report(folder, job_id, cluster.world_size, "FAILED",
                                                f"rank {failed['rank']} failed, the others stopped"))
             if state == "PENDING" and reason.split(",")[0] in PENDING_FOREVER:
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
                                    f"nodelist={cluster.nodelist}); change the cluster configuration")
             if state in TERMINAL or state in ("GONE", "FINISHED"):
-                result = _await_result(result_paths)
+                result = await_result(result_paths)
                 if result is not None or running.kind == "local" or not requeued(job_id):
                     break
             if followed_run is not None and time.monotonic() > next_cancel_check:
@@ -477,7 +333,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
         poll()
         finished = True
         if result is None or result[0] != "success":
-            raise JobError(_failure_report(folder, job_id, cluster.world_size, state, reason))
+            raise JobError(failure_report(folder, job_id, cluster.world_size, state, reason))
         return result[1], job_id, nodes
     finally:
         restore_sigterm()

@@ -1,12 +1,29 @@
 """How a job's tasks start: plainly (submitit's srun line), or on Trainium one torchrun per node,
-the way Neuron expects."""
+the way Neuron expects; what every rank runs (DistributedTask); and the one rule for the port its
+ranks meet on."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
+from typing import Any
 
+import submitit
+
+from gpt.config import Config
 from tasks.cluster.config import ClusterConfig, ClusterError
+from tasks.cluster.slurm import slurm_state
+
+# The port a job's ranks meet on, from its id: a requeued job keeps its id, so each restart moves
+# to another port (STRIDE, a prime, apart) instead of the old one's TIME_WAIT.
+PORT_BASE, PORT_SPAN, PORT_STRIDE = 15000, 15000, 7919
+
+
+def rendezvous_port(job_id: int, restarts: int) -> int:
+    return PORT_BASE + (job_id + restarts * PORT_STRIDE) % PORT_SPAN
 
 # What each of torchrun's processes runs: SLURM's rank variables made theirs, so that submitit's
 # task (and its result file) is per rank, then the command that followed.
@@ -21,7 +38,7 @@ _NODE_LAUNCHER = "; ".join([
     'nproc=$1 wrapper=$2',
     'shift 2',
     'master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-    'port=$((15000 + (SLURM_JOB_ID + ${SLURM_RESTART_COUNT:-0} * 7919) % 15000))',
+    f'port=$(({PORT_BASE} + (SLURM_JOB_ID + ${{SLURM_RESTART_COUNT:-0}} * {PORT_STRIDE}) % {PORT_SPAN}))',
     'trap "" USR1 USR2',
     'exec $wrapper @PYTHON@ -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --node_rank="$SLURM_NODEID" '
     '--nproc_per_node="$nproc" --master_addr="$master" --master_port="$port" --no-python '
@@ -61,3 +78,38 @@ def job_launch(cluster: ClusterConfig, cache_dir: str | None, *,
     if cluster.job_device == "neuron":
         return neuron_launch(cluster, cache_dir, compile_graphs=compile_graphs)
     return cluster, None
+
+
+class DistributedTask(submitit.helpers.Checkpointable):
+    """What every submitit task runs: torch.distributed env from submitit, then gpt.train.main.
+
+    On USR2 (time limit or preemption) gpt stops at an iteration boundary on all ranks and saves a
+    checkpoint; rank 0 then hands over to submitit's own handler (unless the job is being cancelled), which dumps this callable again
+    (``checkpoint``) and requeues the job: the next start resumes from that checkpoint.
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def __call__(self) -> dict[str, Any]:
+        import gpt.train
+
+        if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(rendezvous_port(int(os.environ["SLURM_JOB_ID"]),
+                                                            int(os.environ.get("SLURM_RESTART_COUNT", "0"))))
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        requeue = signal.getsignal(signal.SIGUSR2)
+        summary = gpt.train.main(Config.from_dict(self.config))
+        if (summary.get("status") == "interrupted" and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+                and os.environ.get("RANK") == "0"):
+            signal.signal(signal.SIGUSR2, requeue)
+            # SIGTERM from scancel also interrupts training: a cancelled job must stay cancelled.
+            job = slurm_state(os.environ["SLURM_JOB_ID"])
+            if callable(requeue) and job is not None and job[0] == "RUNNING":
+                try:
+                    requeue(signal.SIGUSR2, None)  # rank 0: checkpoint + `scontrol requeue` + exit
+                except (subprocess.SubprocessError, OSError) as e:
+                    # The job ends with its checkpoint saved and the summary saying so: the process
+                    # that follows it submits it again (tasks.train.stage), instead of a FAILED job.
+                    print(f"scontrol requeue failed ({e}): ending with the checkpoint saved", flush=True)
+        return summary

@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal
 
 import botocore.exceptions as bexc
 
-from native import md5_lanes, md5_ranges
+from native.md5 import md5_lanes, md5_ranges
 from tasks.common import crc
 from tasks.common.uri import is_s3
 from tasks.sync.listing import Source

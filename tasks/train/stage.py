@@ -4,7 +4,6 @@ checkpoint when there is one. The run folder's files are listed in flows/plan/la
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -15,66 +14,28 @@ from pydantic import BaseModel, ConfigDict
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.config import Config, model_name
 from gpt.data import DataIndex
-from gpt.files import NotReplaceable, write_json
-from gpt.metrics import saved_line, train_line, valid_line
-from tasks import report as reporting
+from gpt.files import write_json
+from tasks import events
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.hang import Hang, HangWatch, Stragglers
-from tasks.cluster.jobs import DistributedTask, JobError, JobHung, submit
-from tasks.cluster.launch import job_launch
+from tasks.cluster.hang import Hang
+from tasks.cluster.jobs import JobError, JobHung, submit
+from tasks.cluster.launch import DistributedTask, job_launch
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
 from tasks.common.cache import StageCache
-from tasks.common.progress import Progress, human_duration
+from tasks.common.progress import Progress
 from tasks.common.retry import worth_retrying
 from tasks.common.run_context import run_logger
-from tasks.evaluate import EvaluationSpec, ResultsTail, pin, tracker_items
-from tasks.train.spikes import CannotRollBack, SpikeFound, SpikeWatch, roll_back, skipped_samples, skipping
-from tasks.train.trackers import Trackers
+from tasks.trackers import Trackers
+from tasks.train.spikes import CannotRollBack, Spike, SpikeFound, roll_back, skipped_samples, skipping
+from tasks.train.watch import MetricsTail, TrainingWatch
 
 if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
 
-SUMMARY = "summary.json"
-MAX_HANGS = 3                 # hangs of one train stage before it gives up, at any iterations      # the last completed job's summary: what a run trained to its length reports
-
-
-class MetricsTail:
-    """Records appended to a metrics.jsonl since the last call (a line still being written waits).
-    The job cuts the file back when it resumes from a checkpoint: records up to the newest one
-    already read are skipped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.partial = path, 0, b""
-        self.seen: dict[str, int] = {}
-
-    def new(self) -> list[dict[str, Any]]:
-        try:
-            if self.path.stat().st_size < self.offset:
-                self.offset, self.partial = 0, b""
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-                self.offset = f.tell()
-        except FileNotFoundError:
-            return []
-        *complete, self.partial = (self.partial + data).split(b"\n")
-        out = []
-        for line in complete:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record["iteration"] > self.seen.get(record["kind"], 0):
-                self.seen[record["kind"]] = record["iteration"]
-                out.append(record)
-        return out
-
-    def rewind(self, iteration: int) -> None:
-        """Read the records again from past ``iteration`` (the run went back to it)."""
-        self.seen = {kind: min(seen, iteration) for kind, seen in self.seen.items()}
-        self.offset, self.partial = 0, b""
+SUMMARY = "summary.json"      # the last completed job's summary: what a run trained to its length reports
+MAX_HANGS = 3                 # hangs of one train stage before it gives up, at any iterations
 
 
 class TrainResult(BaseModel):
@@ -191,137 +152,67 @@ def progress_of_owner(run_dir: Path, total_iters: int) -> Callable[[str], None]:
     return show
 
 
-def eta_and_cost(iterations_left: int, step_ms: float, elapsed_s: float, cluster: ClusterConfig) -> str:
-    """The time left at the latest step time, and what this stage's nodes have cost so far where the
-    cluster preset has a price."""
-    text = f"ETA {human_duration(iterations_left * step_ms / 1000)}"
-    if cluster.price_per_node_hour is not None:
-        spent = elapsed_s / 3600 * cluster.nodes * cluster.price_per_node_hour
-        text += f", {spent:,.2f} {cluster.currency} so far"
-    return text
-
-
 def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                  precompiled: "PrecompileManifest | None", tracked: Trackers) -> TrainResult:
-    logger = run_logger()
-    total = config.total_iters
-    progress = Progress(f"{model_name(config)} on {cluster.name}", "iterations", items=total,
-                        artifact_key="training-progress", log_every_s=None)
-    records = MetricsTail(run_dir / "metrics.jsonl")
-    stragglers = Stragglers()
-    notes = {"eta": "", "stragglers": "", "save": ""}
-    first_record: list[float] = []         # when this stage saw the job train (the cost clock starts)
-    newest = newest_intact(run_dir / "checkpoints")[0]
-    spikes = SpikeWatch(config, since=iteration_of(newest) if newest else 0)
-    evaluation = EvaluationSpec.read(run_dir)
-    evaluated = ResultsTail(run_dir)
-    announced = [iteration_of(newest) if newest else 0]      # the newest save a checkpoint event was sent for
-
-    def to_evaluate(iteration: int) -> bool:
-        """Whether the run evaluates this save: then it is pinned for its evaluation first."""
-        if evaluation is None or not evaluation.evaluates(iteration, config.save_interval, total):
-            return False
-        try:
-            pinned = pin(run_dir, iteration)
-        except NotReplaceable as e:     # training goes on; this save is not evaluated
-            logger.warning("checkpoint %d is not evaluated: %s", iteration, e)
-            return False
-        if pinned is None:
-            logger.warning("checkpoint %d was gone before it could be kept for its evaluation (keep_last %d): "
-                           "it is not evaluated", iteration, config.keep_last)
-            return False
-        return True
-    if config.mock_data and (config.spike_factor or config.nan_steps):
-        logger.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave samples out of")
-
-    def on_poll() -> None:
-        """The job's new metrics records: progress, a log line per logged iteration, stragglers."""
-        new = records.new()
-        tracked.records(new)
-        if tracked.open and (evaluations := evaluated.if_changed()) is not None:   # written meanwhile
-            tracked.evaluations(tracker_items(run_dir, evaluations))
-        for r in new:
-            if r["kind"] == "valid":
-                logger.info("%s", valid_line(r["iteration"], r["valid_loss"]))
-                continue
-            if r["kind"] == "ranks":
-                notes["stragglers"] = "; ".join(stragglers.add(r))
-                if notes["stragglers"]:
-                    logger.warning("%s", notes["stragglers"])
-                continue
-            if r["kind"] == "save":
-                line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
-                logger.info("%s", line)
-                notes["save"] = line.strip(" |")
-                if r["iteration"] > announced[0]:        # not a save of an earlier leg, read again
-                    announced[0] = r["iteration"]
-                    reporting.checkpoint_saved(run_dir, r["iteration"], to_evaluate(r["iteration"]))
-                continue
-            if not first_record:
-                first_record.append(time.monotonic())
-            notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - first_record[0],
-                                        cluster)
-            progress.note = "; ".join(n for n in notes.values() if n)
-            progress.set(r["iteration"])
-            progress.show()
-            if r["iteration"] % config.log_interval == 0 or r["iteration"] == total:
-                logger.info("%s", train_line(
-                    iteration=r["iteration"], total=total, consumed=r["consumed_samples"], elapsed_ms=r["elapsed_ms"],
-                    lr=r["lr"], batch=config.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
-                    grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
-                    mfu_value=r["mfu"]))
-            spike = None if config.mock_data else spikes.add(r)
-            if spike is not None:
-                raise SpikeFound(spike)
-
-    def watch(job_id: str) -> HangWatch:
-        return HangWatch(run_dir, job_id, cluster.world_size, config.hang_timeout_s)
-
+    """The job submitted and followed until it completes; submitted again to resume after a hang
+    (without the node that hung), a loss spike (rolled back), or a stop that did not requeue."""
+    watch = TrainingWatch(config, cluster, run_dir, tracked)
     hangs: list[Hang] = []
     resubmitted = 0
     while True:
         launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
         try:
             summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
-                                            job_name=f"train-{model_name(config)}", python=python, on_poll=on_poll,
-                                            watch=watch)
+                                            job_name=f"train-{model_name(config)}", python=python,
+                                            on_poll=watch.on_poll, watch=watch.hangs)
             if not stopped_without_requeue(summary, cluster, run_dir, job_id) or resubmitted >= cluster.max_requeues:
                 break
             resubmitted += 1
-            logger.warning("job %s stopped on a signal with its checkpoint saved but did not requeue itself: "
-                           "submitting it again to resume (%d of max_requeues %d)", job_id, resubmitted,
-                           cluster.max_requeues)
+            run_logger().warning("job %s stopped on a signal with its checkpoint saved but did not requeue itself: "
+                                 "submitting it again to resume (%d of max_requeues %d)", job_id, resubmitted,
+                                 cluster.max_requeues)
         except JobHung as e:
-            reporting.hang_report(e.hang, run_dir.name)
-            if any(h.iteration == e.hang.iteration for h in hangs):
-                raise HungTwice(f"{e.hang.line()}. It hung at iteration {e.hang.iteration} before as well: not "
-                                "resubmitted again; see the stacks, fix what holds it, and run again") from None
-            if len(hangs) + 1 >= MAX_HANGS:
-                raise HungTwice(f"{e.hang.line()}. The run hung {MAX_HANGS} times (at iterations "
-                                f"{', '.join(str(h.iteration) for h in [*hangs, e.hang])}): not resubmitted again; "
-                                "see the stacks in each job's folder") from None
-            hangs.append(e.hang)
-            cluster, where = without_node(cluster, e.hang.node)
-            logger.warning("resubmitting the job to resume from the newest checkpoint%s", where)
+            cluster = after_hang(e.hang, hangs, cluster, run_dir)
         except SpikeFound as e:
-            try:
-                spike, config = roll_back(e.spike, config, run_dir)
-            except CannotRollBack as failed:
-                reporting.spike_report(failed.spike, run_dir.name, "the run stops here")
-                raise
-            reporting.spike_report(spike, run_dir.name, f"resubmitting the job to resume from iteration "
-                                   f"{spike.resumed_from} without the {len(spike.samples)} samples it trained on")
-            records.rewind(spike.resumed_from)
-            spikes.rewind(spike.resumed_from)
-            announced[0] = spike.resumed_from
+            config = after_spike(e.spike, config, run_dir, watch)
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
-    progress.set(total)
-    progress.show(final=True)
-    logger.info("training finished: iteration %s, train loss %s, time to first iteration %.2fs",
-                summary.get("iteration"), summary.get("train_loss"), summary.get("time_to_first_iteration_s") or 0)
+    watch.finish()
+    run_logger().info("training finished: iteration %s, train loss %s, time to first iteration %.2fs",
+                      summary.get("iteration"), summary.get("train_loss"), summary.get("time_to_first_iteration_s") or 0)
     return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
                        metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
+
+
+def after_hang(hang: Hang, hangs: list[Hang], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
+    """Reported; the cluster the job is submitted to again, without the node that hung. The same
+    hang twice, or MAX_HANGS hangs, end the stage: resubmitting again would loop."""
+    events.hang_report(hang, run_dir.name)
+    if any(h.iteration == hang.iteration for h in hangs):
+        raise HungTwice(f"{hang.line()}. It hung at iteration {hang.iteration} before as well: not "
+                        "resubmitted again; see the stacks, fix what holds it, and run again") from None
+    if len(hangs) + 1 >= MAX_HANGS:
+        raise HungTwice(f"{hang.line()}. The run hung {MAX_HANGS} times (at iterations "
+                        f"{', '.join(str(h.iteration) for h in [*hangs, hang])}): not resubmitted again; "
+                        "see the stacks in each job's folder") from None
+    hangs.append(hang)
+    cluster, where = without_node(cluster, hang.node)
+    run_logger().warning("resubmitting the job to resume from the newest checkpoint%s", where)
+    return cluster
+
+
+def after_spike(found: Spike, config: Config, run_dir: Path, watch: TrainingWatch) -> Config:
+    """The run rolled back before a loss spike, reported: the configuration to resume with, which
+    leaves out the samples the spike trained on."""
+    try:
+        spike, config = roll_back(found, config, run_dir)
+    except CannotRollBack as failed:
+        events.spike_report(failed.spike, run_dir.name, "the run stops here")
+        raise
+    events.spike_report(spike, run_dir.name, f"resubmitting the job to resume from iteration "
+                        f"{spike.resumed_from} without the {len(spike.samples)} samples it trained on")
+    watch.rewind(spike.resumed_from, config)
+    return config
 
 
 def stopped_without_requeue(summary: dict[str, Any], cluster: ClusterConfig, run_dir: Path, job_id: str) -> bool:

@@ -7,7 +7,7 @@ being submitted without any credential. ``<run>/trackers.json`` keeps each track
 project, the last iteration it got and the evaluations it got, so every requeue, resume, later leg
 and evaluation continues the same tracker run and logs each figure once. A tracker run has one
 writer at a time, the run folder's owner: training's follower, or an evaluation once training has
-let the folder go (``tasks.evaluate.to_trackers``). A tracker that cannot be reached is a warning naming it; what it missed
+let the folder go (``tasks.evaluate.stage.to_trackers``). A tracker that cannot be reached is a warning naming it; what it missed
 is kept and sent again later (with a growing pause), and after MAX_FAILURES failures in a row it is
 left out for the rest of the stage. Training never waits on it for long.
 """
@@ -203,7 +203,7 @@ class Trackers:
         self._log([item for r in records if (item := _item(r)) is not None])
 
     def evaluations(self, items: list[Item]) -> None:
-        """Log the evaluations (``tasks.evaluate.tracker_items``) a tracker has not had."""
+        """Log the evaluations (``tasks.evaluate.records.tracker_items``) a tracker has not had."""
         self._log(items)
 
     def _log(self, items: list[Item]) -> None:

@@ -7,7 +7,7 @@ the server marks a run Crashed when neither a heartbeat nor a final state follow
 within SILENCE_S. The next run with the same parameters finds the training job that run left
 behind (if it still runs) and follows it instead of submitting another (tasks.cluster.jobs).
 
-    python -m deployments.zombies       # create the automation once, against PREFECT_API_URL
+    python -m flows.heartbeats       # create the automation once, against PREFECT_API_URL
 """
 from __future__ import annotations
 

@@ -1,0 +1,168 @@
+"""The train stage's follower: what the head node makes of a training job's records as they come
+(metrics.jsonl). Progress and its notes (time left and cost, stragglers, the last save), a log line
+per logged iteration, each complete save announced as an event (pinned first when the run
+evaluates it), the run's evaluations to its trackers, and the loss spikes it rolls back."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gpt.checkpoint import iteration_of, newest_intact
+from gpt.config import Config, model_name
+from gpt.files import NotReplaceable
+from gpt.metrics import saved_line, train_line, valid_line
+from tasks import events
+from tasks.cluster.config import ClusterConfig
+from tasks.cluster.hang import HangWatch, Stragglers
+from tasks.common.progress import Progress, human_duration
+from tasks.common.run_context import run_logger
+from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, tracker_items
+from tasks.trackers import Trackers
+from tasks.train.spikes import SpikeFound, SpikeWatch
+
+
+class MetricsTail:
+    """Records appended to a metrics.jsonl since the last call (a line still being written waits).
+    The job cuts the file back when it resumes from a checkpoint: records up to the newest one
+    already read are skipped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+        self.seen: dict[str, int] = {}
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            if self.path.stat().st_size < self.offset:
+                self.offset, self.partial = 0, b""
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return []
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in complete:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record["iteration"] > self.seen.get(record["kind"], 0):
+                self.seen[record["kind"]] = record["iteration"]
+                out.append(record)
+        return out
+
+    def rewind(self, iteration: int) -> None:
+        """Read the records again from past ``iteration`` (the run went back to it)."""
+        self.seen = {kind: min(seen, iteration) for kind, seen in self.seen.items()}
+        self.offset, self.partial = 0, b""
+
+
+def eta_and_cost(iterations_left: int, step_ms: float, elapsed_s: float, cluster: ClusterConfig) -> str:
+    """The time left at the latest step time, and what this stage's nodes have cost so far where the
+    cluster preset has a price."""
+    text = f"ETA {human_duration(iterations_left * step_ms / 1000)}"
+    if cluster.price_per_node_hour is not None:
+        spent = elapsed_s / 3600 * cluster.nodes * cluster.price_per_node_hour
+        text += f", {spent:,.2f} {cluster.currency} so far"
+    return text
+
+
+class TrainingWatch:
+    """Follows one run's training jobs: ``on_poll`` reads what the job wrote since the last poll
+    (raising SpikeFound on a loss spike to roll back); ``rewind`` goes back with a rollback."""
+
+    def __init__(self, config: Config, cluster: ClusterConfig, run_dir: Path, tracked: Trackers) -> None:
+        self.config, self.cluster, self.run_dir, self.tracked = config, cluster, run_dir, tracked
+        self.log = run_logger()
+        self.progress = Progress(f"{model_name(config)} on {cluster.name}", "iterations", items=config.total_iters,
+                                 artifact_key="training-progress", log_every_s=None)
+        self.records = MetricsTail(run_dir / "metrics.jsonl")
+        self.stragglers = Stragglers()
+        self.notes = {"eta": "", "stragglers": "", "save": ""}
+        self.first_record: float | None = None      # when this stage saw the job train (the cost clock starts)
+        newest = newest_intact(run_dir / "checkpoints")[0]
+        self.announced = iteration_of(newest) if newest else 0   # the newest save a checkpoint event was sent for
+        self.spikes = SpikeWatch(config, since=self.announced)
+        self.evaluation = EvaluationSpec.read(run_dir)
+        self.evaluated = ResultsTail(run_dir)
+        if config.mock_data and (config.spike_factor or config.nan_steps):
+            self.log.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave "
+                          "samples out of")
+
+    def on_poll(self) -> None:
+        new = self.records.new()
+        self.tracked.records(new)
+        if self.tracked.open and (evaluations := self.evaluated.if_changed()) is not None:   # written meanwhile
+            self.tracked.evaluations(tracker_items(self.run_dir, evaluations))
+        for r in new:
+            {"valid": self._valid, "ranks": self._ranks, "save": self._save}.get(r["kind"], self._train)(r)
+
+    def hangs(self, job_id: str) -> HangWatch:
+        """The watch over the ranks' heartbeats of the job ``job_id``."""
+        return HangWatch(self.run_dir, job_id, self.cluster.world_size, self.config.hang_timeout_s)
+
+    def rewind(self, iteration: int, config: Config) -> None:
+        """The run went back to ``iteration`` (a rollback), to go on with ``config``: its records and
+        saves from there are new."""
+        self.config = config
+        self.records.rewind(iteration)
+        self.spikes.rewind(iteration)
+        self.announced = iteration
+
+    def finish(self) -> None:
+        self.progress.set(self.config.total_iters)
+        self.progress.show(final=True)
+
+    def _valid(self, r: dict[str, Any]) -> None:
+        self.log.info("%s", valid_line(r["iteration"], r["valid_loss"]))
+
+    def _ranks(self, r: dict[str, Any]) -> None:
+        self.notes["stragglers"] = "; ".join(self.stragglers.add(r))
+        if self.notes["stragglers"]:
+            self.log.warning("%s", self.notes["stragglers"])
+
+    def _save(self, r: dict[str, Any]) -> None:
+        line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
+        self.log.info("%s", line)
+        self.notes["save"] = line.strip(" |")
+        if r["iteration"] > self.announced:        # not a save of an earlier leg, read again
+            self.announced = r["iteration"]
+            events.checkpoint_saved(self.run_dir, r["iteration"], self._to_evaluate(r["iteration"]))
+
+    def _train(self, r: dict[str, Any]) -> None:
+        c, total = self.config, self.config.total_iters
+        if self.first_record is None:
+            self.first_record = time.monotonic()
+        self.notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - self.first_record,
+                                         self.cluster)
+        self.progress.note = "; ".join(n for n in self.notes.values() if n)
+        self.progress.set(r["iteration"])
+        self.progress.show()
+        if r["iteration"] % c.log_interval == 0 or r["iteration"] == total:
+            self.log.info("%s", train_line(
+                iteration=r["iteration"], total=total, consumed=r["consumed_samples"], elapsed_ms=r["elapsed_ms"],
+                lr=r["lr"], batch=c.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
+                grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
+                mfu_value=r["mfu"]))
+        spike = None if c.mock_data else self.spikes.add(r)
+        if spike is not None:
+            raise SpikeFound(spike)
+
+    def _to_evaluate(self, iteration: int) -> bool:
+        """Whether the run evaluates this save: then it is pinned for its evaluation first."""
+        c = self.config
+        if self.evaluation is None or not self.evaluation.evaluates(iteration, c.save_interval, c.total_iters):
+            return False
+        try:
+            pinned = pin(self.run_dir, iteration)
+        except NotReplaceable as e:     # training goes on; this save is not evaluated
+            self.log.warning("checkpoint %d is not evaluated: %s", iteration, e)
+            return False
+        if pinned is None:
+            self.log.warning("checkpoint %d was gone before it could be kept for its evaluation (keep_last %d): "
+                             "it is not evaluated", iteration, c.keep_last)
+            return False
+        return True
