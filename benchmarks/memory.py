@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpt.config import Config, parse_overrides
+from gpt.config import Config
+from gpt.config.overrides import parse_overrides
 from gpt.memory import GIB, rank_memory
 from gpt.parallel.process_group import free_port
 from gpt.tokenizer import GPT2_VOCAB_SIZE

@@ -11,7 +11,9 @@ one that a run's folder or cluster preset decides here is refused naming what do
 """
 from __future__ import annotations
 
-from gpt.config import ARCHITECTURE, PRESETS, Config, ConfigError, nearest_preset, split_assignment
+from gpt.config import ARCHITECTURE, Config, ConfigError, nearest_preset
+from gpt.config.overrides import split_assignment
+from gpt.config.presets import PRESETS
 
 # Megatron flag -> this command's flag taking the same value.
 SAME_VALUE = {

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from gpt.checkpoint import Checkpointer, load_whole_model
-from gpt.config import GPT3_BLOCK, Config, ConfigError, block_family, model_name, shape_differences
+from gpt.config import Config, ConfigError, block_family, model_name, shape_differences
+from gpt.config.presets import GPT3_BLOCK
 from gpt.files import NotReplaceable, WriteError, as_os_error, replaced_folder
 from gpt.model import (
     GPT,

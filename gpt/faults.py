@@ -25,7 +25,7 @@ import signal
 import time
 from pathlib import Path
 
-from gpt.config import parse_overrides
+from gpt.config.overrides import parse_overrides
 
 VARIABLE = "GPT_FAULT"
 FIELDS = {"rank": int, "iteration": int, "phase": str, "seconds": float, "every": int, "node": str, "once": str,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gpt.config import Config, parse_overrides
+from gpt.config import Config
+from gpt.config.overrides import parse_overrides
 from gpt.model import parameters
 
 GIB = 1 << 30

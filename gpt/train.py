@@ -25,7 +25,8 @@ from torch import nn
 from gpt import heartbeat
 from gpt.backend import Backend, get_backend, save_compile_cache, use_compile_cache
 from gpt.checkpoint import Checkpointer, writer_id
-from gpt.config import Config, ConfigError, parse_overrides, read_config_file
+from gpt.config import Config, ConfigError, read_config_file
+from gpt.config.overrides import parse_overrides
 from gpt.data import GPTDataset, MockGPTDataset
 from gpt.faults import FAULT
 from gpt.files import WriteError

@@ -5,7 +5,9 @@ import json
 import re
 
 import pytest
+from prefect import flow
 from prefect.utilities.callables import parameter_schema
+from pydantic import Field
 
 from flows.cli import parse_args
 from flows.plan.build import make_plan
@@ -19,7 +21,7 @@ from flows.plan.params import (
     WeightedPrefix,
 )
 from flows.pretrain import pretrain
-from gpt.config import PRESETS
+from gpt.config.presets import PRESETS
 
 
 def _check(**kw):
@@ -305,3 +307,37 @@ def test_the_disk_floor_counts_the_parameters_of_the_model_the_job_builds(tmp_pa
         built = GPT(plan.config)
     assert written_bytes(plan.config)[1] == CHECKPOINT_BYTES * sum(p.numel() for p in built.parameters())
     assert CHECKPOINT_BYTES == 12
+
+
+class Training(TrainingParams):
+    """The training group with one more field, named as a Config field."""
+    weight_decay: float | None = Field(None, ge=0, description="AdamW's decoupled weight decay")
+
+
+@flow
+def _with_it(training: Training = Training()) -> None:
+    """A flow whose form has the added field."""
+
+
+def test_the_form_the_flags_and_the_config_are_one_description(tmp_path):
+    """The pretrain flow takes the form (FORM), the command line's flags are made from it, and a
+    training field named as a Config field reaches the job: a field added to a copy of the training
+    group is in the UI's schema, is a flag, and sets the Config, with nothing else written."""
+    import inspect
+    import typing
+
+    from flows.plan.params import FORM
+    from gpt.config import Config
+
+    hints = typing.get_type_hints(pretrain.fn)
+    assert {name: hints[name] for name in FORM} == FORM and list(FORM) == list(inspect.signature(pretrain.fn).parameters)
+    schema = parameter_schema(_with_it.fn).model_dump()
+    assert schema["definitions"]["Training"]["properties"]["weight_decay"]["description"] == \
+        "AdamW's decoupled weight decay"
+    form = {**FORM, "training": Training}
+    params = parse_args(["--training.weight_decay", "0.05", "--tp", "1", "--root", str(tmp_path)], form)
+    assert params["training"] == Training(weight_decay=0.05, tensor_parallel=1)
+    with pytest.raises(ParameterError, match=r"training.weight_decay: Input should be greater than or equal to 0"):
+        parse_args(["--training.weight_decay", "-1"], form)
+    plan = _check(training=params["training"], output=params["output"])
+    assert plan.config.weight_decay == 0.05 and Config.from_preset("tiny").weight_decay != 0.05

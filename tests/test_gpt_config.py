@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from gpt.config import PRESETS, Config, ConfigError
+from gpt.config import Config, ConfigError
+from gpt.config.presets import PRESETS
 from gpt.model import param_count
 from gpt.optim import lr_at
 
@@ -136,10 +137,10 @@ def test_lr_schedule_by_samples():
 
 
 def test_one_key_value_rule_types_each_value_by_its_field():
-    """gpt.config.parse_overrides is the one reading of KEY=VALUE: the flow's command line, gpt.train
+    """gpt.config.overrides.parse_overrides is the one reading of KEY=VALUE: the flow's command line, gpt.train
     and gpt.memory give one text one value."""
     from flows.cli import parse_args
-    from gpt.config import parse_overrides
+    from gpt.config.overrides import parse_overrides
 
     items = ["lr=3e-4", "compile=False", "lr_decay_iters=null", "train_iters=20", "run_dir=1e3", "model=gpt3-125m"]
     values, problems = parse_overrides(items)
@@ -168,10 +169,12 @@ def test_problems_name_their_field_so_the_plan_never_parses_a_message():
 def test_every_field_is_in_one_section_under_its_own_name():
     import dataclasses
 
-    from gpt.config import SECTIONS
+    from gpt.config import SECTIONS, RunSection
 
     c = Config.from_preset("gpt3-1.3b", tensor_parallel=2, lr=1e-4)
     owned = [f.name for section in SECTIONS.values() for f in dataclasses.fields(section)]
     assert sorted(owned) == sorted(f.name for f in dataclasses.fields(Config)) and len(owned) == len(set(owned))
     assert c.section("model")["hidden_size"] == 2048 and c.section("parallel")["tensor_parallel"] == 2
     assert c.section("schedule")["lr"] == c.lr == 1e-4 and "lr" not in c.section("run")
+    assert c.schedule.lr == 1e-4 and c.parallel.tensor_parallel == 2 and c.architecture.hidden_size == 2048
+    assert isinstance(c.run, RunSection) and not hasattr(c.run, "lr")

@@ -203,7 +203,7 @@ def test_a_run_resumes_under_other_layouts_and_exports_as_one_process(one_proces
 def test_every_published_layout_runs_its_preset():
     """Each preset's default GPU layout (TP x PP) passes the plan's checks on 8 data-parallel replicas:
     the heads, the K/V groups and the layers split as the layout asks."""
-    from gpt.config import GPU_LAYOUTS
+    from gpt.config.presets import GPU_LAYOUTS
 
     for model, (tp, pp) in GPU_LAYOUTS.items():
         config = Config(model=model, mock_data=True, tensor_parallel=tp, pipeline_parallel=pp)

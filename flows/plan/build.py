@@ -42,7 +42,8 @@ from flows.plan.params import (
 from flows.plan.sizes import device_memory, disk_problem, memory_problem
 from flows.plan.start import check_start, start_from
 from gpt.checkpoint import Checkpointer, newest_intact
-from gpt.config import PRESETS, Config
+from gpt.config import Config
+from gpt.config.presets import PRESETS
 from gpt.tokenizer import Tokenizer
 from tasks.cluster.config import ClusterConfig, load_cluster
 from tasks.index import IndexManifest

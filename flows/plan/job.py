@@ -8,13 +8,16 @@ import dataclasses
 from typing import Any
 
 from flows.plan.params import TrainingParams
-from gpt.config import GPU_LAYOUTS, Config, ConfigError
+from gpt.config import Config, ConfigError
+from gpt.config.presets import GPU_LAYOUTS
 from tasks.cluster.config import FLOAT8_GPUS, ClusterConfig
 
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
 FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "compile_cache_dir", "precompile", "mock_data",
                           "vocab_size", "init_from"})
+# Training fields the cluster the job is submitted to decides (their "auto"), never the machine that plans.
+FROM_CLUSTER = frozenset({"device", "precision"})
 
 
 def job_config(model: str, training: TrainingParams, where: ClusterConfig | None,
@@ -52,7 +55,7 @@ def job_config(model: str, training: TrainingParams, where: ClusterConfig | None
 def model_parallel(model: str, fields: dict[str, Any], cluster: ClusterConfig) -> tuple[int, int]:
     """(tensor_parallel, pipeline_parallel): the run's (its parameters or overrides, ``fields``), or
     with neither set the preset's published layout on a GPU cluster whose ranks it divides
-    (gpt.config.GPU_LAYOUTS), else no model parallel."""
+    (gpt.config.presets.GPU_LAYOUTS), else no model parallel."""
     tp, pp = fields.get("tensor_parallel"), fields.get("pipeline_parallel")
     if tp is not None or pp is not None:
         return 1 if tp is None else tp, 1 if pp is None else pp
@@ -63,22 +66,13 @@ def model_parallel(model: str, fields: dict[str, Any], cluster: ClusterConfig) -
 
 
 def config_fields(training: TrainingParams) -> dict[str, Any]:
-    """The gpt Config fields these parameters set; the preset fills the rest (device and precision
-    come from the cluster: see `job_device_and_precision`)."""
-    t = training
-    fields: dict[str, Any] = {
-        "data_parallel_mode": t.data_parallel_mode,
-        "compile": t.compile, "activation_checkpointing": t.activation_checkpointing,
-        "benchmark": t.benchmark, "seed": t.seed,
-    }
-    for name in ("train_iters", "train_samples", "micro_batch_size", "global_batch_size", "seq_length",
-                 "tensor_parallel", "pipeline_parallel",
-                 "lr", "min_lr", "log_interval", "eval_interval", "eval_iters", "save_interval", "init_from"):
-        if getattr(t, name) is not None:
-            fields[name] = getattr(t, name)
-    if t.init_from_optimizer:
-        fields["init_from_optimizer"] = True
-    fields.update(t.overrides)
+    """The gpt Config fields these parameters set: each training field named as a Config field, when
+    given, and the overrides; the preset fills the rest (device and precision come from the cluster:
+    see `job_device_and_precision`)."""
+    config = {f.name for f in dataclasses.fields(Config)}
+    fields = {name: value for name in type(training).model_fields
+              if name in config and name not in FROM_CLUSTER and (value := getattr(training, name)) is not None}
+    fields.update(training.overrides)
     return fields
 
 

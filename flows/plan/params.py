@@ -7,7 +7,8 @@ from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gpt.config import PRESETS
+from gpt.config import CHOICES
+from gpt.config.presets import PRESETS
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.common.errors import ParameterError
 from tasks.trackers import Tracker
@@ -135,10 +136,10 @@ class TrainingParams(_Params):
                                           "overrides: pipeline_schedule, virtual_pipeline_stages")
     data_parallel: int | None = Field(None, ge=1, le=2**20, description="Data-parallel size (dp); empty: the "
                                                                        "cluster's tasks divided by tp x pp. Must match.")
-    data_parallel_mode: Literal["ddp", "fsdp"] = "ddp"
-    device: Literal["auto", "cpu", "cuda", "neuron"] = Field(
+    data_parallel_mode: Literal[tuple(sorted(CHOICES["data_parallel_mode"]))] = "ddp"  # type: ignore[valid-type]
+    device: Literal[CHOICES["device"]] = Field(  # type: ignore[valid-type]
         "auto", description="auto: what the cluster preset runs on (its device)")
-    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = Field(
+    precision: Literal[("auto", *CHOICES["precision"])] = Field(  # type: ignore[valid-type]
         "auto", description="auto: fp32 on CPU, bf16 on accelerators (fp16 on GPUs before Ampere), decided "
                             "from the cluster preset, not from the machine that runs the flow; fp8: bf16 with "
                             "float8 linears, on Hopper GPUs or later")
@@ -221,3 +222,8 @@ class OutputParams(_Params):
                                  description="W&B project or MLflow experiment")
 
 
+# The pretrain flow's form, in its order: what the flow's signature takes (a test holds them equal),
+# what the UI renders, and what the command line's flags are made from (flows.flags).
+FORM: dict[str, Any] = {"model": ModelName, "data": DataParams, "tokenizer": TokenizerParams,
+                        "training": TrainingParams, "cluster": ClusterParams, "output": OutputParams,
+                        "budget": BudgetParams, "evaluation": EvaluationParams, "dry_run": bool}

@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from gpt.config import split_assignment
+from gpt.config.overrides import split_assignment
 from tasks.cluster.container import Container
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"        # the reviewed presets shipped with this package
