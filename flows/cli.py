@@ -79,40 +79,49 @@ def _failed(error: Exception, run_dir: Path) -> str:
     return f"error: {failure_message(error)}{kept}"
 
 
+def exit_status(what: str, run: Callable[[], int], failure: Callable[[Exception], str] | None = None) -> int:
+    """How a command line of the flows (``what`` it runs) ends: ``run``'s own status; input refused
+    (ParameterError) as its block of lines and 2; a cancelled run, or any other failure, as one line
+    and 1 (``failure`` says it; the traceback stays in the run's log, or where ``failure`` keeps it)."""
+    try:
+        return run()
+    except ParameterError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except CancelledRun as e:
+        print(f"{what} cancelled: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - a failed run is one line here, its traceback where the run keeps it
+        print(failure(e) if failure else f"error: {failure_message(e)}", file=sys.stderr)
+        return 1
+
+
 def main(pretrain: Callable[..., dict], argv: list[str] | None = None) -> int:
     """Run the pretrain flow with the parameters the flags give, and print what it produced."""
     # Without PREFECT_API_URL, Prefect starts a temporary server for this run; keep it quiet.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    try:
-        params = parse_args(argv)
-        plan = refuse_before_prefect(pretrain, params)
-    except ParameterError as e:
-        print(e, file=sys.stderr)
-        return 2
+    where: list[Path] = []       # the run folder, once the plan names it: a failure's traceback goes there
+    return exit_status("pretrain", lambda: _run(pretrain, argv, where),
+                       lambda e: _failed(e, where[0]) if where else f"error: {failure_message(e)}")
+
+
+def _run(pretrain: Callable[..., dict], argv: list[str] | None, where: list[Path]) -> int:
+    params = parse_args(argv)
+    plan = refuse_before_prefect(pretrain, params)
     if params.get("dry_run"):               # the plan is all: no Prefect server, nothing run
         from flows.plan.artifact import dry_run_rows
 
         for row in dry_run_rows(plan):
             print(f"{row['item']:>16}: {row['value']}")
         return 0
-    run_dir = plan.run_dir
+    where.append(plan.run_dir)
     from flows.heartbeats import heartbeats_from_this_process
     from flows.local_server import ensure_api, lasting_api
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
     heartbeats_from_this_process(server_outlives_it=lasting_api() is not None)
     _console_without_tracebacks()
     started = time.perf_counter()
-    try:
-        out = pretrain(**params)
-    except ParameterError as e:
-        print(e, file=sys.stderr)
-        return 2
-    except CancelledRun as e:
-        print(f"pretrain cancelled: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - a failed run is one line here, its traceback in the run folder
-        print(_failed(e, run_dir), file=sys.stderr)
-        return 1
+    out = pretrain(**params)
     wall = time.perf_counter() - started
     print("\n" + "=" * 72)
     print(f"pretrain finished in {wall:.0f} s: loss {out['first_loss']:.3f} -> {out['train_loss']:.3f}"

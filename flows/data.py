@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flows.plan.build import Plan
 from flows.plan.evaluation import EvaluationPlan
 from flows.plan.inputs import DataPlan
 from flows.plan.layout import Layout
@@ -24,6 +25,7 @@ from gpt.tokenizer import Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
+from tasks.evaluate.records import EvaluationSpec
 from tasks.index import IndexManifest, index_needs, index_task, parse_split
 from tasks.sync import Remote, SyncManifest, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
@@ -125,6 +127,17 @@ def evaluation_sets(evaluation: EvaluationPlan, dataset: Dataset, data: DataPlan
     if short:
         raise ParameterError(short)
     return prefixes
+
+
+def evaluation_spec(plan: Plan, dataset: Dataset, stages: Stages) -> EvaluationSpec:
+    """What each checkpoint of the run is evaluated on and where: the sets tokenized with the run's
+    tokenizer, and the evaluation job's resources from the cluster preset."""
+    e = plan.evaluation
+    sets = evaluation_sets(e, dataset, plan.data, plan.config.seq_length, plan.layout, stages, plan.cluster)
+    files = {"vocab_file": dataset.tokenizer.vocab_file, "merge_file": dataset.tokenizer.merge_file,
+             "tokenizer_file": dataset.tokenizer.tokenizer_file}
+    return EvaluationSpec(sets=sets, set_tokens=e.set_tokens, tasks=list(e.tasks), task_paths=list(e.task_paths),
+                          limit=e.limit, every=e.every, tokenizer=files, cluster=plan.cluster.eval_job().model_dump())
 
 
 def synced_files(manifest: SyncManifest) -> list[str]:

@@ -21,11 +21,13 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.cli import exit_status
 from flows.plan import provenance
 from flows.plan.boundary import Boundary
 from flows.plan.params import ParameterError, refused_as_failed_run
 from flows.stages import Stages
 from tasks import report as reporting
+from tasks.common.run_context import run_logger
 from tasks.evaluate.records import results, summary
 from tasks.evaluate.stage import evaluate_task
 
@@ -54,7 +56,7 @@ def evaluate(run: str, iteration: int | None = None) -> dict:
     run_dir = run_folder(run)
     result = Stages().run("evaluate", evaluate_task, str(run_dir), iteration)
     figures = summary(result)
-    print(f"evaluation of {run_dir.name} at iteration {result.iteration}: "
+    run_logger().info(f"evaluation of {run_dir.name} at iteration {result.iteration}: "
           + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in figures.items()))
     starts = provenance.recorded(run_dir)
     reporting.evaluation_report(run_dir.name, results(run_dir), starts[-1].get("flow_run_id") if starts else None)
@@ -69,16 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     from flows.local_server import ensure_api
 
     ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
-    try:
-        out = evaluate(a.run, a.iteration)
-    except ParameterError as e:
-        print(e, file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - one line here; the flow run's log has the traceback
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(f"results: {out['path']}")
-    return 0
+
+    def run() -> int:
+        print(f"results: {evaluate(a.run, a.iteration)['path']}")
+        return 0
+    return exit_status("evaluation", run, lambda e: f"error: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

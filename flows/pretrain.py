@@ -38,6 +38,7 @@ from flows.plan.params import (
 from flows.stages import Stages
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
+from tasks.common.run_context import run_logger
 from tasks.evaluate.records import IN_PROGRESS as EVALUATION_IN_PROGRESS
 from tasks.evaluate.records import EvaluationSpec, results, summary, tracker_items
 from tasks.export import export_task
@@ -95,12 +96,12 @@ def _pretrain(plan: Plan) -> dict:
     dataset = data_stages.prepare(plan.data, plan.layout, stages, plan.cluster)
     index, warnings = data_stages.index(dataset, plan.data, plan.config, plan.layout, stages)
     for warning in warnings:
-        print(f"warning: {warning}")
+        run_logger().warning("warning: %s", warning)
     if warnings:
         plan_table(plan, outlook.message, warnings, cost.rows())
     job = plan.training_job(dataset.tokenizer, index)
     if plan.evaluation:       # before training: its saves are evaluated as they come
-        evaluation_spec(plan, dataset, stages).write(plan.run_dir)
+        data_stages.evaluation_spec(plan, dataset, stages).write(plan.run_dir)
     else:
         EvaluationSpec.remove(plan.run_dir)
     compiled = precompile(job, outlook, stages)
@@ -141,10 +142,10 @@ def begin(plan: Plan) -> tuple[Outlook, Estimate]:
     outlook = plan.outlook()
     identity.record(plan.run_dir, plan.identity)
     provenance.record(plan.run_dir, flow_run.get_id() or None, dict(flow_run.parameters or {}))
-    print(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
+    run_logger().info(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
     cost = plan.estimate(outlook)
-    print("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
+    run_logger().info("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
     plan_table(plan, outlook.message, estimate=cost.rows())
     return outlook, cost
 
@@ -158,18 +159,6 @@ def precompile(job: TrainJob, outlook: Outlook, stages: Stages) -> PrecompileMan
     else:
         return stages.run("precompile", precompile_task, job.config, job.cluster)
     return None
-
-
-def evaluation_spec(plan: Plan, dataset: data_stages.Dataset, stages: Stages) -> EvaluationSpec:
-    """What each checkpoint of the run is evaluated on and where: the sets tokenized with the run's
-    tokenizer, and the evaluation job's resources from the cluster preset."""
-    e = plan.evaluation
-    sets = data_stages.evaluation_sets(e, dataset, plan.data, plan.config.seq_length, plan.layout, stages,
-                                       plan.cluster)
-    files = {"vocab_file": dataset.tokenizer.vocab_file, "merge_file": dataset.tokenizer.merge_file,
-             "tokenizer_file": dataset.tokenizer.tokenizer_file}
-    return EvaluationSpec(sets=sets, set_tokens=e.set_tokens, tasks=list(e.tasks), task_paths=list(e.task_paths),
-                          limit=e.limit, every=e.every, tokenizer=files, cluster=plan.cluster.eval_job().model_dump())
 
 
 if __name__ == "__main__":

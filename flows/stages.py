@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tasks.common.run_context import run_logger
+
 if TYPE_CHECKING:
     from prefect import Task
 
@@ -19,7 +21,7 @@ class Stages:
         self.records: list[dict] = []
 
     def skip(self, stage: str, why: str) -> None:
-        print(f"stage {stage} skipped: {why}")
+        run_logger().info("stage %s skipped: %s", stage, why)
         self.records.append({"stage": stage, "state": "Skipped", "seconds": 0.0})
 
     def run(self, stage: str, task_fn: "Task[..., R]", *args: Any, origins: dict[str, str] | None = None,

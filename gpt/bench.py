@@ -210,15 +210,7 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         staged = dataclasses.replace(staged, micro_batch_size=config.micro_batch_size,
                                      global_batch_size=config.global_batch_size)
     result["micro_batch"] = config.micro_batch_size
-    rows: dict[str, _Row] = {"ours": _Ours(config, backend)}
-    if compare_eager:
-        rows["eager"] = _Ours(dataclasses.replace(config, compile=False), backend)
-    if peer:
-        if _has_transformers():
-            rows["hf"] = _HuggingFace(dataclasses.replace(config, precision="bf16" if precision == "fp8" else precision),
-                                      backend)
-        else:
-            result["hf"] = {"skipped": "transformers is not importable (pip install transformers)"}
+    rows = _rows(config, backend, compare_eager, peer, result)
     _measure(list(rows.values()), warmup, steps)
     if profile_dir:
         result["profile"] = profile(rows["ours"], profile_steps, profile_dir)
@@ -235,6 +227,20 @@ def run(model: str = "tiny", micro_batch: int = 8, steps: int = 10, warmup: int 
         result[name] = row
         result[f"ours_vs_{name}_tokens_per_s"] = result["tokens_per_s"] / row["tokens_per_s"]
     return result
+
+
+def _rows(config: Config, backend: Any, compare_eager: bool, peer: bool, result: dict[str, Any]) -> dict[str, _Row]:
+    """What is measured side by side: our model, and as asked the eager one and HuggingFace's (said
+    as skipped in ``result`` where transformers is missing)."""
+    rows: dict[str, _Row] = {"ours": _Ours(config, backend)}
+    if compare_eager:
+        rows["eager"] = _Ours(dataclasses.replace(config, compile=False), backend)
+    if peer and _has_transformers():
+        rows["hf"] = _HuggingFace(dataclasses.replace(config, precision="bf16" if config.precision == "fp8"
+                                                      else config.precision), backend)
+    elif peer:
+        result["hf"] = {"skipped": "transformers is not importable (pip install transformers)"}
+    return rows
 
 
 def _measure(rows: list[_Row], warmup: int, steps: int) -> None:

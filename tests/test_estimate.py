@@ -137,12 +137,12 @@ def test_the_price_is_the_operators_not_the_forms():
         load_cluster("p4d-8gpu", price_per_node_hour=0.01)
 
 
-def test_an_unreadable_history_is_a_warning_and_only_the_shipped_figures_count(tmp_path, monkeypatch, capsys):
+def test_an_unreadable_history_is_a_warning_and_only_the_shipped_figures_count(tmp_path, monkeypatch, caplog):
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "history.jsonl").write_text("{not json\n")
     monkeypatch.delenv(estimate.HISTORY_ENV, raising=False)
     assert estimate.read_history(tmp_path) == benchmark_history.reference()
-    assert "history.jsonl:1" in capsys.readouterr().out
+    assert "history.jsonl:1" in caplog.text
 
 
 def test_the_shipped_gpu_figures_are_the_estimate_of_a_cluster_of_that_gpu(tmp_path, monkeypatch):

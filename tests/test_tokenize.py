@@ -83,7 +83,7 @@ def test_worker_count_and_compression_do_not_change_output(tmp_path, shakespeare
         assert value == first, key
 
 
-def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys, caplog):
+def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, caplog):
     caplog.set_level("INFO", logger="tasks")
     vocab, merges = map(str, bpe_vocab)
     src = tmp_path / "bad.jsonl"
@@ -96,8 +96,9 @@ def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, capsys, caplog)
         b'{"text": 5}',
         b'{"text": "good two"}',
     ]) + b"\n")
-    m = tokenize([str(src)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, workers=1)
-    out = capsys.readouterr().out
+    with caplog.at_level("INFO"):
+        m = tokenize([str(src)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, workers=1)
+    out = caplog.text       # the stage's log (the run's, inside a flow)
     assert m.documents == 2
     assert m.skipped == {"malformed_json": 1, "missing_key": 2, "invalid_utf8": 1, "empty_document": 1,
                          "tokenizer_failed": 0, "blank_line": 0}
@@ -282,7 +283,7 @@ def test_temporary_files_of_a_killed_tokenize_are_removed_by_the_next(tmp_path, 
     assert not any(f.exists() for f in stale) and live.exists()
 
 
-def test_parquet_rows_tokenize_as_the_same_jsonl_lines(tmp_path, shakespeare_jsonl, bpe_vocab, capsys):
+def test_parquet_rows_tokenize_as_the_same_jsonl_lines(tmp_path, shakespeare_jsonl, bpe_vocab, caplog):
     """A Parquet file of several row groups, its text in one column beside others, gives the bytes
     the same documents give as JSONL; null and empty rows are skipped and named by row."""
     import pyarrow as pa
@@ -293,8 +294,9 @@ def test_parquet_rows_tokenize_as_the_same_jsonl_lines(tmp_path, shakespeare_jso
     column = docs[:10] + [None] + docs[10:20] + [""] + docs[20:]
     table = pa.table({"id": list(range(len(column))), "text": column})
     pq.write_table(table, tmp_path / "in.parquet", row_group_size=64)
-    from_parquet = tokenize([str(tmp_path / "in.parquet")], str(tmp_path / "pq"), vocab_file=vocab, merge_file=merges,
-                            append_eod=True, workers=2)
+    with caplog.at_level("INFO"):
+        from_parquet = tokenize([str(tmp_path / "in.parquet")], str(tmp_path / "pq"), vocab_file=vocab,
+                                merge_file=merges, append_eod=True, workers=2)
     from_jsonl = tokenize([write_jsonl(tmp_path / "in.jsonl", docs)], str(tmp_path / "js"), vocab_file=vocab,
                           merge_file=merges, append_eod=True, workers=1)
     assert from_parquet.documents == from_jsonl.documents == len(docs)
@@ -302,7 +304,7 @@ def test_parquet_rows_tokenize_as_the_same_jsonl_lines(tmp_path, shakespeare_jso
         assert open(from_parquet.prefixes["text"] + suffix, "rb").read() == open(from_jsonl.prefixes["text"] + suffix,
                                                                                   "rb").read()
     assert (from_parquet.skipped["missing_key"], from_parquet.skipped["empty_document"]) == (1, 1)
-    out = capsys.readouterr().out
+    out = caplog.text
     assert f"{tmp_path / 'in.parquet'}: row 11: skipped: column 'text' is null" in out
     assert f"{tmp_path / 'in.parquet'}: row 22: skipped: column 'text' is empty" in out
 

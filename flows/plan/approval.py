@@ -10,6 +10,7 @@ from pydantic import Field
 
 from flows.plan.estimate import Estimate
 from flows.plan.params import BudgetParams, ParameterError
+from tasks.common.run_context import run_logger
 
 # The operator's caps, set where the flow runs: a run's own budget may only be lower.
 CAPS = {"node_hours": "GPT_BUDGET_NODE_HOURS", "cost": "GPT_BUDGET_COST"}
@@ -72,7 +73,7 @@ def ask(estimate: Estimate, why: str, budget: BudgetParams, server: bool) -> App
                               "PREFECT_API_URL) or raise the budget"])
     from prefect.flow_runs import pause_flow_run
 
-    print(f"over budget: {why}; waiting up to {budget.wait_hours:g} h for approval in the Prefect UI "
+    run_logger().info(f"over budget: {why}; waiting up to {budget.wait_hours:g} h for approval in the Prefect UI "
           "(Ctrl-C cancels the run)")
     try:
         return pause_flow_run(wait_for_input=Approval.with_initial_data(description=approval_form(estimate, why)),

@@ -22,6 +22,7 @@ from gpt.model import param_count
 from tasks.benchmark_history import History, machine_facts, reference
 from tasks.cluster.config import ClusterConfig
 from tasks.common.progress import human_duration
+from tasks.common.run_context import run_logger
 
 ASSUMED_MFU = 0.35
 HISTORY_ENV = "GPT_BENCHMARK_HISTORY"   # the operator's history location (folder or s3:// prefix)
@@ -146,7 +147,8 @@ def read_history(root: Path) -> list[dict[str, Any]]:
     try:
         return reference() + history.read()
     except Exception as e:  # unreadable file, unreachable store: the estimate says it has no figure
-        print(f"warning: benchmark history {history.uri} not read ({e}); the estimate uses the shipped figures only")
+        run_logger().warning("warning: benchmark history %s not read (%s); the estimate uses the shipped figures only",
+                             history.uri, e)
         return reference()
 
 

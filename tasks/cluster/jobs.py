@@ -265,56 +265,32 @@ def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterCon
 
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
             on_poll: Callable[[], None], watch: HangWatch | None = None) -> tuple[Any, str, str]:
-    logger = run_logger()
+    """Follow the job to its end: its state recorded as it changes, ``on_poll`` at every poll, its
+    ranks watched; returns (rank 0's result, job id, nodelist). A job this leaves before its end
+    (an error, the flow run cancelled, this process exiting) is cancelled."""
     job_id, folder = running.job_id, run_dir / JOBS_FOLDER
     with _ACTIVE_LOCK:
         _ACTIVE[job_id] = running
     result_paths = JobPaths(folder, job_id=job_id, task_id=0)
     followed_run = flow_run_id()
     last: tuple[str, str, str] | None = None
-    nodes = ""
+    nodes, result = "", None
     next_cancel_check = time.monotonic() + CANCEL_CHECK_S
     finished = False
     restore_sigterm = _exit_on_sigterm()
-
-    def poll() -> None:
-        nonlocal finished
-        try:
-            on_poll()
-        except StopJob as e:
-            _kill(running, nodes)
-            record.state(job_id, e.state, str(e), nodes)
-            finished = True
-            raise
-
     try:
         while True:
             info = running.state(nodes)
             if info != last:
-                state, reason, nodes = info
-                record.state(job_id, state, reason, nodes)
-                if state == "PENDING":
-                    logger.info("job %s PENDING (%s)", job_id, reason)
-                elif state == "RUNNING":
-                    logger.info("job %s RUNNING on %s", job_id, nodes)
-                else:
-                    logger.info("job %s %s%s", job_id, state, f" ({reason})" if reason not in ("", "None") else "")
+                _changed(job_id, info, record)
                 last = info
-            poll()
-            state, reason, _ = info
-            hang = watch.check(state) if watch is not None else None
-            if hang is not None:
-                hang = _stop_hung(running, hang, run_dir, record, nodes)
-                finished = True
-                raise JobHung(hang)
-            failed = watch.abandoned() if watch is not None else None
-            if failed is not None:
-                logger.warning("rank %s failed while the others run on: stopping job %s", failed["rank"], job_id)
-                _kill(running, nodes)
-                record.state(job_id, "FAILED", f"rank {failed['rank']} failed, the others stopped", nodes)
-                finished = True
-                raise JobError(failure_report(folder, job_id, cluster.world_size, "FAILED",
-                                               f"rank {failed['rank']} failed, the others stopped"))
+            state, reason, nodes = info
+            try:
+                _polled(running, on_poll, record, nodes)
+                _ranks_checked(running, watch, state, cluster, run_dir, record, nodes)
+            except (StopJob, JobError):
+                finished = True         # stopped, and recorded so, by the check that raised
+                raise
             if state == "PENDING" and reason.split(",")[0] in PENDING_FOREVER:
                 raise ClusterError(f"job {job_id} can never start: SLURM says {reason!r} "
                                    f"({cluster.name}: nodes={cluster.nodes}, partition={cluster.partition}, "
@@ -330,8 +306,8 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             if not threading.main_thread().is_alive():
                 raise SubmitterExiting(f"the submitting process is exiting: job {job_id} cancelled")
             time.sleep(POLL_S)
-        poll()
         finished = True
+        _polled(running, on_poll, record, nodes)
         if result is None or result[0] != "success":
             raise JobError(failure_report(folder, job_id, cluster.world_size, state, reason))
         return result[1], job_id, nodes
@@ -340,9 +316,50 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
         with _ACTIVE_LOCK:
             _ACTIVE.pop(job_id, None)
         if not finished:
-            logger.warning("cancelling job %s", job_id)
+            run_logger().warning("cancelling job %s", job_id)
             running.cancel()
             record.state(job_id, "CANCELLED", "cancelled by the submitting process", nodes)
+
+
+def _changed(job_id: str, info: tuple[str, str, str], record: JobRecord) -> None:
+    """A new state of the job: recorded, and said."""
+    state, reason, nodes = info
+    record.state(job_id, state, reason, nodes)
+    if state == "PENDING":
+        run_logger().info("job %s PENDING (%s)", job_id, reason)
+    elif state == "RUNNING":
+        run_logger().info("job %s RUNNING on %s", job_id, nodes)
+    else:
+        run_logger().info("job %s %s%s", job_id, state, f" ({reason})" if reason not in ("", "None") else "")
+
+
+def _polled(running: RunningJob, on_poll: Callable[[], None], record: JobRecord, nodes: str) -> None:
+    """``on_poll``; where it stops the job (StopJob), the job is killed and recorded before the error
+    goes on."""
+    try:
+        on_poll()
+    except StopJob as e:
+        _kill(running, nodes)
+        record.state(running.job_id, e.state, str(e), nodes)
+        raise
+
+
+def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, cluster: ClusterConfig, run_dir: Path,
+                   record: JobRecord, nodes: str) -> None:
+    """A hung job has its stacks saved and is stopped (JobHung); a rank that failed while the others
+    run on stops them (JobError)."""
+    if watch is None:
+        return
+    hang = watch.check(state)
+    if hang is not None:
+        raise JobHung(_stop_hung(running, hang, run_dir, record, nodes))
+    failed = watch.abandoned()
+    if failed is not None:
+        why = f"rank {failed['rank']} failed, the others stopped"
+        run_logger().warning("rank %s failed while the others run on: stopping job %s", failed["rank"], running.job_id)
+        _kill(running, nodes)
+        record.state(running.job_id, "FAILED", why, nodes)
+        raise JobError(failure_report(run_dir / JOBS_FOLDER, running.job_id, cluster.world_size, "FAILED", why))
 
 
 def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord, nodes: str) -> Hang:

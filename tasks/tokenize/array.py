@@ -33,6 +33,7 @@ from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JobError, ReturnedError, submit_array
 from tasks.common.digest import digest, file_digest
 from tasks.common.progress import Progress, human_bytes
+from tasks.common.run_context import run_logger
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.encode import MAX_MESSAGES_PER_KIND
 from tasks.tokenize.inputs import BadLine, Piece
@@ -75,8 +76,8 @@ def tokenize_on_cluster(inputs: list[str] | str, output_prefix: str, cluster: Cl
     started = time.perf_counter()
     join(shards, prefixes)
     joined_s = time.perf_counter() - started
-    print(f"joined {len(shards)} shards into {', '.join(p + '.bin/.idx' for p in prefixes.values())} in "
-          f"{joined_s:.1f} s", flush=True)
+    run_logger().info(f"joined {len(shards)} shards into {', '.join(p + '.bin/.idx' for p in prefixes.values())} in "
+                      f"{joined_s:.1f} s")
     write_json(folder / "summary.json", {
         "shards": [{"bytes": s.nbytes, "node": r["node"], "cores": r["cores"], "seconds": r["seconds"],
                     "mb_s": round(s.nbytes / max(r["seconds"], 1e-9) / 1e6, 1)} for s, r in zip(shards, records)],
@@ -111,10 +112,10 @@ def run_shards(shards: list[Shard], job: ClusterConfig, folder: Path) -> list[di
             break
         seen.difference_update(s.index for s in todo)
         if attempt:
-            print(f"running {len(todo)} shard(s) again, alone: {', '.join(str(s.index) for s in todo)}", flush=True)
+            run_logger().info(f"running {len(todo)} shard(s) again, alone: {', '.join(str(s.index) for s in todo)}")
         else:
-            print(f"tokenize: {len(shards)} shards of {human_bytes(total / len(shards))} on average, "
-                  f"{len(todo)} to encode", flush=True)
+            run_logger().info(f"tokenize: {len(shards)} shards of {human_bytes(total / len(shards))} on average, "
+                              f"{len(todo)} to encode")
         outcomes = submit_array(todo, job, run_dir=folder, job_name="tokenize", on_poll=count_done)
         for shard, outcome in zip(todo, outcomes):
             if isinstance(outcome, ReturnedError):
@@ -155,8 +156,8 @@ def _say_skipped(shards: list[Shard], records: list[dict[str, Any]], skipped: di
             piece = shard.pieces[index]
             said[kind] = said.get(kind, 0) + 1
             if said[kind] <= MAX_MESSAGES_PER_KIND:
-                print(f"{Piece(piece.path).where(before.get(piece.path, 0) + line)}: skipped: {detail}", flush=True)
+                run_logger().info(f"{Piece(piece.path).where(before.get(piece.path, 0) + line)}: skipped: {detail}")
         for piece, lines in zip(shard.pieces, record["lines"]):
             before[piece.path] = before.get(piece.path, 0) + lines
     if any(skipped.values()):
-        print(f"Skipped lines: {nonzero_counts(skipped)}", flush=True)
+        run_logger().info(f"Skipped lines: {nonzero_counts(skipped)}")

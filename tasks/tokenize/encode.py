@@ -19,6 +19,7 @@ import orjson
 from gpt.data import IndexedDatasetWriter, best_dtype
 from gpt.tokenizer import Tokenizer
 from tasks.common.progress import Progress
+from tasks.common.run_context import run_logger
 from tasks.tokenize.bpe import TokenizeError, build_encoder
 from tasks.tokenize.hf_encoder import HFEncoder
 from tasks.tokenize.inputs import BadLine, Piece, read_pieces
@@ -294,7 +295,7 @@ def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: Tokenizer, 
                 out.skipped[kind] += 1
                 if kind != "blank_line" and out.skipped[kind] <= MAX_MESSAGES_PER_KIND:
                     out.problems.append((result["file"], line, kind, detail))
-                    print(f"{piece.where(line)}: skipped: {detail}", flush=True)
+                    run_logger().info(f"{piece.where(line)}: skipped: {detail}")
             for k, (tokens, lengths) in result["encoded"].items():
                 writers[k].add_documents(tokens, lengths)
             out.documents += result["documents"]

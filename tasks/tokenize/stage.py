@@ -26,7 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from gpt.tokenizer import GPT2_VOCAB_SIZE
-from tasks.common.run_context import log_to_stderr
+from tasks.common.run_context import log_to_stderr, run_logger
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.encode import encode
 from tasks.tokenize.inputs import Piece
@@ -66,7 +66,7 @@ def tokenize(inputs: list[str] | str, output_prefix: str, *, vocab_file: str | N
     encoded = encode([Piece(f) for f in files], prefixes, tokenizer, append_eod=append_eod, workers=workers,
                      strict=strict, add_bos_token=add_bos_token)
     if any(encoded.skipped.values()):
-        print(f"Skipped lines: {nonzero_counts(encoded.skipped)}", flush=True)
+        run_logger().info("Skipped lines: %s", nonzero_counts(encoded.skipped))
     return manifest(files, prefixes, tokenizer, append_eod=append_eod, add_bos_token=add_bos_token,
                     documents=encoded.documents,
                     tokens=encoded.tokens, skipped=encoded.skipped)

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from gpt.tokenizer import Tokenizer
+from tasks.common.run_context import run_logger
 from tasks.tokenize.bpe import TokenizeError, tokenizer_files_read, train_bpe
 from tasks.tokenize.hf_encoder import json_tokenizer
 from tasks.tokenize.inputs import expand_inputs, iter_texts
@@ -19,7 +20,7 @@ def resolve_tokenizer(files: list[str], json_keys: tuple[str, ...], *, vocab_fil
     named = named_tokenizer(vocab_file, merge_file, tokenizer_model)
     if named is not None:
         return named
-    print(f"No vocabulary given: training a {train_vocab_size}-entry byte-level BPE on {', '.join(files)}", flush=True)
+    run_logger().info("No vocabulary given: training a %d-entry byte-level BPE on %s", train_vocab_size, ", ".join(files))
     vocab_file, merge_file = train_bpe(iter_texts(files, json_keys[0], train_bytes), out_dir, train_vocab_size)
     return named_tokenizer(vocab_file, merge_file, None)  # type: ignore[return-value]
 
