@@ -126,16 +126,22 @@ def gpt_launcher(tmp_path: Path) -> GPTLauncher:
     return GPTLauncher(tmp_path)
 
 
+@pytest.fixture(scope="session")
+def one_rank_run(tmp_path_factory) -> tuple[Path, str]:
+    """The small mock-data model trained by one process (checkpoints at iterations 4 and 8), and
+    what the process printed: the curve every parallel layout is held against, and a run to export."""
+    base = tmp_path_factory.mktemp("one-rank")
+    run = base / "run"
+    return run, GPTLauncher(base).run({**SMALL, "run_dir": str(run)})
+
+
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory) -> Path:
-    """A run of the small mock-data model (checkpoints at iterations 4 and 8) with a 256-entry
-    byte-level vocabulary in ``<run>/tokenizer/``."""
+def small_run(one_rank_run) -> Path:
+    """The one-rank run with a 256-entry byte-level vocabulary in ``<run>/tokenizer/``."""
     from tokenizers import pre_tokenizers
 
-    base = tmp_path_factory.mktemp("small")
-    run = base / "run"
-    GPTLauncher(base).run({**SMALL, "run_dir": str(run)})
-    (run / "tokenizer").mkdir()
+    run, _ = one_rank_run
+    (run / "tokenizer").mkdir(exist_ok=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     (run / "tokenizer" / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(alphabet)}))
     (run / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")

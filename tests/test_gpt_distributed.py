@@ -7,11 +7,8 @@ from tests.fixtures_gpt import SMALL, read_metrics
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from tests.fixtures_gpt import GPTLauncher
-    run_dir = tmp_path_factory.mktemp("single") / "run"
-    out = GPTLauncher(run_dir.parent).run({**SMALL, "run_dir": str(run_dir)})
-    return run_dir, out
+def reference(one_rank_run):
+    return one_rank_run
 
 
 @pytest.mark.parametrize("layout", [

@@ -122,3 +122,54 @@ def test_pyproject_names_every_package_the_code_imports():
                     imported.add(node.module.split(".")[0])
     third_party = imported - set(sys.stdlib_module_names) - set(PACKAGES) - {"gpt"}
     assert {distribution.get(m, m).lower() for m in third_party} - named == set()
+
+
+# The floors of the house, top down: a module imports only its own floor and those below it.
+FLOORS = {"deployments": 5, "flows": 4, "benchmarks": 3, "tasks": 2, "gpt": 1, "native": 1}
+
+
+def _room(module: str) -> str:
+    """A room of the house: a package's own module, or a package below it (``tasks.train``,
+    ``tasks.index``, ``flows.plan``, ``gpt.config``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_runs_back_up_the_house_and_no_two_rooms_import_each_other():
+    """Imports inside functions and for type checking included: a lower floor never imports a higher
+    one (the command line, in flows, no deployment), and the rooms' imports make no circle, so that
+    each room has its place above the rooms it uses."""
+    modules = _sources()
+    up = sorted(f"{name} -> {m}" for name, path in modules.items() for m, _ in _imports(path, modules)
+                if FLOORS[m.split(".")[0]] > FLOORS[name.split(".")[0]])
+    assert up == []
+    rooms: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        rooms.setdefault(_room(name), set()).update(_room(m) for m, _ in _imports(path, modules)
+                                                    if _room(m) != _room(name))
+    circles = []
+    for start in rooms:
+        seen, todo = set(), list(rooms[start])
+        while todo:
+            room = todo.pop()
+            if room == start:
+                circles.append(start)
+                break
+            if room not in seen:
+                seen.add(room)
+                todo += rooms.get(room, ())
+    assert circles == []
+
+
+def test_no_module_over_500_lines_and_no_function_over_60():
+    """Outside the tests and the benchmarks: a module holds one job, a function one step of it."""
+    long_modules, long_functions = [], []
+    for name, path in _sources().items():
+        if name.startswith("benchmarks"):
+            continue
+        text = path.read_text()
+        if sum(1 for line in text.splitlines() if line.strip()) > 500:
+            long_modules.append(name)
+        long_functions += [f"{name}.{node.name}" for node in ast.walk(ast.parse(text))
+                           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                           and node.end_lineno - node.lineno + 1 > 60]
+    assert long_modules == [] and long_functions == []

@@ -36,12 +36,8 @@ def curve(run) -> list[tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    from tests.fixtures_gpt import GPTLauncher
-
-    run = tmp_path_factory.mktemp("tp") / "one"
-    GPTLauncher(run.parent).run({**SMALL, "run_dir": str(run)})
-    return run
+def one_process(one_rank_run):
+    return one_rank_run[0]
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2-dp2"])

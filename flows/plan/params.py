@@ -7,7 +7,7 @@ from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gpt.config import CHOICES
+from gpt.config.checks import CHOICES
 from gpt.config.presets import PRESETS
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.common.errors import ParameterError

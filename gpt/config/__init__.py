@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpt.config.checks import SCHEDULE_ITERS, SCHEDULE_SAMPLES, Checked, ConfigError, field_kind
 from gpt.config.presets import GPT3_BLOCK, PRESETS
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 
@@ -73,36 +74,6 @@ def nearest_preset(config: Config) -> str:
     candidates = [Config(model=name, mock_data=True) for name in PRESETS]
     same = [c for c in candidates if block_family(c) == family] or candidates
     return min(same, key=lambda c: abs(math.log(size(c) / size(config)))).model
-
-
-SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
-SCHEDULE_SAMPLES = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
-CHOICES = {
-    "lr_decay_style": ("cosine", "linear", "constant"),
-    "data_parallel_mode": ("fsdp", "ddp"),
-    "device": ("auto", "cpu", "cuda", "neuron"),
-    "precision": ("fp32", "bf16", "fp16", "fp8"),
-    "fp8_recipe": ("tensorwise", "rowwise"),
-    "fp8_layers": ("all", "large"),
-    "compile_scope": ("auto", "blocks", "model"),
-    "activation_checkpointing_scope": ("block", "attention", "mlp"),
-    "pipeline_schedule": ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"),
-    "position_embedding_type": ("learned_absolute", "rope"),
-    "normalization": ("LayerNorm", "RMSNorm"),
-}
-
-
-# A problem of a configuration: the field it is about ("" for the whole) and what to change.
-Problem = tuple[str, str]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field and what to change, ``field``
-    is that field ("" for the configuration as a whole)."""
-
-    def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -207,7 +178,7 @@ SECTIONS = {"model": ModelSection, "data": DataSection, "schedule": ScheduleSect
 
 
 @dataclass(frozen=True)
-class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSection):
+class Config(Checked, RunSection, ParallelSection, ScheduleSection, DataSection, ModelSection):
     """Every field of every section, by its own name (``config.lr``, ``config.tensor_parallel``, as
     Megatron's flags name them), and each section whole, typed (``config.schedule.lr``,
     ``config.architecture.hidden_size``): code that reads one part of the configuration takes that
@@ -357,23 +328,6 @@ class Config(RunSection, ParallelSection, ScheduleSection, DataSection, ModelSec
         return {"train": train, "valid": eval_runs * self.eval_iters * g, "test": self.eval_iters * g}
 
     # -- validation --------------------------------------------------------------------------
-    def validate(self, world_size: int = 1) -> None:
-        """Raise ConfigError naming every problem that keeps this from running on ``world_size`` ranks."""
-        found = self.problems(world_size)
-        if found:
-            raise ConfigError("; ".join(message for _, message in found), found[0][0] if len(found) == 1 else "")
-
-    def problems(self, world_size: int = 1) -> list[Problem]:
-        """Every problem of this configuration on ``world_size`` ranks: the field it is about ("" for
-        the configuration as a whole) and a message naming it (gpt.config.checks)."""
-        from gpt.config.checks import problems
-
-        return problems(self, world_size)
-
-
-def field_kind(f: dataclasses.Field) -> type | None:
-    """bool, int or float: the kind of value a field holds, when it is one of those."""
-    return next((k for k in (bool, int, float) if k.__name__ in str(f.type)), None)
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

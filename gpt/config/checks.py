@@ -1,203 +1,239 @@
 """What keeps a configuration from running, each problem naming its field and what to change:
 types first (the rest computes with the values), then choices and ranges, the block's shapes, the
-layout over the ranks, the pipeline, the schedule, and everything else."""
+layout over the ranks, the pipeline, the schedule, and everything else. ``Checked`` gives the Config
+its ``problems`` and ``validate``; the choices and the schedule's fields are this module's."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from gpt.config import CHOICES, SCHEDULE_ITERS, SCHEDULE_SAMPLES, Problem, field_kind
+# A problem of a configuration: the field it is about ("" for the whole) and what to change.
+Problem = tuple[str, str]
 
-if TYPE_CHECKING:
-    from gpt.config import Config
-
+SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
+SCHEDULE_SAMPLES = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
+CHOICES = {
+    "lr_decay_style": ("cosine", "linear", "constant"),
+    "data_parallel_mode": ("fsdp", "ddp"),
+    "device": ("auto", "cpu", "cuda", "neuron"),
+    "precision": ("fp32", "bf16", "fp16", "fp8"),
+    "fp8_recipe": ("tensorwise", "rowwise"),
+    "fp8_layers": ("all", "large"),
+    "compile_scope": ("auto", "blocks", "model"),
+    "activation_checkpointing_scope": ("block", "attention", "mlp"),
+    "pipeline_schedule": ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"),
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+}
 _INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")
 
 
-def problems(c: Config, world_size: int = 1) -> list[Problem]:
-    """Every problem of this configuration on ``world_size`` ranks: the field it is about ("" for
-    the configuration as a whole) and a message naming it."""
-    found = _type_problems(c)
-    if found:
-        return found            # the checks below compare and compute with these values
-    for name, choices in CHOICES.items():
-        if getattr(c, name) not in choices:
-            found.append((name, f"{name}={getattr(c, name)!r}: choose one of {', '.join(choices)}"))
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-                 "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel",
-                 "virtual_pipeline_stages", "ffn_hidden_size", "num_query_groups", "rotary_base", "log_interval",
-                 "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
-        if any(field == name for field, _ in found):
-            continue
-        if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
-            found.append((name, f"{name}={getattr(c, name)!r}: must be a positive integer"))
-    if world_size < 1:
-        found.append(("", f"world size {world_size} must be at least 1"))
-    if found:
-        return found            # the checks below do arithmetic on these
-    if c.hidden_size % c.num_attention_heads:
-        found.append(("hidden_size", f"hidden_size={c.hidden_size} is not divisible by num_attention_heads="
-                     f"{c.num_attention_heads}; change one so that heads divide the hidden size"))
-    if c.num_attention_heads % c.tensor_parallel:
-        found.append(("num_attention_heads", f"num_attention_heads={c.num_attention_heads} is not divisible by tensor_parallel="
-                     f"{c.tensor_parallel}; pick a tensor_parallel that divides the head count"))
-    found += _block_problems(c)
-    model_parallel = c.tensor_parallel * c.pipeline_parallel
-    if world_size % model_parallel:
-        found.append(("", f"world size {world_size} is not divisible by tensor_parallel={c.tensor_parallel} x "
-                     f"pipeline_parallel={c.pipeline_parallel}; use a number of ranks that is a multiple "
-                     f"of {model_parallel} (world = pipeline x data x tensor parallel)"))
-        return found + _schedule_problems(c)
-    dp = world_size // model_parallel
-    found += _pipeline_problems(c, dp)
-    if c.global_batch_size % (c.micro_batch_size * dp):
-        found.append(("global_batch_size", f"global_batch_size={c.global_batch_size} is not divisible by micro_batch_size="
-                     f"{c.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
-                     f"of {c.micro_batch_size * dp}"))
-    if c.seq_length > c.max_position_embeddings:
-        found.append(("seq_length", f"seq_length={c.seq_length} is longer than max_position_embeddings="
-                     f"{c.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"))
-    found += _schedule_problems(c)
-    found += _other_problems(c, dp)
-    return found
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and what to change, ``field``
+    is that field ("" for the configuration as a whole)."""
 
-def _block_problems(c: Config) -> list[Problem]:
-    found: list[Problem] = []
-    groups, heads, tp = c.num_query_groups, c.num_attention_heads, c.tensor_parallel
-    if heads % groups:
-        found.append(("num_query_groups", f"num_query_groups={groups} does not divide num_attention_heads={heads}: "
-                     "each key/value head serves the same number of query heads"))
-    elif groups % tp:
-        found.append(("num_query_groups", f"num_query_groups={groups} is not divisible by tensor_parallel={tp}: each "
-                     "tensor-parallel rank holds whole key/value groups; pick a tensor_parallel that divides "
-                     f"{groups}"))
-    if c.ffn_hidden_size % tp:
-        found.append(("ffn_hidden_size", f"ffn_hidden_size={c.ffn_hidden_size} is not divisible by tensor_parallel={tp}"))
-    if c.position_embedding_type == "rope" and (c.hidden_size // heads) % 2:
-        found.append(("position_embedding_type", f"rope rotates pairs of a head's dimensions: the head size "
-                     f"{c.hidden_size // heads} (hidden_size / num_attention_heads) must be even"))
-    if c.norm_epsilon <= 0:
-        found.append(("norm_epsilon", f"norm_epsilon={c.norm_epsilon}: must be positive"))
-    return found
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
-def _pipeline_problems(c: Config, dp: int) -> list[Problem]:
-    pp, virtual = c.pipeline_parallel, c.virtual_pipeline_stages
-    found: list[Problem] = []
-    if pp == 1 and virtual == 1:
+
+def field_kind(f: dataclasses.Field) -> type | None:
+    """bool, int or float: the kind of value a field holds, when it is one of those."""
+    return next((k for k in (bool, int, float) if k.__name__ in str(f.type)), None)
+
+
+class Checked:
+    """The checks of a configuration's fields (a Config is one)."""
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise ConfigError naming every problem that keeps this from running on ``world_size`` ranks."""
+        found = self.problems(world_size)
+        if found:
+            raise ConfigError("; ".join(message for _, message in found), found[0][0] if len(found) == 1 else "")
+
+    def problems(self, world_size: int = 1) -> list[Problem]:
+        """Every problem of this configuration on ``world_size`` ranks: the field it is about ("" for
+        the configuration as a whole) and a message naming it."""
+        found = self._type_problems()
+        if found:
+            return found            # the checks below compare and compute with these values
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                found.append((name, f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}"))
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+                     "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel",
+                     "virtual_pipeline_stages", "ffn_hidden_size", "num_query_groups", "rotary_base", "log_interval",
+                     "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
+            if any(field == name for field, _ in found):
+                continue
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                found.append((name, f"{name}={getattr(self, name)!r}: must be a positive integer"))
+        if world_size < 1:
+            found.append(("", f"world size {world_size} must be at least 1"))
+        if found:
+            return found            # the checks below do arithmetic on these
+        if self.hidden_size % self.num_attention_heads:
+            found.append(("hidden_size", f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                         f"{self.num_attention_heads}; change one so that heads divide the hidden size"))
+        if self.num_attention_heads % self.tensor_parallel:
+            found.append(("num_attention_heads", f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
+                         f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count"))
+        found += self._block_problems()
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if world_size % model_parallel:
+            found.append(("", f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel} x "
+                         f"pipeline_parallel={self.pipeline_parallel}; use a number of ranks that is a multiple "
+                         f"of {model_parallel} (world = pipeline x data x tensor parallel)"))
+            return found + self._schedule_problems()
+        dp = world_size // model_parallel
+        found += self._pipeline_problems(dp)
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            found.append(("global_batch_size", f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+                         f"{self.micro_batch_size} x data-parallel size {dp}; make global_batch_size a multiple "
+                         f"of {self.micro_batch_size * dp}"))
+        if self.seq_length > self.max_position_embeddings:
+            found.append(("seq_length", f"seq_length={self.seq_length} is longer than max_position_embeddings="
+                         f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"))
+        found += self._schedule_problems()
+        found += self._other_problems(dp)
         return found
-    stages = pp * virtual
-    if c.num_layers % stages:
-        found.append(("num_layers", f"num_layers={c.num_layers} does not split evenly into pipeline_parallel={pp} x "
-                     f"virtual_pipeline_stages={virtual} = {stages} stages; pick stages that divide the layers"))
-    interleaved = c.pipeline_schedule in _INTERLEAVED
-    if interleaved and virtual < 2:
-        found.append(("pipeline_schedule", f"pipeline_schedule={c.pipeline_schedule!r} runs several stages per rank: set "
-                     "virtual_pipeline_stages to 2 or more, or use pipeline_schedule='1f1b'"))
-    if not interleaved and virtual > 1:
-        found.append(("virtual_pipeline_stages", f"virtual_pipeline_stages={virtual} needs an interleaved schedule: set "
-                     "pipeline_schedule='interleaved-1f1b' (or 'interleaved-zb')"))
-    per_step = c.global_batch_size // (c.micro_batch_size * dp)
-    if pp > 1 and per_step < pp:
-        found.append(("global_batch_size", f"global_batch_size={c.global_batch_size} gives {per_step} micro-batch(es) per step "
-                     f"(/ micro_batch_size={c.micro_batch_size} / data-parallel size {dp}), which cannot fill "
-                     f"pipeline_parallel={pp} stages: raise global_batch_size or lower micro_batch_size to "
-                     f"give at least {pp}"))
-    elif pp > 1 and interleaved and per_step % pp:
-        found.append(("global_batch_size", f"global_batch_size={c.global_batch_size} gives {per_step} micro-batches per step, "
-                     f"not a multiple of pipeline_parallel={pp} as the interleaved schedules need: make "
-                     f"global_batch_size a multiple of {c.micro_batch_size * dp * pp}"))
-    if pp > 1 and c.device == "neuron":
-        found.append(("pipeline_parallel", "pipeline_parallel > 1 is not available on device='neuron': the torch_xla path trains "
-                     "with tensor and data parallel only; set pipeline_parallel=1 and raise tensor_parallel"))
-    return found
 
-def _type_problems(c: Config) -> list[Problem]:
-    """Booleans where booleans are meant; finite numbers, never booleans, where numbers are."""
-    found: list[Problem] = []
-    for f in dataclasses.fields(c):
-        value, kind = getattr(c, f.name), field_kind(f)
-        if value is None and "None" not in str(f.type):
-            found.append((f.name, f"{f.name} must be set (it has no empty value)"))
-            continue
-        if value is None or kind is None:
-            continue
-        if kind is bool:
-            if not isinstance(value, bool):
-                found.append((f.name, f"{f.name}={value!r}: expected true or false"))
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            found.append((f.name, f"{f.name}={value!r}: expected {'a whole number' if kind is int else 'a number'}"))
-        elif not math.isfinite(value):
-            found.append((f.name, f"{f.name}={value!r}: must be a finite number"))
-    return found
+    def _block_problems(self) -> list[Problem]:
+        found: list[Problem] = []
+        groups, heads, tp = self.num_query_groups, self.num_attention_heads, self.tensor_parallel
+        if heads % groups:
+            found.append(("num_query_groups", f"num_query_groups={groups} does not divide num_attention_heads={heads}: "
+                         "each key/value head serves the same number of query heads"))
+        elif groups % tp:
+            found.append(("num_query_groups", f"num_query_groups={groups} is not divisible by tensor_parallel={tp}: each "
+                         "tensor-parallel rank holds whole key/value groups; pick a tensor_parallel that divides "
+                         f"{groups}"))
+        if self.ffn_hidden_size % tp:
+            found.append(("ffn_hidden_size", f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tensor_parallel={tp}"))
+        if self.position_embedding_type == "rope" and (self.hidden_size // heads) % 2:
+            found.append(("position_embedding_type", f"rope rotates pairs of a head's dimensions: the head size "
+                         f"{self.hidden_size // heads} (hidden_size / num_attention_heads) must be even"))
+        if self.norm_epsilon <= 0:
+            found.append(("norm_epsilon", f"norm_epsilon={self.norm_epsilon}: must be positive"))
+        return found
 
-def _schedule_problems(c: Config) -> list[Problem]:
-    if (c.train_iters is None) == (c.train_samples is None):
-        return [("", "set exactly one of train_iters and train_samples "
-                f"(got train_iters={c.train_iters}, train_samples={c.train_samples})")]
-    found: list[Problem] = []
-    own, other = (SCHEDULE_ITERS, SCHEDULE_SAMPLES) if c.train_iters is not None else (SCHEDULE_SAMPLES, SCHEDULE_ITERS)
-    for name in other[1:]:
-        if getattr(c, name) is not None:
-            found.append((name, f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
-                              f"or schedule by {other[0]}"))
-    total, warmup, decay = (getattr(c, n) for n in own)
-    if total < 1:
-        found.append((own[0], f"{own[0]}={total}: must be at least 1" +
-                     (f" iteration (train_samples must reach global_batch_size={c.global_batch_size})" if own is SCHEDULE_SAMPLES else "")))
-    if c.train_samples is not None and c.train_samples < c.global_batch_size:
-        found.append(("train_samples", f"train_samples={c.train_samples} is less than one global batch ({c.global_batch_size}); raise it"))
-    if warmup < 0 or decay < 1:
-        found.append((own[1], f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1"))
-    if warmup > decay:
-        found.append((own[1], f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup"))
-    return found
+    def _pipeline_problems(self, dp: int) -> list[Problem]:
+        pp, virtual = self.pipeline_parallel, self.virtual_pipeline_stages
+        found: list[Problem] = []
+        if pp == 1 and virtual == 1:
+            return found
+        stages = pp * virtual
+        if self.num_layers % stages:
+            found.append(("num_layers", f"num_layers={self.num_layers} does not split evenly into pipeline_parallel={pp} x "
+                         f"virtual_pipeline_stages={virtual} = {stages} stages; pick stages that divide the layers"))
+        interleaved = self.pipeline_schedule in _INTERLEAVED
+        if interleaved and virtual < 2:
+            found.append(("pipeline_schedule", f"pipeline_schedule={self.pipeline_schedule!r} runs several stages per rank: set "
+                         "virtual_pipeline_stages to 2 or more, or use pipeline_schedule='1f1b'"))
+        if not interleaved and virtual > 1:
+            found.append(("virtual_pipeline_stages", f"virtual_pipeline_stages={virtual} needs an interleaved schedule: set "
+                         "pipeline_schedule='interleaved-1f1b' (or 'interleaved-zb')"))
+        per_step = self.global_batch_size // (self.micro_batch_size * dp)
+        if pp > 1 and per_step < pp:
+            found.append(("global_batch_size", f"global_batch_size={self.global_batch_size} gives {per_step} micro-batch(es) per step "
+                         f"(/ micro_batch_size={self.micro_batch_size} / data-parallel size {dp}), which cannot fill "
+                         f"pipeline_parallel={pp} stages: raise global_batch_size or lower micro_batch_size to "
+                         f"give at least {pp}"))
+        elif pp > 1 and interleaved and per_step % pp:
+            found.append(("global_batch_size", f"global_batch_size={self.global_batch_size} gives {per_step} micro-batches per step, "
+                         f"not a multiple of pipeline_parallel={pp} as the interleaved schedules need: make "
+                         f"global_batch_size a multiple of {self.micro_batch_size * dp * pp}"))
+        if pp > 1 and self.device == "neuron":
+            found.append(("pipeline_parallel", "pipeline_parallel > 1 is not available on device='neuron': the torch_xla path trains "
+                         "with tensor and data parallel only; set pipeline_parallel=1 and raise tensor_parallel"))
+        return found
 
-def _other_problems(c: Config, dp: int) -> list[Problem]:
-    found: list[Problem] = []
-    if c.lr <= 0:
-        found.append(("lr", f"lr={c.lr}: must be positive"))
-    elif not 0 <= c.min_lr <= c.lr:
-        found.append(("min_lr", f"min_lr={c.min_lr} must lie between 0 and lr={c.lr}"))
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(c, name) < 1:
-            found.append((name, f"{name}={getattr(c, name)}: must lie in [0, 1)"))
-    if c.adam_eps <= 0:
-        found.append(("adam_eps", f"adam_eps={c.adam_eps}: must be positive (it keeps AdamW's division finite)"))
-    if c.data_index is None and not c.mock_data:
-        found.append(("", "no training data: set data_index to an index manifest (tasks.index) or mock_data=True"))
-    if c.data_index is not None and c.mock_data:
-        found.append(("", "both data_index and mock_data are set; keep one"))
-    if c.data_index is not None and not Path(c.data_index).is_file():
-        found.append(("data_index", f"data_index={c.data_index!r}: no such file; build it with tasks.index"))
-    if c.device == "neuron" and c.data_parallel_mode == "fsdp":
-        found.append(("device", "device='neuron' trains data parallel as data_parallel_mode='ddp' (gradients all-reduced, "
-                     "optimizer state on every replica); set data_parallel_mode='ddp'"))
-    if c.precompile and not c.compile_cache_dir:
-        found.append(("precompile", "precompile=True needs compile_cache_dir, where the compiled graphs are stored"))
-    if c.clip_grad < 0:
-        found.append(("clip_grad", f"clip_grad={c.clip_grad}: must be >= 0 (0 turns clipping off)"))
-    if c.weight_decay < 0:
-        found.append(("weight_decay", f"weight_decay={c.weight_decay}: must be >= 0"))
-    if c.precision == "fp8" and c.device in ("cpu", "neuron"):
-        found.append(("precision", f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (float8 matmuls), "
-                     f"not device={c.device!r}; use bf16 there"))
-    if c.precision == "fp8" and c.hidden_size % 16:
-        found.append(("precision", f"precision='fp8' needs hidden_size divisible by 16 (float8 matmul shapes), not "
-                     f"{c.hidden_size}; use bf16 or another hidden_size"))
-    if not 0 <= c.seed < 2 ** 32:
-        found.append(("seed", f"seed={c.seed}: must lie between 0 and 2**32 - 1 (numpy's generators take no other)"))
-    if c.init_from and c.init_from_hf:
-        found.append(("init_from", "init_from and init_from_hf are both set: a new run starts from one of them"))
-    if c.hang_timeout_s is not None and c.hang_timeout_s <= 0 or c.collective_timeout_s <= 0:
-        found.append(("hang_timeout_s", "hang_timeout_s and collective_timeout_s must be positive (seconds)"))
-    if c.spike_factor < 0 or 0 < c.spike_factor <= 1:
-        found.append(("spike_factor", f"spike_factor={c.spike_factor}: must be above 1 (a multiple of the "
-                      "median loss), or 0 to turn spike detection off"))
-    for name, least in (("spike_window", 1), ("nan_steps", 0), ("max_rollbacks", 0)):
-        if getattr(c, name) < least:
-            found.append((name, f"{name}={getattr(c, name)}: must be >= {least}"))
-    if c.peak_flops is not None and c.peak_flops <= 0:
-        found.append(("peak_flops", f"peak_flops={c.peak_flops}: must be positive (FLOP/s per device)"))
-    return found
+    def _type_problems(self) -> list[Problem]:
+        """Booleans where booleans are meant; finite numbers, never booleans, where numbers are."""
+        found: list[Problem] = []
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), field_kind(f)
+            if value is None and "None" not in str(f.type):
+                found.append((f.name, f"{f.name} must be set (it has no empty value)"))
+                continue
+            if value is None or kind is None:
+                continue
+            if kind is bool:
+                if not isinstance(value, bool):
+                    found.append((f.name, f"{f.name}={value!r}: expected true or false"))
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                found.append((f.name, f"{f.name}={value!r}: expected {'a whole number' if kind is int else 'a number'}"))
+            elif not math.isfinite(value):
+                found.append((f.name, f"{f.name}={value!r}: must be a finite number"))
+        return found
+
+    def _schedule_problems(self) -> list[Problem]:
+        if (self.train_iters is None) == (self.train_samples is None):
+            return [("", "set exactly one of train_iters and train_samples "
+                    f"(got train_iters={self.train_iters}, train_samples={self.train_samples})")]
+        found: list[Problem] = []
+        own, other = (SCHEDULE_ITERS, SCHEDULE_SAMPLES) if self.train_iters is not None else (SCHEDULE_SAMPLES, SCHEDULE_ITERS)
+        for name in other[1:]:
+            if getattr(self, name) is not None:
+                found.append((name, f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
+                                  f"or schedule by {other[0]}"))
+        total, warmup, decay = (getattr(self, n) for n in own)
+        if total < 1:
+            found.append((own[0], f"{own[0]}={total}: must be at least 1" +
+                         (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is SCHEDULE_SAMPLES else "")))
+        if self.train_samples is not None and self.train_samples < self.global_batch_size:
+            found.append(("train_samples", f"train_samples={self.train_samples} is less than one global batch ({self.global_batch_size}); raise it"))
+        if warmup < 0 or decay < 1:
+            found.append((own[1], f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1"))
+        if warmup > decay:
+            found.append((own[1], f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup"))
+        return found
+
+    def _other_problems(self, dp: int) -> list[Problem]:
+        found: list[Problem] = []
+        if self.lr <= 0:
+            found.append(("lr", f"lr={self.lr}: must be positive"))
+        elif not 0 <= self.min_lr <= self.lr:
+            found.append(("min_lr", f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}"))
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                found.append((name, f"{name}={getattr(self, name)}: must lie in [0, 1)"))
+        if self.adam_eps <= 0:
+            found.append(("adam_eps", f"adam_eps={self.adam_eps}: must be positive (it keeps AdamW's division finite)"))
+        if self.data_index is None and not self.mock_data:
+            found.append(("", "no training data: set data_index to an index manifest (tasks.index) or mock_data=True"))
+        if self.data_index is not None and self.mock_data:
+            found.append(("", "both data_index and mock_data are set; keep one"))
+        if self.data_index is not None and not Path(self.data_index).is_file():
+            found.append(("data_index", f"data_index={self.data_index!r}: no such file; build it with tasks.index"))
+        if self.device == "neuron" and self.data_parallel_mode == "fsdp":
+            found.append(("device", "device='neuron' trains data parallel as data_parallel_mode='ddp' (gradients all-reduced, "
+                         "optimizer state on every replica); set data_parallel_mode='ddp'"))
+        if self.precompile and not self.compile_cache_dir:
+            found.append(("precompile", "precompile=True needs compile_cache_dir, where the compiled graphs are stored"))
+        if self.clip_grad < 0:
+            found.append(("clip_grad", f"clip_grad={self.clip_grad}: must be >= 0 (0 turns clipping off)"))
+        if self.weight_decay < 0:
+            found.append(("weight_decay", f"weight_decay={self.weight_decay}: must be >= 0"))
+        if self.precision == "fp8" and self.device in ("cpu", "neuron"):
+            found.append(("precision", f"precision='fp8' needs an NVIDIA GPU of the Hopper generation or later (float8 matmuls), "
+                         f"not device={self.device!r}; use bf16 there"))
+        if self.precision == "fp8" and self.hidden_size % 16:
+            found.append(("precision", f"precision='fp8' needs hidden_size divisible by 16 (float8 matmul shapes), not "
+                         f"{self.hidden_size}; use bf16 or another hidden_size"))
+        if not 0 <= self.seed < 2 ** 32:
+            found.append(("seed", f"seed={self.seed}: must lie between 0 and 2**32 - 1 (numpy's generators take no other)"))
+        if self.init_from and self.init_from_hf:
+            found.append(("init_from", "init_from and init_from_hf are both set: a new run starts from one of them"))
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0 or self.collective_timeout_s <= 0:
+            found.append(("hang_timeout_s", "hang_timeout_s and collective_timeout_s must be positive (seconds)"))
+        if self.spike_factor < 0 or 0 < self.spike_factor <= 1:
+            found.append(("spike_factor", f"spike_factor={self.spike_factor}: must be above 1 (a multiple of the "
+                          "median loss), or 0 to turn spike detection off"))
+        for name, least in (("spike_window", 1), ("nan_steps", 0), ("max_rollbacks", 0)):
+            if getattr(self, name) < least:
+                found.append((name, f"{name}={getattr(self, name)}: must be >= {least}"))
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            found.append(("peak_flops", f"peak_flops={self.peak_flops}: must be positive (FLOP/s per device)"))
+        return found

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt import heartbeat
+from tasks.events import Incident
 
 FLOOR_S = 600.0
 STEP_FACTOR = 20.0
@@ -56,6 +57,17 @@ class Hang:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def incident(self) -> Incident:
+        """The hang as the run reports it: the rank, node, phase and iteration, with every rank's last
+        heartbeat."""
+        rows = "\n".join(f"| {b['rank']} | {b['node']} | {b['phase']} | {b['iteration']} | {b['entered']} |"
+                         for b in sorted(self.ranks, key=lambda b: b["rank"]))
+        return Incident("gpt.training.hang", "training-hang", self.line(),
+                        {k: v for k, v in self.to_dict().items() if k != "ranks"},
+                        f"job {self.job_id} hung at iteration {self.iteration}",
+                        f"**{self.line()}**\n\n| rank | node | phase | iteration | phases entered |\n"
+                        f"|---|---|---|---|---|\n{rows}\n")
 
 
 class HangWatch:

@@ -27,10 +27,12 @@ from gpt.data import DataIndex, GPTDataset
 from gpt.files import write_json
 from gpt.metrics import truncate_after
 from tasks.cluster.jobs import JobError, StopJob
+from tasks.events import Incident
 from tasks.index import build_indices
 
 SKIPPED = "skipped.json"
 ROLLED_BACK = "rolled-back"      # <run>/rolled-back/<n>/: the checkpoints newer than a rollback's
+SPIKE_ROWS = 64           # samples listed in the training-spike artifact; skipped.json keeps them all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,17 @@ class Spike:
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "losses": [x if math.isfinite(x) else str(x) for x in self.losses]}
+
+    def incident(self, what_next: str) -> Incident:
+        """The spike as the run reports it: the iterations, the losses, and each sample with the
+        documents it came from; ``what_next``: what the run does about it."""
+        rows = "\n".join(f"| {d['sample']} | `{d['prefix']}` | {', '.join(map(str, d['documents']))} |"
+                         for d in self.documents[:SPIKE_ROWS])
+        more = len(self.documents) - SPIKE_ROWS
+        return Incident("gpt.training.spike", "training-spike", f"{self.line()}: {what_next}",
+                        {k: v for k, v in self.to_dict().items() if k != "documents"}, self.line(),
+                        f"**{self.line()}**: {what_next}\n\n| sample | prefix | documents |\n|---|---|---|\n{rows}\n"
+                        + (f"\n{more} more samples: see `skipped.json` in the run folder\n" if more > 0 else ""))
 
 
 class SpikeFound(StopJob):

@@ -187,7 +187,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
 def after_hang(hang: Hang, hangs: list[Hang], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
     """Reported; the cluster the job is submitted to again, without the node that hung. The same
     hang twice, or MAX_HANGS hangs, end the stage: resubmitting again would loop."""
-    events.hang_report(hang, run_dir.name)
+    events.report(hang.incident(), run_dir.name)
     if any(h.iteration == hang.iteration for h in hangs):
         raise HungTwice(f"{hang.line()}. It hung at iteration {hang.iteration} before as well: not "
                         "resubmitted again; see the stacks, fix what holds it, and run again") from None
@@ -207,10 +207,10 @@ def after_spike(found: Spike, config: Config, run_dir: Path, watch: TrainingWatc
     try:
         spike, config = roll_back(found, config, run_dir)
     except CannotRollBack as failed:
-        events.spike_report(failed.spike, run_dir.name, "the run stops here")
+        events.report(failed.spike.incident("the run stops here"), run_dir.name)
         raise
-    events.spike_report(spike, run_dir.name, f"resubmitting the job to resume from iteration "
-                        f"{spike.resumed_from} without the {len(spike.samples)} samples it trained on")
+    events.report(spike.incident(f"resubmitting the job to resume from iteration {spike.resumed_from} without "
+                                 f"the {len(spike.samples)} samples it trained on"), run_dir.name)
     watch.rewind(spike.resumed_from, config)
     return config
 
