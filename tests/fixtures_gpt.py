@@ -136,12 +136,15 @@ def one_rank_run(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def small_run(one_rank_run) -> Path:
-    """The one-rank run with a 256-entry byte-level vocabulary in ``<run>/tokenizer/``."""
+def small_run(one_rank_run, tmp_path_factory) -> Path:
+    """A copy of the one-rank run (its module may write into it) with a 256-entry byte-level
+    vocabulary in ``<run>/tokenizer/``."""
+    import shutil
+
     from tokenizers import pre_tokenizers
 
-    run, _ = one_rank_run
-    (run / "tokenizer").mkdir(exist_ok=True)
+    run = Path(shutil.copytree(one_rank_run[0], tmp_path_factory.mktemp("small") / "run"))
+    (run / "tokenizer").mkdir()
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     (run / "tokenizer" / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(alphabet)}))
     (run / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")
