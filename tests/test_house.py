@@ -53,21 +53,25 @@ def test_no_module_imports_another_ones_private_names():
     assert private == []
 
 
-def test_no_import_circle():
-    modules = _sources()
-    graph = {name: {m for m, _ in _imports(path, modules) if m != name} for name, path in modules.items()}
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    """The nodes of ``graph`` (each with the nodes it points to) that a path leads back to."""
     circles = []
-    for start in graph:                       # a path from a module back to itself
+    for start in graph:
         seen, todo = set(), list(graph[start])
         while todo:
-            module = todo.pop()
-            if module == start:
+            node = todo.pop()
+            if node == start:
                 circles.append(start)
                 break
-            if module not in seen:
-                seen.add(module)
-                todo += graph[module]
-    assert circles == []
+            if node not in seen:
+                seen.add(node)
+                todo += graph.get(node, ())
+    return circles
+
+
+def test_no_import_circle():
+    modules = _sources()
+    assert _circles({name: {m for m, _ in _imports(path, modules) if m != name} for name, path in modules.items()}) == []
 
 
 def test_one_tokenizer_type_and_one_reader_of_tokenizer_files():
@@ -146,18 +150,7 @@ def test_no_import_runs_back_up_the_house_and_no_two_rooms_import_each_other():
     for name, path in modules.items():
         rooms.setdefault(_room(name), set()).update(_room(m) for m, _ in _imports(path, modules)
                                                     if _room(m) != _room(name))
-    circles = []
-    for start in rooms:
-        seen, todo = set(), list(rooms[start])
-        while todo:
-            room = todo.pop()
-            if room == start:
-                circles.append(start)
-                break
-            if room not in seen:
-                seen.add(room)
-                todo += rooms.get(room, ())
-    assert circles == []
+    assert _circles(rooms) == []
 
 
 def test_no_module_over_500_lines_and_no_function_over_60():
