@@ -25,7 +25,7 @@ from gpt.tokenizer import Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
 from tasks.common.uri import is_s3
-from tasks.evaluate.records import EvaluationSpec
+from tasks.evaluate.records import EvaluationSpec, JobCluster
 from tasks.index import IndexManifest, index_needs, index_task, parse_split
 from tasks.sync import Remote, SyncManifest, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
@@ -137,7 +137,8 @@ def evaluation_spec(plan: Plan, dataset: Dataset, stages: Stages) -> EvaluationS
     files = {"vocab_file": dataset.tokenizer.vocab_file, "merge_file": dataset.tokenizer.merge_file,
              "tokenizer_file": dataset.tokenizer.tokenizer_file}
     return EvaluationSpec(sets=sets, set_tokens=e.set_tokens, tasks=list(e.tasks), task_paths=list(e.task_paths),
-                          limit=e.limit, every=e.every, tokenizer=files, cluster=plan.cluster.eval_job().model_dump())
+                          limit=e.limit, every=e.every, tokenizer=files,
+                          cluster=JobCluster(preset=plan.cluster_preset, overrides=plan.cluster_set))
 
 
 def synced_files(manifest: SyncManifest) -> list[str]:

@@ -24,22 +24,33 @@ from prefect import flow
 from flows.cli import exit_status
 from flows.plan import provenance
 from flows.plan.boundary import Boundary
+from flows.plan.identity import RECORD
 from flows.plan.params import ParameterError, refused_as_failed_run
 from flows.stages import Stages
 from tasks import report as reporting
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import results, summary
 from tasks.evaluate.stage import evaluate_task
+from tasks.sync import MANIFEST_NAME
 
 
 def run_folder(run: str) -> Path:
-    """The run folder ``run`` names, checked: inside the output roots, and a run's."""
+    """The run folder ``run`` names, checked: inside the output roots, one the pretrain flow made
+    (its record of what defines the run), and in no folder a sync wrote: what a bucket or a source
+    holds is data, never a run whose files a job is built from."""
     run_dir = Path(run).expanduser().resolve()
     problem = Boundary.from_env().output_root(run_dir)
     if problem:
         raise ParameterError([f"run: {problem}"])
     if not (run_dir / "config.json").is_file():
         raise ParameterError([f"run: {run_dir} is no run folder (no config.json); give the folder a pretrain run wrote"])
+    synced = next((p for p in (run_dir, *run_dir.parents) if (p / MANIFEST_NAME).is_file()), None)
+    if synced is not None:
+        raise ParameterError([f"run: {run_dir} lies in {synced}, which the sync wrote from a source: data is never "
+                              "a run; give the run folder the pretrain flow made (output.root/<run name>)"])
+    if not (run_dir / RECORD).is_file():
+        raise ParameterError([f"run: {run_dir} holds no {RECORD}: the pretrain flow did not make it (or made it "
+                              "before it kept one); start the run's pretrain flow again, then evaluate it"])
     return run_dir
 
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -29,3 +30,30 @@ def slurm_cluster() -> dict:
     partition = os.environ.get("LOCAL_SLURM_PARTITION", "debug")
     count = int(os.environ.get("LOCAL_SLURM_NODES", "2"))
     return {"partition": partition, "nodes": [f"node{i}" for i in range(1, count + 1)], "preset": "slurm-local"}
+
+
+def preset_file(folder: Path, name: str, base: str = "slurm-local", **fields: Any) -> str:
+    """A preset the operator writes in ``folder``: the shipped preset ``base`` with ``fields`` set."""
+    import yaml
+
+    from tasks.cluster.config import PRESET_DIR
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump({**yaml.safe_load((PRESET_DIR / f"{base}.yaml").read_text()),
+                                                         **fields}))
+    return name
+
+
+@pytest.fixture
+def operator_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """``operator_preset(base, **fields)``: a preset of the operator's (GPT_CLUSTER_PRESET_DIRS), the
+    shipped ``base`` with the operator-only ``fields`` (accelerator, device_memory_gib, ...) set; its name."""
+    folder = tmp_path / "operator-presets"
+    monkeypatch.setenv("GPT_CLUSTER_PRESET_DIRS", str(folder))
+    made: list[str] = []
+
+    def make(base: str, **fields: Any) -> str:
+        made.append(f"{base}-{len(made)}")
+        return preset_file(folder, made[-1], base, **fields)
+    return make
+

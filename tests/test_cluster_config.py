@@ -133,7 +133,7 @@ def test_cache_key_follows_model_layout_and_device() -> None:
     assert base == cache_key(Config.from_preset("tiny", train_iters=99), load_cluster("slurm-local"))
     assert base != cache_key(Config.from_preset("tiny", train_iters=10, seq_length=64), load_cluster("slurm-local"))
     assert base != cache_key(tiny, load_cluster("slurm-local", nodes=1))
-    assert base != cache_key(tiny, load_cluster("slurm-local", device="cuda"))
+    assert base != cache_key(tiny, load_cluster("slurm-local").model_copy(update={"device": "cuda"}))
 
 
 def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_off(tmp_path: Path) -> None:

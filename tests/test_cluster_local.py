@@ -17,7 +17,7 @@ def test_local_executor_trains_in_its_run_folder(tmp_path: Path) -> None:
     config = Config.from_preset("tiny", mock_data=True, precision="fp32", device="cpu", vocab_size=512,
                                 train_iters=4, lr_warmup_iters=1, log_interval=1, eval_interval=1000, save_interval=2,
                                 run_dir=first)
-    result = train(config, load_cluster("local", executor="local"))
+    result = train(config, load_cluster("local").model_copy(update={"executor": "local"}))
     assert result.executor == "local" and result.summary["status"] == "completed"
     (job,) = json.loads((Path(first) / "jobs.json").read_text())
     assert job["executor"] == "local" and job["final"] == "FINISHED" and job["sbatch_script"] is None

@@ -48,7 +48,7 @@ def test_without_a_benchmark_a_gpu_cluster_assumes_the_stated_mfu_and_prices_its
 
 
 def test_a_measured_figure_of_the_same_accelerator_carries_over_to_another_model_by_flops_per_token():
-    cluster = load_cluster("p4d-8gpu", accelerator="h100")
+    cluster = load_cluster("p4d-8gpu").model_copy(update={"accelerator": "h100"})
     config = Config(model="gpt3-1.3b", train_iters=10)
     other_gpu = {"gpu": "NVIDIA A10G", "key": "other"}
     history = [_bench_record(H100, "gpt3-125m", 437_700), _bench_record(other_gpu, "gpt3-1.3b", 1_000)]
@@ -73,7 +73,7 @@ def test_cpu_ranks_use_this_machines_own_benchmark_and_have_no_figure_without_on
 
 
 def test_records_of_another_precision_or_another_gpu_or_no_shape_at_all_are_passed_over():
-    cluster = load_cluster("p4d-8gpu", accelerator="a10")
+    cluster = load_cluster("p4d-8gpu").model_copy(update={"accelerator": "a10"})
     config = Config(model="gpt3-125m", train_samples=1_000_000)
     a100 = {"gpu": "NVIDIA A100-SXM4-80GB", "key": "a100 box"}
     bad = [None, [1, 2], {"machine": None}, {"machine": a100, "results": None},
@@ -93,7 +93,7 @@ def test_records_of_another_precision_or_another_gpu_or_no_shape_at_all_are_pass
 def test_a_local_gpu_run_uses_this_machines_benchmark_and_its_gpus_peak(monkeypatch):
     here = {"key": "this box", "gpu": "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(estimate, "_this_machine", lambda: here)
-    cluster = load_cluster("local", device="cuda")
+    cluster = load_cluster("local").model_copy(update={"device": "cuda"})
     config = Config(model="gpt3-125m", train_iters=100, precision="bf16", device="cuda")
     assert estimate.estimate(config, cluster, 0, [_bench_record(here, "gpt3-125m", 367_500)]).tokens_per_s_per_device \
         == pytest.approx(367_500)
@@ -153,7 +153,7 @@ def test_the_shipped_gpu_figures_are_the_estimate_of_a_cluster_of_that_gpu(tmp_p
     shipped = {label: r for record in history for label, r in record["results"].items()}
     assert shipped["gpu-1.3b-bf16"]["device"] == "NVIDIA H200" and shipped["gpu-1.3b-bf16"]["tokens_per_s"] > 0
     config = Config(model="gpt3-1.3b", train_iters=10)
-    e = estimate.estimate(config, load_cluster("p4d-8gpu", accelerator="h200"), 0, history)
+    e = estimate.estimate(config, load_cluster("p4d-8gpu").model_copy(update={"accelerator": "h200"}), 0, history)
     assert e.tokens_per_s_per_device == pytest.approx(shipped["gpu-1.3b-bf16"]["tokens_per_s"])
     assert "benchmark gpu-1.3b-bf16 of 2026-11-26" in e.source
     h200_node = {"gpu": "NVIDIA H200", "gpu_count": 1, "key": "another cpu|64|NVIDIA H200|1|0"}

@@ -176,7 +176,7 @@ def test_bad_evaluation_input_is_refused_by_name(tmp_path):
 
 def test_every_nth_save_and_the_last_are_evaluated():
     spec = EvaluationSpec(sets={}, set_tokens=1, tasks=["t"], task_paths=[], limit=None, every=3, tokenizer={},
-                          cluster={})
+                          cluster={"preset": "local"})
     marked = [i for i in range(10, 101, 10) if spec.evaluates(i, 10, 100)]
     assert marked == [30, 60, 90, 100]
     assert not spec.evaluates(45, 10, 95)           # a save on the time-limit signal, between the regular ones

@@ -117,7 +117,7 @@ def test_data_parallel_must_match_the_cluster():
 ONE_GPU = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1}
 
 
-def test_device_and_precision_come_from_the_cluster_not_the_flow_host(tmp_path, monkeypatch):
+def test_device_and_precision_come_from_the_cluster_not_the_flow_host(tmp_path, monkeypatch, operator_preset):
     """A CPU-only head node submitting to a GPU partition trains in bf16 on CUDA."""
     import torch
 
@@ -125,7 +125,7 @@ def test_device_and_precision_come_from_the_cluster_not_the_flow_host(tmp_path, 
     gpu = _check(cluster=ClusterParams(preset="p4d-8gpu", overrides=ONE_GPU),
                  output=OutputParams(root=str(tmp_path)))
     assert (gpu.config.device, gpu.config.precision) == ("cuda", "bf16")
-    volta = _check(cluster=ClusterParams(preset="p4d-8gpu", overrides={**ONE_GPU, "accelerator": "v100"}),
+    volta = _check(cluster=ClusterParams(preset=operator_preset("p4d-8gpu", accelerator="v100"), overrides=ONE_GPU),
                    output=OutputParams(root=str(tmp_path)))
     assert (volta.config.device, volta.config.precision) == ("cuda", "fp16")
     trn = _check(cluster=ClusterParams(preset="trn1-32xl", overrides={"nodes": 1, "tasks_per_node": 1}), output=OutputParams(root=str(tmp_path)))
@@ -141,8 +141,10 @@ def test_device_and_precision_come_from_the_cluster_not_the_flow_host(tmp_path, 
     assert explicit.config.precision == "fp32"
     errors = _errors(cluster=ClusterParams(preset="slurm-local"), training=TrainingParams(device="cuda"))
     assert any(e.startswith("training.device: 'cuda', but cluster preset 'slurm-local' runs on 'cpu'") for e in errors)
-    errors = _errors(cluster=ClusterParams(preset="slurm-local", overrides={"device": "auto"}))
+    errors = _errors(cluster=ClusterParams(preset=operator_preset("slurm-local", device="auto")))
     assert any("device='auto' is for the local executor only" in e for e in errors)
+    errors = _errors(cluster=ClusterParams(preset="slurm-local", overrides={"device": "cuda"}))
+    assert any("device is set only by the operator" in e for e in errors), errors
 
 
 def test_prefixes_need_the_vocabulary(tmp_path):
@@ -180,7 +182,8 @@ def test_cli_flags_map_to_parameters(tmp_path):
     assert parse_args(["--train-vocab-size", "2048"])["tokenizer"].train_vocab_size == 2048
 
 
-def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_would(tmp_path, monkeypatch):
+def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_would(tmp_path, monkeypatch,
+                                                                                    operator_preset):
     """GPT-3 175B on 16 p4d nodes (128 A100s), tensor parallel 8 with FSDP and micro-batch 4: the plan
     refuses it with the arithmetic and names a change that fits, which then plans; Megatron's layout
     (TP 8 x PP 16) plans with its mesh, schedule and bubble in the plan's rows."""
@@ -189,7 +192,7 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
     p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16})                       # A100 40 GB
-    p4de = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16, "accelerator": "a100-80gb"})
+    p4de = ClusterParams(preset=operator_preset("p4d-8gpu", accelerator="a100-80gb"), overrides={"nodes": 16})
     out = OutputParams(root=str(tmp_path))
     tried = dict(tensor_parallel=8, data_parallel_mode="fsdp", micro_batch_size=4)
     (line,) = [e for e in _errors(model="gpt3-175b", cluster=p4de, output=out, training=TrainingParams(**tried))
@@ -212,12 +215,13 @@ def test_a_layout_that_cannot_fit_is_refused_before_the_queue_naming_one_that_wo
     assert any(e.startswith("training.global_batch_size:") and "cannot fill pipeline_parallel=16" in e for e in errors), errors
 
 
-def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run_sets_one(tmp_path, monkeypatch):
+def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run_sets_one(tmp_path, monkeypatch,
+                                                                                           operator_preset):
     import flows.plan.build
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # a 175B checkpoint is 1.9 TB: not this disk
     out = OutputParams(root=str(tmp_path))
-    p4d = ClusterParams(preset="p4d-8gpu", overrides={"nodes": 16, "accelerator": "a100-80gb"})   # as published
+    p4d = ClusterParams(preset=operator_preset("p4d-8gpu", accelerator="a100-80gb"), overrides={"nodes": 16})   # as published
     megatron = _check(model="gpt3-175b", cluster=p4d, output=out)
     assert (megatron.config.tensor_parallel, megatron.config.pipeline_parallel) == (8, 16)   # Megatron's example
     table = _check(model="gpt-39.1b", cluster=p4d, output=out)
@@ -231,22 +235,25 @@ def test_a_preset_trains_in_its_published_layout_on_a_gpu_cluster_unless_the_run
     assert (cpu.config.tensor_parallel, cpu.config.pipeline_parallel) == (1, 1)
 
 
-def test_device_memory_comes_from_the_preset_or_a_name_that_fixes_it_never_a_guess(tmp_path, monkeypatch):
+def test_device_memory_comes_from_the_preset_or_a_name_that_fixes_it_never_a_guess(tmp_path, monkeypatch,
+                                                                                   operator_preset):
     import flows.plan.build
     from flows.plan.artifact import plan_rows
 
     monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)
     out = OutputParams(root=str(tmp_path))
     gpu = {"nodes": 16}
-    for overrides, shown in (({"accelerator": "a100"}, "not checked: accelerator a100 does not say how much memory"),
-                             ({"accelerator": "a100", "device_memory_gib": 80}, "80 GiB per device (device_memory_gib"),
-                             ({"accelerator": "h100-sxm-80gb"}, "80 GiB per device (accelerator h100-sxm-80gb)"),
-                             ({"accelerator": "h200"}, "141 GiB per device (every h200)")):
-        plan = _check(model="gpt3-175b", cluster=ClusterParams(preset="p4d-8gpu", overrides={**gpu, **overrides}),
+    for operator, shown in (({"accelerator": "a100"}, "not checked: accelerator a100 does not say how much memory"),
+                            ({"accelerator": "a100", "device_memory_gib": 80}, "80 GiB per device (device_memory_gib"),
+                            ({"accelerator": "h100-sxm-80gb"}, "80 GiB per device (accelerator h100-sxm-80gb)"),
+                            ({"accelerator": "h200"}, "141 GiB per device (every h200)")):
+        plan = _check(model="gpt3-175b", cluster=ClusterParams(preset=operator_preset("p4d-8gpu", **operator),
+                                                               overrides=gpu),
                       output=out, training=TrainingParams(tensor_parallel=8, pipeline_parallel=16))
         assert {r["item"]: r["value"] for r in plan_rows(plan, "a new run")}["device memory"].startswith(shown)
     (line,) = [e for e in _errors(model="gpt3-175b", output=out, training=TrainingParams(tensor_parallel=8, pipeline_parallel=16),
-                                  cluster=ClusterParams(preset="p4d-8gpu", overrides={**gpu, "device_memory_gib": 32}))
+                                  cluster=ClusterParams(preset=operator_preset("p4d-8gpu", device_memory_gib=32),
+                                                        overrides=gpu))
                if e.startswith("training:")]
     assert "but 32 GiB per device (device_memory_gib of the cluster preset)" in line
 
@@ -292,7 +299,7 @@ def test_a_dry_run_plans_for_a_cluster_whose_files_and_disk_this_machine_lacks(t
 
 
 @pytest.mark.parametrize("model", ["gpt3-125m", "llama3-8b"])
-def test_the_disk_floor_counts_the_parameters_of_the_model_the_job_builds(tmp_path, model):
+def test_the_disk_floor_counts_the_parameters_of_the_model_the_job_builds(tmp_path, model, operator_preset):
     """The checkpoint the plan reserves disk for holds the built model's parameters (GQA, SwiGLU and an
     output layer of its own counted) at 12 bytes each: the fp32 weight and AdamW's two moments."""
     import torch
@@ -301,7 +308,7 @@ def test_the_disk_floor_counts_the_parameters_of_the_model_the_job_builds(tmp_pa
     from gpt.model import GPT
 
     plan = _check(model=model, training=TrainingParams(train_iters=10),
-                  cluster=ClusterParams(preset="p4d-8gpu", overrides={"nodes": 4, "device_memory_gib": 1e5}),
+                  cluster=ClusterParams(preset=operator_preset("p4d-8gpu", device_memory_gib=1e5), overrides={"nodes": 4}),
                   output=OutputParams(root=str(tmp_path)), dry_run=True)     # it may not fit this disk
     with torch.device("meta"):
         built = GPT(plan.config)

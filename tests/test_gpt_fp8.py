@@ -72,7 +72,7 @@ def test_float8_linears_train_like_bf16(recipe):
     assert got != expected                                             # with float8 numerics, not bf16's
 
 
-def test_the_flow_refuses_fp8_unless_the_cluster_has_hopper_gpus_or_later(tmp_path, monkeypatch):
+def test_the_flow_refuses_fp8_unless_the_cluster_has_hopper_gpus_or_later(tmp_path, monkeypatch, operator_preset):
     """Decided from the cluster preset's accelerator, before anything is submitted."""
     from flows.plan.build import make_plan
     from flows.plan.params import (
@@ -92,7 +92,7 @@ def test_the_flow_refuses_fp8_unless_the_cluster_has_hopper_gpus_or_later(tmp_pa
                          output=OutputParams(root=str(tmp_path)))
 
     one_gpu = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1}
-    h100 = plan(ClusterParams(preset="p4d-8gpu", overrides={**one_gpu, "accelerator": "h100"}))
+    h100 = plan(ClusterParams(preset=operator_preset("p4d-8gpu", accelerator="h100"), overrides=one_gpu))
     assert (h100.config.device, h100.config.precision) == ("cuda", "fp8")
     for cluster, where in ((ClusterParams(preset="p4d-8gpu", overrides=one_gpu), "a100"),
                            (ClusterParams(preset="slurm-local"), "cpu"),

@@ -147,3 +147,75 @@ def test_the_tasks_of_a_job_array_get_no_credentials(slurm_cluster: dict, tmp_pa
     assert not [k for env in envs for k, v in env.items() if MARKER in v or k in CREDENTIALS]
     leaks = [str(f) for f in tmp_path.rglob("*") if f.is_file() and MARKER.encode() in f.read_bytes()]
     assert leaks == []
+
+
+# What each operator-only field could have been set to by a run, had the form reached it.
+FORM_ATTEMPTS = {"name": "p5", "executor": "local", "device": "cuda", "accelerator": "h200", "device_memory_gib": 100000,
+                 "setup": ["touch /tmp/pwned"], "container": {"runtime": "pyxis", "image": "evil"},
+                 "price_per_node_hour": 0.01, "currency": "EUR"}
+
+
+def test_what_the_devices_are_what_runs_on_the_nodes_and_a_node_hours_price_are_the_operators_alone(tmp_path):
+    """Through the form and the command line alike, every cluster field the operator alone sets is
+    refused by name; the memory check and the estimate are the preset's whatever the run says; the
+    plan says which cluster fields the run set."""
+    from flows.plan.artifact import plan_rows
+    from tasks.cluster.config import FORM_FIELDS, ClusterConfig
+
+    assert set(FORM_ATTEMPTS) == set(ClusterConfig.model_fields) - FORM_FIELDS
+    for field, value in FORM_ATTEMPTS.items():
+        with pytest.raises(ParameterError, match=f"cluster: .*{field} is set only by the operator, in preset files"):
+            _check(tmp_path, preset="p4d-8gpu", overrides={field: value})
+    out = subprocess.run([sys.executable, "-m", "flows.pretrain", "--model", "gpt3-1.3b", "--cluster", "p4d-8gpu",
+                          "--cluster-set", "accelerator=h200", "--root", str(tmp_path), "--budget-cost", "5",
+                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GPT_OUTPUT_ROOTS": str(tmp_path)})
+    assert out.returncode == 2 and "accelerator is set only by the operator" in out.stderr, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    plan = make_plan("tiny", DataParams(), TokenizerParams(), TrainingParams(), ClusterParams(
+        preset="p4d-8gpu", overrides={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1, "partition": "gpu"}),
+        OutputParams(root=str(tmp_path)))
+    assert {r["item"]: r["value"] for r in plan_rows(plan, "a new run")}["cluster"].endswith(
+        "; the run set gpus_per_node=1, nodes=1, partition=gpu, tasks_per_node=1, the rest is the operator's preset")
+
+
+def test_a_run_folder_a_bucket_holds_is_never_evaluated_and_no_job_runs_its_setup(tmp_path, s3_server, monkeypatch,
+                                                                                   prefect_harness):
+    """A bucket crafted to look like a run (config, identity, an evaluation spec naming a setup line,
+    a complete checkpoint), synced under the output root: the evaluate flow refuses the folder in one
+    line, and nothing runs. A spec whose job cluster names what only the operator sets is refused too."""
+    import json
+
+    from flows.evaluate import evaluate
+    from gpt.config import Config
+    from tasks.evaluate.records import EvaluationSpec, JobCluster
+    from tasks.sync import sync
+
+    pwned = tmp_path / "pwned"
+    spec = {"sets": {}, "set_tokens": 1, "tasks": ["arc_easy"], "task_paths": [], "limit": None, "every": 1,
+            "tokenizer": {}, "cluster": {"preset": "local", "overrides": {"setup": [f"touch {pwned}"]}}}
+    bucket = s3_server.new_bucket()
+    s3_server.put_tree(bucket, "", {
+        "evil/config.json": json.dumps(Config(model="tiny", mock_data=True).to_dict()).encode(),
+        "evil/run.json": b'{"identity": {}}', "evil/evaluation.json": json.dumps(spec).encode(),
+        "evil/checkpoints/iter_0000001/COMPLETE": b"{}"})
+    for name, value in s3_server.env.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GPT_OUTPUT_ROOTS", str(tmp_path))
+    raw = tmp_path / "root" / "data" / "raw" / "0123"
+    sync([f"s3://{bucket}/"], str(raw), endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(ParameterError) as e:
+        evaluate(str(raw / "evil"))
+    assert e.value.errors == [f"run: {raw / 'evil'} lies in {raw}, which the sync wrote from a source: data is never "
+                              "a run; give the run folder the pretrain flow made (output.root/<run name>)"]
+    assert not pwned.exists()
+    with pytest.raises(ClusterError, match="setup is set only by the operator"):
+        JobCluster(preset="local", overrides={"setup": [f"touch {pwned}"]}).resolved()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "evaluation.json").write_text(json.dumps({**spec, "cluster": {
+        "preset": "local", "setup": [f"touch {pwned}"]}}))
+    with pytest.raises(ParameterError, match=r"evaluation.json is not an evaluation spec this version writes "
+                                             r"\(cluster.setup: Extra inputs are not permitted\)"):
+        EvaluationSpec.read(tmp_path / "run")
+    assert not pwned.exists()

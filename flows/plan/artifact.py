@@ -60,6 +60,9 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
     take (flows.plan.estimate)."""
     c, k = plan.config, plan.cluster
     where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
+    set_by_run = ", ".join(f"{name}={value}" for name, value in sorted(plan.cluster_set.items()))
+    where += (f"; the run set {set_by_run}, the rest is the operator's preset" if set_by_run
+              else "; as the operator's preset says")
     called = model_name(c)
     rows = [("model", called if called == c.model else f"{called} (the other fields from preset {c.model})"),
             ("run folder", str(plan.run_dir)), ("cluster", where),

@@ -87,6 +87,8 @@ class Plan:
     budget: BudgetParams = dataclasses.field(default_factory=BudgetParams)   # each limit at most the operator's cap
     vocabulary: str = ""
     warnings: tuple[str, ...] = ()      # what a dry run could not check on this machine
+    cluster_preset: str = "local"       # the operator's preset the run named
+    cluster_set: dict[str, Any] = dataclasses.field(default_factory=dict)    # the cluster fields the run set
 
     @property
     def run_dir(self) -> Path:
@@ -189,7 +191,7 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
                                            dry_run=dry_run)
     return Plan(config=config, cluster=where, layout=layout, identity=identity, data=reads,
                 output=output_plan(output, root, run_dir, data.profile), evaluation=evaluated, budget=capped,
-                vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here))
+                vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here), cluster_preset=cluster.preset, cluster_set=dict(cluster.overrides))
 
 
 def _check_choices(model: str, training: TrainingParams, problems: Problems) -> None:

@@ -7,10 +7,12 @@ Two kinds of author, two levels of trust:
   flow parameter). A preset may hold anything: ``setup`` shell lines, container images and
   mounts, any extra sbatch/srun option, any environment variable.
 - Whoever can start a run chooses a preset by name and overrides single fields through flow
-  parameters. Those overrides pass an allowlist (``check_overrides``): resources and placement
-  (partition, account, qos, nodes, gpus, time, constraint...), extra sbatch/srun options from a
-  fixed list with a checked value shape, and environment variables from a fixed list of tuning
-  knobs. Nothing that sets the job's environment at large, prologs, paths, shells or images.
+  parameters. Those overrides pass an allowlist (``FORM_FIELDS``, ``check_overrides``): resources
+  and placement (partition, account, qos, nodes, gpus, time, constraint...), extra sbatch/srun
+  options from a fixed list with a checked value shape, and environment variables from a fixed
+  list of tuning knobs. Nothing that sets the job's environment at large, prologs, paths, shells or
+  images, and nothing the plan's checks rest on: the executor, the device, the accelerator and its
+  memory, the price.
 
 Every field that ends up in the sbatch script is either checked against a strict pattern or
 shell-quoted (``env`` values, ``srun_extra``, ``sbatch_extra``).
@@ -358,9 +360,15 @@ ENV_VARIABLES: dict[str, re.Pattern[str]] = {
                                  "TORCH_CPP_LOG_LEVEL")},
     **{name: _IFACES for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")},
 }
-# Fields only a preset file may set: shell lines, images and mounts run or expose what they name.
-# What runs or is exposed on the nodes, and what a run's budget is measured in.
-OPERATOR_FIELDS = ("name", "setup", "container", "price_per_node_hour", "currency")
+# The fields a flow parameter (cluster.overrides, --cluster-set) may set: the resources a job asks
+# for and where it is placed. Every other field is the operator's, in preset files: what runs on the
+# nodes and how (executor, setup lines, the container), what the devices are (device, accelerator,
+# device_memory_gib: the memory check and the estimate rest on them), and what a node-hour costs.
+FORM_FIELDS = frozenset({
+    "partition", "account", "qos", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem", "time_limit",
+    "exclusive", "nodelist", "exclude", "constraint", "gres", "sbatch_extra", "srun_extra", "env",
+    "signal_delay_s", "max_requeues", "data_jobs", "data_partition", "data_cpus_per_task", "data_mem",
+    "data_array_tasks", "eval_partition"})
 
 
 def _option_value(kind: str, name: str, value: Any, pattern: re.Pattern[str] | None) -> None:
@@ -374,9 +382,10 @@ def _option_value(kind: str, name: str, value: Any, pattern: re.Pattern[str] | N
 
 def check_overrides(overrides: dict[str, Any]) -> None:
     """Refuse what a flow parameter may not set, naming the field or option; see the module doc."""
-    for field in OPERATOR_FIELDS:
-        if field in overrides:
-            raise ClusterError(f"{field} is set only by the operator, in preset files; choose a preset that has it")
+    for field in overrides:
+        if field in ClusterConfig.model_fields and field not in FORM_FIELDS:
+            raise ClusterError(f"{field} is set only by the operator, in preset files (what runs on the nodes and "
+                               "how, what the devices are, what a node-hour costs); choose a preset that has it")
     for name, value in (overrides.get("sbatch_extra") or {}).items():
         if name not in SBATCH_OPTIONS:
             raise ClusterError(f"sbatch_extra option {name!r} cannot be set from parameters (options that set the "

@@ -77,9 +77,9 @@ def task_manager(tasks: list[str], folders: list[str]) -> Any:
     return TaskManager(include_path=list(folders) or None)
 
 
-def evaluate_checkpoint(checkpoint: Path, spec: EvaluationSpec, result: Path) -> EvalResult:
-    """What the evaluation job runs: the sets and the tasks, written to ``result``. The export lies
-    in a temporary folder on the job's node, removed whatever happens."""
+def evaluate_checkpoint(checkpoint: Path, spec: EvaluationSpec, result: Path, device: str = "cpu") -> EvalResult:
+    """What the evaluation job runs on a ``device`` of its cluster: the sets and the tasks, written to
+    ``result``. The export lies in a temporary folder on the job's node, removed whatever happens."""
     import torch
 
     from gpt.config import Config
@@ -87,7 +87,7 @@ def evaluate_checkpoint(checkpoint: Path, spec: EvaluationSpec, result: Path) ->
 
     started = time.perf_counter()
     config = Config.load(checkpoint.parent.parent / "config.json")      # the one it was trained with
-    device = "cuda" if spec.cluster.get("device") == "cuda" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     model = load_checkpoint(checkpoint, config).to(device)
     sets = {name: set_loss(model, prefix, config.seq_length, spec.set_tokens) for name, prefix in spec.sets.items()}
     del model
@@ -104,8 +104,8 @@ def evaluate_checkpoint(checkpoint: Path, spec: EvaluationSpec, result: Path) ->
 class EvaluationJob:
     """The callable the evaluation job runs (submitit pickles it)."""
 
-    def __init__(self, checkpoint: Path, spec: EvaluationSpec, result: Path) -> None:
-        self.checkpoint, self.spec, self.result = checkpoint, spec, result
+    def __init__(self, checkpoint: Path, spec: EvaluationSpec, result: Path, device: str) -> None:
+        self.checkpoint, self.spec, self.result, self.device = checkpoint, spec, result, device
 
     def __call__(self) -> dict[str, Any]:
-        return evaluate_checkpoint(self.checkpoint, self.spec, self.result).model_dump()
+        return evaluate_checkpoint(self.checkpoint, self.spec, self.result, self.device).model_dump()

@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gpt.checkpoint import MARKER as COMPLETE
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
 from gpt.files import replaced_folder, write_json
+from tasks.cluster.config import ClusterConfig, load_cluster
 from tasks.cluster.jobs import JOBS_FOLDER
 from tasks.cluster.record import JOBS_RECORD
+from tasks.common.errors import ParameterError
 from tasks.common.run_context import run_logger
 from tasks.trackers import Item
 
@@ -30,6 +32,21 @@ PINNED = "pinned"
 IN_PROGRESS = (f"{FOLDER}/{PINNED}/*", f"{FOLDER}/{JOBS_FOLDER}/*", f"{FOLDER}/{JOBS_RECORD}", f"{FOLDER}/.*")
 
 
+class JobCluster(BaseModel):
+    """Where the evaluation jobs run, as the run chose it: the operator's preset by name and the
+    fields the form set. What a job runs with (setup lines, environment, container, executor) is
+    read again from the operator's presets when the job is built, never from the run folder."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str
+    overrides: dict[str, Any] = {}
+
+    def resolved(self) -> ClusterConfig:
+        """The evaluation job's resources (ClusterConfig.eval_job) from the presets of this process's
+        operator; the overrides pass the form's allow-list again."""
+        return load_cluster(self.preset, **self.overrides).eval_job()
+
+
 class EvaluationSpec(BaseModel):
     """What every checkpoint of a run is evaluated on, and where: written once by the pretrain flow."""
     model_config = ConfigDict(frozen=True)
@@ -41,7 +58,7 @@ class EvaluationSpec(BaseModel):
     limit: int | None                     # lm-eval: at most this many examples per task
     every: int                            # evaluate every Nth checkpoint saved, and the last
     tokenizer: dict[str, str | None]      # the run's tokenizer files, as gpt.export takes them
-    cluster: dict[str, Any]               # the evaluation job's resources (ClusterConfig.eval_job)
+    cluster: JobCluster                   # where its jobs run
 
     def write(self, run_dir: Path) -> None:
         write_json(run_dir / SPEC, self.model_dump())
@@ -53,10 +70,17 @@ class EvaluationSpec(BaseModel):
 
     @classmethod
     def read(cls, run_dir: Path) -> EvaluationSpec | None:
+        """The spec the run's pretrain flow wrote; None where it wrote none. One that does not read as
+        this version writes it is refused, naming the file and its first wrong field."""
         try:
             return cls.model_validate_json((run_dir / SPEC).read_text())
         except FileNotFoundError:
             return None
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ParameterError([f"run: {run_dir / SPEC} is not an evaluation spec this version writes "
+                                  f"({'.'.join(map(str, first['loc'])) or 'the file'}: {first['msg']}); start the "
+                                  "run's pretrain flow again to write it"]) from None
 
     def evaluates(self, iteration: int, save_interval: int, total_iters: int) -> bool:
         """Whether the checkpoint saved at ``iteration`` is evaluated: every ``every``-th of the

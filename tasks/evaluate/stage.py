@@ -71,8 +71,8 @@ def scored(run: Path, iteration: int | None, spec: EvaluationSpec) -> EvalResult
         run_logger().info("checkpoint iteration %d is evaluated already: %s", earlier.iteration, earlier.path)
         return earlier
     checkpoint = checkpoint_at(run, iteration)
-    cluster = ClusterConfig(**spec.cluster)
-    job = EvaluationJob(checkpoint, spec, result_path(run, iteration_of(checkpoint)))
+    cluster = spec.cluster.resolved()
+    job = EvaluationJob(checkpoint, spec, result_path(run, iteration_of(checkpoint)), cluster.job_device)
     if cluster.kind == "local":
         with RunOwner(run, wait=_waiting_for_training()):
             result, job_id = _submitted(job, cluster, run)
