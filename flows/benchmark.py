@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from benchmarks.gpu import CASES as GPU_CASES
 from tasks import benchmark_history
 from tasks.common.figures import png_markdown
+from tasks.common.secrets import hide_in_logs
 
 MODULES = {
     "tokenize": "benchmarks.tokenize",
@@ -98,6 +99,7 @@ def benchmark(
         endpoint_url: S3-compatible endpoint of an s3:// history (credentials from the environment).
         regression_threshold: Flag metrics worse than the previous run by more than this fraction.
     """
+    hide_in_logs()          # no log line of the run holds a secret of this process
     keys = [s.key for s in suite]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:

@@ -156,6 +156,23 @@ def test_a_tracker_that_cannot_be_reached_is_a_warning_naming_it(tmp_path):
     assert (tmp_path / "root" / "tracked" / "summary.json").is_file()
 
 
+@pytest.mark.timeout(600)
+def test_no_log_line_or_file_of_a_run_holds_a_secret_of_its_tracker_address(tmp_path):
+    """The tracker is down and its address carries secrets in its user, password, path, query and
+    fragment; urllib3 retries and says so, with the request's path and query: the run's whole output
+    and every file it writes hold none of them."""
+    secrets = ("alice-user", "pw0rd-1234", "tok3nPATH123456", "SECRETQUERY1", "fragment99")
+    dead = (f"http://{secrets[0]}:{secrets[1]}@127.0.0.1:{free_port()}/t/{secrets[2]}/?token={secrets[3]}"
+            f"#{secrets[4]}")
+    corpus = sample_corpus(str(tmp_path / "corpus"))
+    out = _leg(tmp_path, corpus, 4, {"MLFLOW_TRACKING_URI": dead, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}, "mlflow")
+    assert "tracker mlflow (" in out and "training goes on without it" in out
+    written = out + "".join(p.read_text(errors="replace") for p in (tmp_path / "root").rglob("*")
+                            if p.is_file() and p.suffix in ("", ".json", ".jsonl", ".txt", ".log", ".out", ".err", ".sh"))
+    assert [s for s in secrets if s in written] == [], [written[max(0, written.find(s) - 300):written.find(s) + 50] for s in secrets if s in written]
+
+
 @pytest.mark.timeout(300)
 def test_metrics_a_tracker_missed_while_down_are_sent_once_it_is_back(mlflow_server, tmp_path, monkeypatch):
     from mlflow import MlflowClient

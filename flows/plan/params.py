@@ -11,6 +11,7 @@ from gpt.config.checks import CHOICES
 from gpt.config.presets import PRESETS
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 from tasks.common.errors import ParameterError
+from tasks.common.secrets import hide_in_logs
 from tasks.trackers import Tracker
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the UI shows a choice list
@@ -53,6 +54,7 @@ def refused_as_failed_run(flow_fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         from prefect.states import Failed
 
+        hide_in_logs()          # no log line of the run holds a secret of this process
         try:
             return flow_fn(*args, **kwargs)
         except ParameterError as e:

@@ -40,6 +40,7 @@ from pydantic import (
 
 from gpt.config.overrides import split_assignment
 from tasks.cluster.container import Container
+from tasks.common.secrets import SECRET_NAME
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"        # the reviewed presets shipped with this package
 PRESET_DIRS_VARIABLE = "GPT_CLUSTER_PRESET_DIRS"
@@ -60,7 +61,6 @@ _SHAPES = {
 }
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
-_SECRET_KEY = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|API_KEY|AUTH", re.I)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2})(?::(\d{2}))?$")
 
@@ -183,7 +183,7 @@ class ClusterConfig(BaseModel):
         for key, value in v.items():
             if not _ENV_KEY.match(key):
                 raise ValueError(f"env key {key!r} is not a valid environment variable name")
-            if _SECRET_KEY.search(key):
+            if SECRET_NAME.search(key):
                 raise ValueError(
                     f"env key {key!r} looks like a secret; secrets must not be written into the sbatch "
                     "script: export it in the submitting environment (sbatch passes it on) instead"
@@ -403,11 +403,6 @@ def check_overrides(overrides: dict[str, Any]) -> None:
             raise ClusterError(f"env variable {name!r} cannot be set from parameters (only tuning variables such as "
                                f"NCCL_DEBUG or OMP_NUM_THREADS may; others go in a preset file)")
         _option_value("env", name, value, ENV_VARIABLES[name])
-
-
-def credential_variables(environ: dict[str, str] | os._Environ = os.environ) -> list[str]:
-    """Names of the variables in ``environ`` that hold credentials: a training job never gets them."""
-    return sorted(k for k in environ if _SECRET_KEY.search(k))
 
 
 # ---------------------------------------------------------------- presets

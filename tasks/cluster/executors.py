@@ -11,7 +11,8 @@ import submitit
 from submitit.core.utils import DelayedSubmission, JobPaths
 from submitit.slurm.slurm import SlurmJob
 
-from tasks.cluster.config import ClusterConfig, credential_variables
+from tasks.cluster.config import ClusterConfig
+from tasks.common.secrets import credential_variables
 
 
 class SlurmExecutor(submitit.SlurmExecutor):

@@ -16,6 +16,7 @@ import submitit
 from gpt.config import Config
 from tasks.cluster.config import ClusterConfig, ClusterError
 from tasks.cluster.slurm import slurm_state
+from tasks.common.secrets import hide_in_logs
 
 # The port a job's ranks meet on, from its id: a requeued job keeps its id, so each restart moves
 # to another port (STRIDE, a prime, apart) instead of the old one's TIME_WAIT.
@@ -93,6 +94,8 @@ class DistributedTask(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         import gpt.train
+
+        hide_in_logs()
 
         if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
             os.environ["MASTER_PORT"] = str(rendezvous_port(int(os.environ["SLURM_JOB_ID"]),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit, urlunsplit
 
+from tasks.common.secrets import address_secrets, hidden
+
 SCHEME = "s3://"
 
 
@@ -19,16 +21,14 @@ def bucket_and_key(uri: str) -> tuple[str, str]:
 
 
 def shown_address(url: str) -> str:
-    """``url`` without its user, password, query string and fragment (where tokens travel): what a
-    log line, an artifact or a file in the run folder may hold."""
+    """``url`` without its user, password, query string and fragment, and with a path segment that
+    reads as a token hidden (where secrets travel): what a log line, an artifact or a file in the run
+    folder may hold."""
     parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+    path = hidden(parts.path, [s for s in address_secrets(url) if f"/{s}" in parts.path])
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], path, "", ""))
 
 
 def hide_address_secrets(text: str, url: str) -> str:
     """``text`` (an error message, say) with every secret part of ``url`` replaced by ``***``."""
-    parts = urlsplit(url)
-    for secret in (parts.query, parts.fragment, parts.password, parts.username):
-        if secret:
-            text = text.replace(secret, "***")
-    return text
+    return hidden(text, sorted(address_secrets(url), key=len, reverse=True))

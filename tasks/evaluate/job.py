@@ -14,6 +14,7 @@ import numpy as np
 
 from gpt.checkpoint import iteration_of
 from gpt.files import write_json
+from tasks.common.secrets import hide_in_logs
 from tasks.evaluate.records import EvalResult, EvaluationSpec, saved_at
 
 BATCH = 8                      # sequences per forward pass of a set's perplexity
@@ -108,4 +109,5 @@ class EvaluationJob:
         self.checkpoint, self.spec, self.result, self.device = checkpoint, spec, result, device
 
     def __call__(self) -> dict[str, Any]:
+        hide_in_logs()
         return evaluate_checkpoint(self.checkpoint, self.spec, self.result, self.device).model_dump()

@@ -13,6 +13,7 @@ from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import ReturnedError, submit
 from tasks.common.cache import StageCache
 from tasks.common.retry import worth_retrying
+from tasks.common.secrets import hide_in_logs
 from tasks.sync.download import sync
 from tasks.sync.listing import list_sources, listing_digest
 from tasks.sync.manifest import SyncManifest
@@ -57,6 +58,7 @@ class SyncJob:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self) -> SyncManifest | ReturnedError:
+        hide_in_logs()
         try:
             return sync(self.sources, self.dest, **self.options)
         except SyncError as e:

@@ -16,6 +16,7 @@ from gpt.files import write_json
 from gpt.tokenizer import Tokenizer
 from tasks.cluster.jobs import ReturnedError
 from tasks.common.digest import file_digest
+from tasks.common.secrets import hide_in_logs
 from tasks.tokenize.bpe import TokenizeError
 from tasks.tokenize.encode import encode
 from tasks.tokenize.inputs import Piece, splittable
@@ -104,6 +105,7 @@ class Shard:
         return sum((p.end if p.end is not None else os.path.getsize(p.path)) - p.start for p in self.pieces)
 
     def __call__(self) -> dict[str, Any] | ReturnedError:
+        hide_in_logs()
         """Encode the shard on this node's cores; bad input is returned, not raised (running the
         task again would meet it again)."""
         cores = len(os.sched_getaffinity(0))
