@@ -153,15 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint-url")
     p.add_argument("--threshold", type=float, default=0.10, help="regression threshold (fraction)")
     a = p.parse_args(argv)
+    from flows.cli import exit_status
     from flows.local_server import ensure_api
-    ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
-    suite = QUICK if a.quick else GPU if a.gpu else NIGHTLY
-    if a.only:
-        suite = [s for s in suite if s.name in a.only]
-    out = benchmark(suite=suite, history=a.history, endpoint_url=a.endpoint_url, regression_threshold=a.threshold)
-    print(json.dumps(out["record"], indent=1, sort_keys=True))
-    print(f"appended to {out['history']}; regressions: {', '.join(out['regressions']) or 'none'}")
-    return 0
+
+    def run() -> int:
+        ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
+        suite = QUICK if a.quick else GPU if a.gpu else NIGHTLY
+        if a.only:
+            suite = [s for s in suite if s.name in a.only]
+        out = benchmark(suite=suite, history=a.history, endpoint_url=a.endpoint_url, regression_threshold=a.threshold)
+        print(json.dumps(out["record"], indent=1, sort_keys=True))
+        print(f"appended to {out['history']}; regressions: {', '.join(out['regressions']) or 'none'}")
+        return 0
+    return exit_status("benchmark", run)
 
 
 if __name__ == "__main__":

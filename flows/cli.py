@@ -91,6 +91,10 @@ def exit_status(what: str, run: Callable[[], int], failure: Callable[[Exception]
     except CancelledRun as e:
         print(f"{what} cancelled: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"{what} interrupted (Ctrl-C): its jobs were cancelled; the same command resumes it from its last "
+              "checkpoint", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - a failed run is one line here, its traceback where the run keeps it
         print(failure(e) if failure else f"error: {failure_message(e)}", file=sys.stderr)
         return 1

@@ -81,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from flows.local_server import ensure_api
 
-    ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
-
     def run() -> int:
+        ensure_api()        # without PREFECT_API_URL: a temporary server that ends with this process
         print(f"results: {evaluate(a.run, a.iteration)['path']}")
         return 0
     return exit_status("evaluation", run, lambda e: f"error: {type(e).__name__}: {e}")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from flows.plan.params import ParameterError, parameter_errors
-from gpt.config.overrides import parse_overrides
+from gpt.config.overrides import parse_overrides, split_assignment
 from tasks.cluster.config import ClusterConfig
 
 # Today's flags, each an alias of one field of the form (a list field's alias adds one item each time).
@@ -44,7 +44,7 @@ ALIASES: dict[str, str] = {
     "--model": "model", "--dry-run": "dry_run",
 }
 # Two values that make one item of a list of records: --prefix WEIGHT PREFIX, --eval-set NAME SOURCE
-# (a NAME given twice gathers its sources).
+# (a set of several sources is --evaluation.sets JSON).
 PAIRS: dict[str, tuple[str, tuple[str, str]]] = {
     "--prefix": ("data.prefixes", ("WEIGHT", "PREFIX")),
     "--eval-set": ("evaluation.sets", ("NAME", "SOURCE")),
@@ -61,7 +61,7 @@ def parser(form: Mapping[str, Any]) -> argparse.ArgumentParser:
     aliases: dict[str, list[str]] = {}
     for alias, path in ALIASES.items():
         aliases.setdefault(path, []).append(alias)
-    p = argparse.ArgumentParser(prog="python -m flows.pretrain", argument_default=argparse.SUPPRESS,
+    p = _Parser(prog="python -m flows.pretrain", argument_default=argparse.SUPPRESS,
                                 description="Pretrain a GPT: the pretrain flow, run here. Every field of the form "
                                             "is a flag --GROUP.FIELD; the short flags are aliases of them.")
     for path, annotation, description in _fields(form):
@@ -74,13 +74,15 @@ def parser(form: Mapping[str, Any]) -> argparse.ArgumentParser:
 
 def parameters(given: argparse.Namespace, form: Mapping[str, Any]) -> dict[str, Any]:
     """The flow's parameters from parsed flags: each group built and checked by its model, the fields
-    not given left to its defaults. Raises ParameterError naming every bad field at once."""
-    values = dict(vars(given))
-    errors: list[str] = []
+    not given left to its defaults. Raises ParameterError naming every bad field at once, and every
+    field two flags give two values (no flag silently wins over another)."""
+    values = {k: v for k, v in vars(given).items() if not k.startswith(_FLAG)}
+    errors: list[str] = values.pop(_TWICE, [])
     for path, fields in KEY_VALUES.items():
         if path in values:
             typed, problems = parse_overrides(values[path], fields, "--" + path)
             errors += [f"{path}.{field}: {message}" if field else f"{path}: {message}" for field, message in problems]
+            errors += _set_twice(path, values[path])
             values[path] = typed
     for key in [k for k in values if k.startswith("pair:")]:
         path = key.removeprefix("pair:")
@@ -101,13 +103,49 @@ def parameters(given: argparse.Namespace, form: Mapping[str, Any]) -> dict[str, 
     return params
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flags argparse cannot read (an unknown one, a number that is none) answer as every other bad
+    input does: one line in the ``invalid parameters`` block, exit status 2, no usage screen."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ParameterError([f"{message} (python -m flows.pretrain --help lists the flags)"])
+
+
+_TWICE = "flags given twice"
+_FLAG = "flag of "          # the flag that gave a field its value, by the field
+
+
+class _Once(argparse.Action):
+    """A field's one value: a second flag that gives it another is a problem naming both."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if not hasattr(namespace, _TWICE):
+            setattr(namespace, _TWICE, [])
+        first = getattr(namespace, f"{_FLAG}{self.dest}", None)
+        if first is not None and first[1] != values:
+            getattr(namespace, _TWICE).append(
+                f"{self.dest}: {first[0]} {first[1]} and {option_string} {values} give two values; keep one")
+        setattr(namespace, f"{_FLAG}{self.dest}", (option_string, values))
+        setattr(namespace, self.dest, values)
+
+
+def _set_twice(path: str, items: list[str]) -> list[str]:
+    """KEY=VALUE items that give one key two values."""
+    seen: dict[str, str | None] = {}
+    problems = []
+    for item in items:
+        key, value = split_assignment(item)
+        if key in seen and seen[key] != value:
+            problems.append(f"{path}.{key}: {key}={seen[key]} and {key}={value} give two values; keep one")
+        seen[key] = value
+    return problems
+
+
 def _items(path: str, pairs: list[list[str]]) -> list[dict[str, Any]]:
     if path == "data.prefixes":
         return [{"weight": weight, "prefix": prefix} for weight, prefix in pairs]
-    sets: dict[str, list[str]] = {}
-    for name, source in pairs:
-        sets.setdefault(name, []).append(source)
-    return [{"name": name, "sources": sources} for name, sources in sets.items()]
+    return [{"name": name, "sources": [source]} for name, source in pairs]     # a name twice: two sets, refused
 
 
 def _fields(form: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
@@ -129,7 +167,7 @@ def _add(p: argparse.ArgumentParser, flags: list[str], path: str, annotation: An
         del options["metavar"]
         options["action"] = argparse.BooleanOptionalAction
     elif kind in (int, float):
-        options["type"] = kind
+        options["type"], options["action"] = kind, _Once
     elif typing.get_origin(kind) in (list, dict):
         options["action"] = "append"
         item, choices = _plain(typing.get_args(kind)[0]) if typing.get_origin(kind) is list else (str, None)
@@ -139,6 +177,9 @@ def _add(p: argparse.ArgumentParser, flags: list[str], path: str, annotation: An
             options["metavar"] = "KEY=VALUE"
     if choices:
         options["choices"] = choices
+        options.pop("metavar", None)
+    if "action" not in options:
+        options["action"] = _Once
     p.add_argument(*flags, **options)
 
 

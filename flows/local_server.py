@@ -66,25 +66,32 @@ def lasting_api() -> str | None:
     return url if url and url != os.environ.get(TEMPORARY_API) else None
 
 
+class ServerDied(RuntimeError):
+    """The temporary server ended before it answered; the message says what to do."""
+
+
 def _wait_healthy(server: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Until the server answers, for as long as it lives: a busy machine may take long to start it
+    (said every ``timeout_s``), a server that dies is said in one line."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client() as client:
-        while time.monotonic() < deadline:
+    started = next_note = time.monotonic()
+    with httpx.Client(timeout=10) as client:
+        while True:
             if server.poll() is not None:
-                raise RuntimeError(f"the temporary Prefect server exited with code {server.returncode} before it "
-                                   "answered: see its output above, or set PREFECT_API_URL to a running server")
+                raise ServerDied(f"the temporary Prefect server exited with code {server.returncode} before it "
+                                 "answered (its output is above): run again, or set PREFECT_API_URL to a running "
+                                 "server (prefect server start)")
             try:
                 if client.get(f"{url}/health").status_code == 200:
                     return
             except httpx.TransportError:
                 pass
+            if time.monotonic() > next_note + timeout_s:
+                next_note = time.monotonic()
+                print(f"the temporary Prefect server is still starting ({next_note - started:.0f} s): waiting for it",
+                      file=sys.stderr, flush=True)
             time.sleep(0.1)
-    _stop(server)
-    raise RuntimeError(f"the temporary Prefect server at {url} did not answer within {timeout_s:.0f} s "
-                       "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): raise it, or set PREFECT_API_URL "
-                       "to a running server")
 
 
 def _stop(server: subprocess.Popen) -> None:

@@ -11,6 +11,8 @@ one that a run's folder or cluster preset decides here is refused naming what do
 """
 from __future__ import annotations
 
+import math
+
 from gpt.config import ARCHITECTURE, Config, ConfigError, nearest_preset
 from gpt.config.overrides import split_assignment
 from gpt.config.presets import PRESETS
@@ -86,10 +88,15 @@ def translate(argv: list[str]) -> list[str]:
     problems: list[str] = []
     fields: dict[str, str] = {}
     warmup_fraction: str | None = None
+    given: dict[str, tuple[str, str]] = {}      # what a value is for -> the flag that gave it, and the value
     i = 0
     while i < len(argv):
         start, (flag, inline) = i, _split(argv[i])
         values, i = _values(argv, i, inline)
+        for target, value, shown in _targets(flag, values):
+            if target in given and given[target][1] != value:
+                problems.append(f"{given[target][0]} and {shown} give {target} two values; keep one")
+            given.setdefault(target, (shown, value))
         if flag in SAME_VALUE:
             out += [SAME_VALUE[flag], *_one(flag, values, problems)]
         elif flag in CONFIG_FIELD:
@@ -127,6 +134,26 @@ def translate(argv: list[str]) -> list[str]:
     return out + [a for name, value in fields.items() for a in ("--set", f"{name}={value}")]
 
 
+def _targets(flag: str, values: list[str]) -> list[tuple[str, str, str]]:
+    """What ``flag`` gives a value to (a field of the configuration, or one of this command's flags),
+    the value, and the flag as written: two flags that give one of them two values contradict."""
+    one = values[0] if len(values) == 1 else None
+    if flag in CONFIG_FIELD and one is not None:
+        return [(CONFIG_FIELD[flag], one, f"{flag} {one}")]
+    if flag in FIELD_SWITCHES:
+        return [(*FIELD_SWITCHES[flag], flag)]
+    if flag in SWITCHES and SWITCHES[flag]:
+        return [(SWITCHES[flag][0], SWITCHES[flag][1], flag)]
+    if flag in SAME_VALUE and one is not None:
+        return [(SAME_VALUE[flag], one, f"{flag} {one}")]
+    if flag == "--set":
+        return [(name, value, f"--set {name}={value}") for name, value in map(split_assignment, values)
+                if value is not None]
+    if (flag in SAME_VALUE.values() or flag == "--precision") and one is not None:
+        return [(flag, one, f"{flag} {one}")]
+    return []
+
+
 def preset_of_shape(fields: dict[str, str]) -> str:
     """The preset whose architecture is the one the fields give (the fields it leaves out as the
     preset has them); for a shape no preset has, the preset of its block nearest to it in size,
@@ -158,11 +185,15 @@ def _warmup_from_fraction(fraction: str, fields: dict[str, str], out: list[str],
     for unit in ("iters", "samples"):
         decay = fields.get(f"lr_decay_{unit}") or _flag_value(out, f"--train-{unit}")
         if decay is not None:
-            number = _number(fraction)
+            number, length = _number(fraction), _number(decay)
             if number is None or not 0 <= number <= 1:
                 problems.append(f"--lr-warmup-fraction {fraction}: expected a number between 0 and 1")
                 return {}
-            return {f"lr_warmup_{unit}": str(int(number * int(float(decay))))}
+            if length is None or not math.isfinite(length) or length != int(length) or length < 1:
+                problems.append(f"--lr-warmup-fraction {fraction}: the warmup is a fraction of the decay, whose "
+                                f"length {decay!r} is no whole number of {unit}; give a whole number")
+                return {}
+            return {f"lr_warmup_{unit}": str(int(number * int(length)))}
     problems.append("--lr-warmup-fraction: give --lr-decay-iters or --train-iters (or their samples) with it, of "
                     "which it is a fraction")
     return {}

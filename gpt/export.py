@@ -482,9 +482,13 @@ def write_gpt2_tokenizer(folder: Path, vocab_file: str, merge_file: str, max_len
 def shard_size(text: str) -> int:
     """A size in bytes as HuggingFace writes ``max_shard_size``: a number of bytes, or with KB, MB, GB."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(|B|KB|MB|GB)\s*", text.upper())
-    if not match or float(match.group(1)) <= 0:
+    if not match:
         raise argparse.ArgumentTypeError(f"{text!r}: give a size such as 5GB, 500MB or a number of bytes")
-    return int(float(match.group(1)) * {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[match.group(2)])
+    size = int(float(match.group(1)) * {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[match.group(2)])
+    if size < 10**6:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1MB (each file holds at least one whole tensor; "
+                                         "HuggingFace's default is 5GB)")
+    return size
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -49,6 +49,11 @@ def job_config(model: str, training: TrainingParams, where: ClusterConfig | None
     problems = dataclasses.replace(config, mock_data=True).problems(world_size=world_size)
     for field, problem in problems:
         errors.append(f"{config_field(field, training)}: {problem}")
+    if not problems and "spike_window" in fields and config.spike_factor and config.spike_window >= config.total_iters:
+        errors.append(f"{config_field('spike_window', training)}: spike_window={config.spike_window} is as long as the "
+                      f"run ({config.total_iters} iterations): spike detection would never start; shorten it, or set "
+                      "spike_factor=0 to train without it")
+        return None
     return None if problems else config
 
 

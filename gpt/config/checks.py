@@ -27,6 +27,8 @@ CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
 }
 _INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")
+# The shortest hang and collective limits: the follower reads the ranks' heartbeats every 2 s.
+HANG_TIMEOUT_FLOOR_S = 5.0
 
 
 class ConfigError(ValueError):
@@ -114,8 +116,9 @@ class Checked:
         if self.position_embedding_type == "rope" and (self.hidden_size // heads) % 2:
             found.append(("position_embedding_type", f"rope rotates pairs of a head's dimensions: the head size "
                          f"{self.hidden_size // heads} (hidden_size / num_attention_heads) must be even"))
-        if self.norm_epsilon <= 0:
-            found.append(("norm_epsilon", f"norm_epsilon={self.norm_epsilon}: must be positive"))
+        if not 0 < self.norm_epsilon < 1:
+            found.append(("norm_epsilon", f"norm_epsilon={self.norm_epsilon}: must lie between 0 and 1 (a small "
+                                          "number added to the variance, such as 1e-5)"))
         return found
 
     def _pipeline_problems(self, dp: int) -> list[Problem]:
@@ -226,8 +229,13 @@ class Checked:
             found.append(("seed", f"seed={self.seed}: must lie between 0 and 2**32 - 1 (numpy's generators take no other)"))
         if self.init_from and self.init_from_hf:
             found.append(("init_from", "init_from and init_from_hf are both set: a new run starts from one of them"))
-        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0 or self.collective_timeout_s <= 0:
-            found.append(("hang_timeout_s", "hang_timeout_s and collective_timeout_s must be positive (seconds)"))
+        if self.hang_timeout_s is not None and self.hang_timeout_s < HANG_TIMEOUT_FLOOR_S:
+            found.append(("hang_timeout_s", f"hang_timeout_s={self.hang_timeout_s}: at least {HANG_TIMEOUT_FLOOR_S:g} s "
+                                            "(the follower reads the ranks' heartbeats every few seconds; a shorter "
+                                            "limit calls a healthy job hung), or empty to follow the step time"))
+        if self.collective_timeout_s < HANG_TIMEOUT_FLOOR_S:
+            found.append(("collective_timeout_s", f"collective_timeout_s={self.collective_timeout_s}: at least "
+                                                  f"{HANG_TIMEOUT_FLOOR_S:g} s"))
         if self.spike_factor < 0 or 0 < self.spike_factor <= 1:
             found.append(("spike_factor", f"spike_factor={self.spike_factor}: must be above 1 (a multiple of the "
                           "median loss), or 0 to turn spike detection off"))
