@@ -175,6 +175,8 @@ def gpt2_config(config: Config, eod_id: int | None) -> dict:
 
 def config_from_hf(hf: dict) -> Config:
     """Our Config for a GPT2Config or a LlamaConfig; refuses what our model does not compute the same way."""
+    if not isinstance(hf, dict):
+        raise ExportError(f"config.json holds a {type(hf).__name__}, not a model's configuration (a JSON object)")
     if hf.get("model_type") == "llama":
         return llama_config_from_hf(hf)
     problems = []
@@ -239,9 +241,55 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     """The safetensors files of a HuggingFace folder: ``model.safetensors``, or the shards its
     index names; empty where it has neither."""
     folder = Path(folder)
-    if (folder / INDEX).is_file():
-        return [folder / name for name in sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))]
-    return [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else []
+    if not (folder / INDEX).is_file():
+        return [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else []
+    index = json.loads((folder / INDEX).read_text())
+    names = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(names, dict) or not all(isinstance(n, str) and "/" not in n for n in names.values()):
+        raise ExportError(f"{folder / INDEX}: weight_map must map each tensor's name to a file of this folder")
+    return [folder / name for name in sorted(set(names.values()))]
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of a safetensors file's tensors, read from its header alone, and checked
+    to lie within the file (a truncated copy is refused)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 2 <= length <= size - 8:
+            raise ExportError(f"{path}: not a safetensors file (its header length is {length} bytes of {size})")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ExportError(f"{path}: its header holds no table of tensors")
+    header.pop("__metadata__", None)
+    try:
+        shapes = {name: tuple(int(d) for d in entry["shape"]) for name, entry in header.items()}
+        end = max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise ExportError(f"{path}: a tensor's entry in the header is malformed ({e!r})") from None
+    if 8 + length + end > size:
+        raise ExportError(f"{path}: truncated ({size} bytes where its header needs {8 + length + end})")
+    return shapes
+
+
+def hf_weight_problems(folder: Path, config: Config) -> list[str]:
+    """What keeps ``folder``'s weights from loading into ``config``'s model: a weight file missing or
+    damaged, a tensor missing, or one of another shape; from the files' headers, no tensor read."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in to_hf_tensors(GPT(config).state_dict(), config).items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(folder):
+        if not path.is_file():
+            return [f"{path.name} is missing ({INDEX} names it); copy the whole folder again"]
+        found.update({name.removeprefix("transformer."): shape for name, shape in tensor_shapes(path).items()})
+    problems = []
+    for name, shape in expected.items():
+        got = found.get(name.removeprefix("transformer."))
+        if got is None:
+            problems.append(f"{name} is in no weight file")
+        elif got != shape:
+            problems.append(f"{name} is {list(got)} where config.json makes {list(shape)}")
+    return problems[:3] + ([f"and {len(problems) - 3} more"] if len(problems) > 3 else [])
 
 
 def hf_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:

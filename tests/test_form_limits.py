@@ -200,6 +200,67 @@ def test_a_huggingface_folder_to_start_from_must_be_a_model_of_this_shape(tmp_pa
     assert any("another shape (hidden_size: 64 there, 128 here; ffn_hidden_size: 256 there, 512 here)" in e for e in errors)
 
 
+def _hf_errors(root: Path, folder: Path) -> list[str]:
+    try:
+        make_plan("tiny", DataParams(), TokenizerParams(), TrainingParams(overrides={"init_from_hf": str(folder)}),
+                  ClusterParams(), OutputParams(root=str(root)))
+    except ParameterError as e:
+        return [line for line in e.errors if line.startswith("training.overrides.init_from_hf:")]
+    return []
+
+
+def test_a_huggingface_folders_weights_are_checked_against_its_model_from_their_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    from gpt.config import Config
+    from gpt.export import INDEX, hf_config, to_hf_state_dict
+    from gpt.model import GPT
+
+    config = Config(model="tiny", vocab_size=1000, device="cpu", precision="fp32", mock_data=True)
+    tensors = to_hf_state_dict(GPT(config))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config(config, 0)))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, held in shards.items():
+        save_file({n: tensors[n] for n in held}, str(folder / file))
+    index = {"metadata": {}, "weight_map": {n: file for file, held in shards.items() for n in held}}
+    (folder / INDEX).write_text(json.dumps(index))
+    assert _hf_errors(tmp_path, folder) == []
+
+    second = folder / "model-00002-of-00002.safetensors"
+    whole = second.read_bytes()
+    second.write_bytes(whole[:-100])
+    (line,) = _hf_errors(tmp_path, folder)
+    assert f"{second}: truncated" in line and line.endswith("export the model again")
+    second.unlink()
+    (line,) = _hf_errors(tmp_path, folder)
+    assert f"{second.name} is missing ({INDEX} names it)" in line
+    second.write_bytes(whole)
+
+    wrong = dict(tensors, **{"transformer.h.1.mlp.c_fc.weight": tensors["transformer.h.1.mlp.c_fc.weight"][:, :256]})
+    (folder / INDEX).unlink()
+    for file in shards:
+        (folder / file).unlink()
+    save_file({n: t.contiguous() for n, t in wrong.items() if n != "transformer.h.3.ln_2.bias"},
+              str(folder / "model.safetensors"))
+    (line,) = _hf_errors(tmp_path, folder)
+    assert "transformer.h.1.mlp.c_fc.weight is [128, 256] where config.json makes [128, 512]" in line
+    assert "transformer.h.3.ln_2.bias is in no weight file" in line
+
+    (folder / INDEX).write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    (line,) = _hf_errors(tmp_path, folder)
+    assert "weight_map must map each tensor's name to a file of this folder" in line
+    (folder / INDEX).unlink()
+    (folder / "config.json").write_text("[]")
+    (line,) = _hf_errors(tmp_path, folder)
+    assert f"{folder}: config.json holds a list, not a model's configuration" in line
+    out = _cli("--root", str(tmp_path), "--set", f"init_from_hf={folder}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "holds a list" in out.stderr, out.stderr
+
+
 def test_a_read_only_output_root_is_named(disk):
     target = disk("1m")
     read_only(target)

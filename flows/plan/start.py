@@ -64,7 +64,7 @@ def check_start(config: Config, boundary: Boundary, root: Path, errors: Problems
     """A HuggingFace folder to start from is readable and holds a GPT-2 or Llama of this model's shape."""
     if not config.init_from_hf:
         return
-    from gpt.export import INDEX, WEIGHTS, ExportError, config_from_hf, weight_files
+    from gpt.export import INDEX, WEIGHTS, ExportError, config_from_hf, hf_weight_problems, weight_files
 
     field = "training.overrides.init_from_hf"
     folder = Path(local_path(config.init_from_hf))
@@ -98,9 +98,20 @@ def check_start(config: Config, boundary: Boundary, root: Path, errors: Problems
     except KeyError as e:
         errors.append(f"{field}: {folder}/config.json has no {e} field: it is not a GPT-2 or Llama model's configuration")
         return
-    except (ExportError, ValueError, TypeError) as e:
+    except ExportError as e:
+        errors.append(f"{field}: {folder}: {e}")
+        return
+    except (ValueError, TypeError) as e:
         errors.append(f"{field}: {folder}/config.json: {e}")
         return
     differ = shape_differences(theirs, config)
     if differ:
         errors.append(f"{field}: the model in {folder} has another shape ({'; '.join(differ)})")
+        return
+    try:
+        problems = hf_weight_problems(folder, theirs)
+    except (OSError, ValueError) as e:
+        problems = [str(e)]
+    if problems:
+        errors.append(f"{field}: the weights in {folder} do not load into its config.json's model: "
+                      f"{'; '.join(problems)}; export the model again")
