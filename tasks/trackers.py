@@ -20,7 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Literal, NamedTuple, get_args
 
+from pydantic import BaseModel
+
 from gpt.files import write_json
+from tasks.common.records import Count, read_record
 from tasks.common.run_context import run_logger
 from tasks.common.uri import hide_address_secrets, shown_address
 
@@ -153,7 +156,7 @@ class Trackers:
                  add_only: bool = False) -> None:
         self.names = list(names)
         self.run_dir, self.path = run_dir, run_dir / RECORD
-        self.state: dict[str, dict[str, Any]] = _read(self.path) if self.names else {}
+        self.state: dict[str, dict[str, Any]] = tracker_runs(run_dir) if self.names else {}
         self.open: dict[str, Any] = {}
         self.pending: dict[str, list[Item]] = {}
         self.failures: dict[str, int] = {}
@@ -184,7 +187,7 @@ class Trackers:
     def of_run(cls, run_dir: Path) -> Trackers:
         """The tracker runs a run's training made (its trackers.json), opened to add to them where
         this process logs to the same place; none is made."""
-        state, names = _read(run_dir / RECORD), []
+        state, names = tracker_runs(run_dir), []
         for name, saved in state.items():
             if name not in NAMES or not saved.get("run_id") or not saved.get("project"):
                 continue
@@ -301,13 +304,13 @@ class Trackers:
 def evaluation_logged(run_dir: Path, key: str) -> bool:
     """Whether the trackers the run folder's owner logs to now have had the evaluation ``key``, as
     trackers.json says (False when the owner logs to none)."""
-    logging = [s for s in _read(run_dir / RECORD).values() if s.get("logging")]
+    logging = [s for s in tracker_runs(run_dir).values() if s.get("logging")]
     return bool(logging) and all(key in s.get("evaluations", []) for s in logging)
 
 
 def unlogged(run_dir: Path, keys: Iterable[str]) -> bool:
     """Whether a tracker run the run's training made lacks one of the evaluations ``keys``."""
-    return any(s.get("run_id") and set(keys) - set(s.get("evaluations", [])) for s in _read(run_dir / RECORD).values())
+    return any(s.get("run_id") and set(keys) - set(s.get("evaluations", [])) for s in tracker_runs(run_dir).values())
 
 
 def _item(r: dict[str, Any]) -> Item | None:
@@ -339,12 +342,22 @@ def _hide_secrets(text: str) -> str:
     return text
 
 
-def _read(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+class _TrackerRun(BaseModel):
+    """A tracker's entry in trackers.json: its run, and what it has had."""
+    run_id: str | None = None
+    project: str = ""
+    where: str = ""
+    last_step: Count = 0
+    last_valid: Count = 0
+    evaluations: list[str] = []
+    logging: bool = False
+    finished: bool | None = None
+
+
+def tracker_runs(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each tracker's entry in the run's trackers.json, checked when read."""
+    return read_record(run_dir / RECORD, dict[str, _TrackerRun], "restore it from a copy, or move it aside: the "
+                       "trackers then log to new runs of theirs", {})
 
 
 def _text(value: Any, limit: int) -> str:

@@ -261,6 +261,38 @@ def test_a_huggingface_folders_weights_are_checked_against_its_model_from_their_
     assert out.returncode == 2 and "Traceback" not in out.stderr and "holds a list" in out.stderr, out.stderr
 
 
+_ROLLBACK = {"kind": "loss spike", "iterations": [5], "losses": [9.0], "median": 3.0, "samples": [4, 3],
+             "documents": [], "resumed_from": 0}
+
+
+@pytest.mark.parametrize("file, text, says", [
+    ("skipped.json", json.dumps({"rollbacks": [dict(_ROLLBACK, samples=[-5, 3])]}),
+     "skipped.json: rollbacks.0.samples.0: input should be greater than or equal to 0 (it holds -5); restore it"),
+    ("skipped.json", json.dumps({"rollbacks": [_ROLLBACK]})[:-20], "skipped.json: not JSON (Expecting"),
+    ("skipped.json", json.dumps({"rollbacks": [dict(_ROLLBACK, samples=["4"])]}),
+     "skipped.json: rollbacks.0.samples.0: input should be a valid integer"),
+    ("jobs.json", json.dumps([{"job_id": 7}]), "jobs.json: 0.job_id: input should be a valid string (it holds 7)"),
+    ("trackers.json", json.dumps({"mlflow": {"run_id": "a", "last_step": -1}}),
+     "trackers.json: mlflow.last_step: input should be greater than or equal to 0"),
+    ("trackers.json", "[]", "trackers.json: the top level: input should be a valid dictionary"),
+])
+def test_a_damaged_record_of_the_run_folder_is_refused_naming_the_file_and_the_field(tmp_path, file, text, says):
+    run = tmp_path / "damaged"
+    run.mkdir()
+    (run / file).write_text(text)
+    (line,) = _errors(tmp_path, run_name="damaged")
+    assert line.startswith(f"output.run_name: {run / file}") and says in line, line
+    assert (run / file).read_text() == text
+
+
+def test_a_truncated_record_is_one_line_from_the_command_line(tmp_path):
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "skipped.json").write_text('{"rollbacks": [{"kind": "loss sp')
+    out = _cli("--root", str(tmp_path), "--run-name", "damaged")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"output.run_name: {tmp_path / 'damaged' / 'skipped.json'}: not JSON" in out.stderr
+
+
 def test_a_read_only_output_root_is_named(disk):
     target = disk("1m")
     read_only(target)

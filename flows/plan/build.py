@@ -46,8 +46,12 @@ from gpt.config import Config
 from gpt.config.presets import PRESETS
 from gpt.tokenizer import Tokenizer
 from tasks.cluster.config import ClusterConfig, load_cluster
+from tasks.cluster.record import JobRecord
+from tasks.common.records import DamagedRecord
 from tasks.index import IndexManifest
 from tasks.precompile import cache_key
+from tasks.trackers import tracker_runs
+from tasks.train.spikes import rollbacks
 
 
 def precompiles(config: Config) -> bool:
@@ -218,6 +222,12 @@ def run_folder_problems(run_dir: Path, identity: dict[str, Any], config: Config)
                 f"({'; '.join(changed)}): give another output.run_name for a new run, or start a new run "
                 f"from this one with training.init_from={run_dir.name} (weights only, or with "
                 "training.init_from_optimizer its optimizer state too)"]
+    damaged = []
+    for read in (rollbacks, JobRecord, tracker_runs):       # what the run reads back of itself
+        try:
+            read(run_dir)
+        except DamagedRecord as e:
+            damaged.append(f"output.run_name: {e}")
     problem = cannot_load(newest, config) if newest is not None else None
-    return [f"training.tensor_parallel: {problem}"] if problem else []
+    return damaged + ([f"training.tensor_parallel: {problem}"] if problem else [])
 

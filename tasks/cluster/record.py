@@ -2,15 +2,34 @@
 submission script, and state changes."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from gpt.files import write_json
 from tasks.cluster.slurm import TERMINAL
+from tasks.common.records import Seconds, read_record
 
 JOBS_RECORD = "jobs.json"
+
+
+class _State(BaseModel):
+    time: Seconds
+    state: str
+    reason: str | None
+    nodes: str | None
+
+
+class _Job(BaseModel):
+    job_id: str
+    executor: str
+    name: str
+    sbatch_script: str | None
+    submitted: Seconds
+    states: list[_State]
+    final: str | None
 
 
 class JobRecord:
@@ -18,7 +37,8 @@ class JobRecord:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / JOBS_RECORD
-        self.jobs: list[dict[str, Any]] = json.loads(self.path.read_text()) if self.path.exists() else []
+        self.jobs: list[dict[str, Any]] = read_record(self.path, list[_Job], "restore it from a copy, or move it "
+                                                      "aside to start the run's job history anew", [])
 
     def add(self, job_id: str, kind: str, name: str, script: str | None) -> None:
         self.jobs.append({"job_id": job_id, "executor": kind, "name": name, "sbatch_script": script,

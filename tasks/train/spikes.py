@@ -13,13 +13,14 @@ trains on the order without them. After ``max_rollbacks`` the run fails with the
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import statistics
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer, iteration_of
 from gpt.config import Config
@@ -27,6 +28,7 @@ from gpt.data import DataIndex, GPTDataset
 from gpt.files import write_json
 from gpt.metrics import truncate_after
 from tasks.cluster.jobs import JobError, StopJob
+from tasks.common.records import Count, read_record
 from tasks.events import Incident
 from tasks.index import build_indices
 
@@ -129,10 +131,26 @@ class SpikeWatch:
         self.non_finite = []
 
 
+class _Rollback(BaseModel):
+    """A rollback as ``Spike.to_dict`` writes it in skipped.json."""
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["loss spike", "non-finite losses"]
+    iterations: list[Count]
+    losses: list[float | Literal["nan", "inf", "-inf"]]
+    median: float | None
+    samples: list[Count]
+    documents: list[dict[str, Any]]
+    resumed_from: Count | None = None
+
+
+class _Skipped(BaseModel):
+    rollbacks: list[_Rollback]
+
+
 def rollbacks(run_dir: Path) -> list[dict[str, Any]]:
     """The run's rollbacks so far (``<run>/skipped.json``), oldest first."""
-    path = run_dir / SKIPPED
-    return json.loads(path.read_text())["rollbacks"] if path.exists() else []
+    return read_record(run_dir / SKIPPED, _Skipped, "restore it from a copy: the run leaves these samples out of its "
+                       "order, and without it they come back", {"rollbacks": []})["rollbacks"]
 
 
 def skipped_samples(run_dir: Path) -> list[int]:
