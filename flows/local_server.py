@@ -46,7 +46,7 @@ def ensure_api() -> str | None:
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         server = subprocess.Popen([sys.executable, "-m", "flows.local_server", str(os.getpid()), str(sock.fileno())],
-                                  pass_fds=[sock.fileno()], env=env)
+                                  pass_fds=[sock.fileno()], env=env, start_new_session=True)  # not the terminal's Ctrl-C
     atexit.register(_stop, server)
     print(f"Started a temporary Prefect server for this run at {url} (it ends with the run; "
           "set PREFECT_API_URL to use your own)", file=sys.stderr, flush=True)

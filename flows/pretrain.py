@@ -36,11 +36,12 @@ from flows.plan.params import (
     refused_as_failed_run,
 )
 from flows.stages import Stages
+from tasks import events
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import IN_PROGRESS as EVALUATION_IN_PROGRESS
-from tasks.evaluate.records import EvaluationSpec, results, summary, tracker_items
+from tasks.evaluate.records import EvaluationSpec, results, summary, tracker_items, unevaluated
 from tasks.export import export_task
 from tasks.precompile import PrecompileManifest, precompile_task
 from tasks.sync import upload_task
@@ -102,6 +103,10 @@ def _pretrain(plan: Plan) -> dict:
     job = plan.training_job(dataset.tokenizer, index)
     if plan.evaluation:       # before training: its saves are evaluated as they come
         data_stages.evaluation_spec(plan, dataset, stages).write(plan.run_dir)
+        if not events.saves_are_evaluated():
+            run_logger().warning("warning: evaluation: nothing on this Prefect server evaluates the saves (no "
+                                 "automation reacts to %s): each save to evaluate is kept until it is evaluated; %s",
+                                 events.SAVED, unevaluated(plan.run_dir))
     else:
         EvaluationSpec.remove(plan.run_dir)
     compiled = precompile(job, outlook, stages)

@@ -43,12 +43,27 @@ def run_event(event: str, run_name: str, payload: dict[str, Any], **labels: str)
                                       **labels}, payload=payload)
 
 
+SAVED = "gpt.checkpoint.saved"
+
+
+def saves_are_evaluated() -> bool:
+    """Whether anything evaluates the saves this process announces: an enabled automation on its
+    Prefect server that reacts to them (none outside a Prefect run, where no event is sent)."""
+    if run_context() is None:
+        return False
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        automations = client.read_automations()
+    return any(a.enabled and SAVED in getattr(a.trigger, "expect", ()) for a in automations)
+
+
 def checkpoint_saved(run_dir: Path, iteration: int, evaluate: bool) -> None:
     """A complete checkpoint as a Prefect event on the run's resource: the evaluation automation
     (deployments/evaluations.py) runs the evaluate flow for those marked ``gpt.evaluate: true``."""
     if run_context() is None:
         return
-    run_event("gpt.checkpoint.saved", run_dir.name,
+    run_event(SAVED, run_dir.name,
               {"run_dir": str(run_dir), "iteration": iteration,
                "path": str(run_dir / "checkpoints" / f"iter_{iteration:07d}")},
               **{"gpt.evaluate": "true" if evaluate else "false"})

@@ -193,6 +193,7 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
         return runs if len(runs) == 2 and all(r["state"]["type"] == "COMPLETED" for r in runs) else None
     runs = wait_until(evaluated, 500, "two completed evaluations")
     assert sorted(int(r["parameters"]["iteration"]) for r in runs) == [10, 20]
+    assert "nothing on this Prefect server evaluates" not in served.log.read_text()
     assert [j["executor"] for j in job_records(run_dir / "eval")] == ["slurm", "slurm"]
     # (each state's time is when its follower saw it, polling every few seconds)
     trained_until = max(s["time"] for j in job_records(run_dir) for s in j["states"])

@@ -4,6 +4,7 @@ command line reports it, results beside the run, and bad evaluation input refuse
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -67,16 +68,23 @@ def write_held_out(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def evaluated_run(prefect_harness, tmp_path_factory) -> tuple[Path, Path]:
     """The embedded default, 30 iterations, checkpoints at 10, 20 and 30 (training keeps the last
-    two), with a held-out set and a task."""
+    two), with a held-out set and a task; the flow's warnings in ``<work>/warnings.log``."""
     from flows.pretrain import pretrain
 
     work = tmp_path_factory.mktemp("evaluation")
     tasks = write_task(work / "tasks")
-    out = pretrain(
-        training=TrainingParams(train_iters=30, save_interval=10, eval_interval=10, eval_iters=1, compile=False),
-        cluster=ClusterParams(preset="local"), output=OutputParams(root=str(work / "runs")),
-        evaluation=EvaluationParams(sets=[EvalSet(name="held", sources=[str(write_held_out(work / "held.jsonl"))])],
-                                    tasks=[TASK], task_files=[str(tasks)]))
+    warnings = logging.FileHandler(work / "warnings.log")
+    warnings.setLevel(logging.WARNING)
+    logging.getLogger("prefect").addHandler(warnings)
+    try:
+        out = pretrain(
+            training=TrainingParams(train_iters=30, save_interval=10, eval_interval=10, eval_iters=1, compile=False),
+            cluster=ClusterParams(preset="local"), output=OutputParams(root=str(work / "runs")),
+            evaluation=EvaluationParams(sets=[EvalSet(name="held", sources=[str(write_held_out(work / "held.jsonl"))])],
+                                        tasks=[TASK], task_files=[str(tasks)]))
+    finally:
+        logging.getLogger("prefect").removeHandler(warnings)
+        warnings.close()
     return work, Path(out["run_dir"])
 
 
@@ -90,11 +98,18 @@ def test_a_checkpoint_scores_as_the_gpt_package_and_lm_evals_command_line_score_
     work, run_dir = evaluated_run
     spec = EvaluationSpec.read(run_dir)
     assert spec is not None and spec.tasks == [TASK] and set(spec.sets) == {"held"}
-    # Training kept its last two checkpoints; every save was kept for its evaluation.
+    # Training kept its last two checkpoints; every save was kept for its evaluation, and the run
+    # said that nothing on this server evaluates them, and that it keeps more than keep_last.
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_0000020", "iter_0000030"]
     pinned = run_dir / "eval" / "pinned" / "iter_0000010" / "checkpoints" / "iter_0000010"
     assert sorted(p.name for p in (run_dir / "eval" / "pinned").iterdir()) == ["iter_0000010", "iter_0000020",
                                                                                 "iter_0000030"]
+    said = (work / "warnings.log").read_text()
+    assert ("warning: evaluation: nothing on this Prefect server evaluates the saves (no automation reacts to "
+            "gpt.checkpoint.saved): each save to evaluate is kept until it is evaluated; evaluate them with "
+            f"`python -m flows.evaluate {run_dir} --iteration N`") in said, said
+    assert (f"{run_dir / 'eval' / 'pinned'} keeps 3 saves for their evaluation (iter_0000010, iter_0000020, "
+            "iter_0000030), more than keep_last=2: nothing on this Prefect server evaluates them") in said, said
 
     # The set's perplexity, computed here from the checkpoint's logits.
     config = Config.load(run_dir / "config.json")

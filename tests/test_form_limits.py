@@ -261,6 +261,24 @@ def test_a_huggingface_folders_weights_are_checked_against_its_model_from_their_
     assert out.returncode == 2 and "Traceback" not in out.stderr and "holds a list" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("overrides, says", [
+    ({"hang_timeout_s": 1e-9}, "training.overrides.hang_timeout_s: hang_timeout_s=1e-09: at least 5 s"),
+    ({"collective_timeout_s": 0.5}, "training.overrides.collective_timeout_s: collective_timeout_s=0.5: at least 5 s"),
+    ({"norm_epsilon": 1e300}, "training.overrides.norm_epsilon: norm_epsilon=1e+300: must lie between 0 and 1"),
+    ({"spike_window": 50}, "training.overrides.spike_window: spike_window=50 is as long as the run (10 iterations)"),
+])
+def test_absurd_values_are_refused_with_the_bounds_that_make_sense(tmp_path, overrides, says):
+    errors = _errors(tmp_path, training=TrainingParams(train_iters=10, overrides=overrides))
+    assert any(e.startswith(says) for e in errors), errors
+
+
+def test_a_shard_size_under_a_megabyte_is_refused_by_the_export(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gpt.export", str(tmp_path), str(tmp_path / "hf"), "--max-shard-size",
+                          "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "'0.1': at least 1MB" in out.stderr, out.stderr
+
+
 _ROLLBACK = {"kind": "loss spike", "iterations": [5], "losses": [9.0], "median": 3.0, "samples": [4, 3],
              "documents": [], "resumed_from": 0}
 

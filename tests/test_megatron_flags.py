@@ -69,6 +69,33 @@ def test_what_cannot_be_taken_as_written_is_refused_by_name(flag, message):
     assert any(line.startswith(message) for line in e.value.errors), e.value.errors
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--fp16", "--bf16"], "--fp16 and --bf16 give --precision two values; keep one"),
+    (["--tensor-model-parallel-size", "2", "--tp", "1"],
+     "--tensor-model-parallel-size 2 and --tp 1 give --tp two values; keep one"),
+    (["--num-layers", "2", "--set", "num_layers=6"], "--num-layers 2 and --set num_layers=6 give num_layers two values"),
+    (["--num-layers", "2", "--num-layers", "3"], "--num-layers 2 and --num-layers 3 give num_layers two values"),
+    (["--train-iters", "2", "--train-iters", "3"], "training.train_iters: --train-iters 2 and --train-iters 3 give two "
+                                                   "values; keep one"),
+    (["--set", "lr=1", "--set", "lr=2"], "training.overrides.lr: lr=1 and lr=2 give two values; keep one"),
+    (["--train-iters", "nan", "--lr-warmup-fraction", "0.1"],
+     "--lr-warmup-fraction 0.1: the warmup is a fraction of the decay, whose length 'nan' is no whole number"),
+    (["--train-iters", "abc"], "argument --train-iters/--training.train_iters: invalid int value: 'abc'"),
+    (["--eval-set", "held", "a.jsonl", "--eval-set", "held", "b.jsonl"], None),
+])
+def test_two_values_for_one_field_are_refused_naming_both(args, message):
+    """Two flags (or one flag twice) for one field are refused naming both, whichever spelling each
+    is in; the same value twice is taken; two sets of one name are two sets (the plan refuses them)."""
+    if message is None:
+        sets = parse_args(args)["evaluation"].sets
+        assert [(s.name, s.sources) for s in sets] == [("held", ["a.jsonl"]), ("held", ["b.jsonl"])]
+        return
+    with pytest.raises(ParameterError) as e:
+        parse_args(args)
+    assert any(message in line for line in e.value.errors), e.value.errors
+    assert parse_args(["--tp", "2", "--tensor-model-parallel-size", "2"])["training"].tensor_parallel == 2
+
+
 def test_a_shape_no_preset_has_takes_the_rest_from_the_nearest_preset_of_its_block():
     args = parse_args(["--num-layers", "7", "--hidden-size", "768", "--num-attention-heads", "12"])
     assert args["model"] == "gpt3-125m" and args["training"].overrides["num_layers"] == 7

@@ -215,7 +215,7 @@ def test_a_run_folder_a_bucket_holds_is_never_evaluated_and_no_job_runs_its_setu
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "evaluation.json").write_text(json.dumps({**spec, "cluster": {
         "preset": "local", "setup": [f"touch {pwned}"]}}))
-    with pytest.raises(ParameterError, match=r"evaluation.json is not an evaluation spec this version writes "
-                                             r"\(cluster.setup: Extra inputs are not permitted\)"):
+    with pytest.raises(ParameterError, match=r"evaluation.json: cluster.setup: extra inputs are not permitted "
+                                             r"\(it holds \["):
         EvaluationSpec.read(tmp_path / "run")
     assert not pwned.exists()

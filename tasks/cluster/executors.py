@@ -54,8 +54,9 @@ def executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str | 
         return ex
     ex = submitit.LocalExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     credentials = credential_variables()
+    # A Ctrl-C at the terminal is the flow's to answer (it cancels the job: each rank saves and stops).
     ex.update_parameters(tasks_per_node=cluster.tasks_per_node, nodes=1, timeout_min=cluster.time_limit,
-                         setup=[*([f"unset {' '.join(credentials)}"] if credentials else []),
+                         setup=["trap '' INT", *([f"unset {' '.join(credentials)}"] if credentials else []),
                                 *_local_threads(cluster), *cluster.setup_lines()])
     return ex
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import MARKER as COMPLETE
 from gpt.checkpoint import Checkpointer, iteration_of, newest_intact
@@ -19,6 +19,7 @@ from tasks.cluster.config import ClusterConfig, load_cluster
 from tasks.cluster.jobs import JOBS_FOLDER
 from tasks.cluster.record import JOBS_RECORD
 from tasks.common.errors import ParameterError
+from tasks.common.records import DamagedRecord, read_record
 from tasks.common.run_context import run_logger
 from tasks.trackers import Item
 
@@ -73,14 +74,10 @@ class EvaluationSpec(BaseModel):
         """The spec the run's pretrain flow wrote; None where it wrote none. One that does not read as
         this version writes it is refused, naming the file and its first wrong field."""
         try:
-            return cls.model_validate_json((run_dir / SPEC).read_text())
-        except FileNotFoundError:
-            return None
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise ParameterError([f"run: {run_dir / SPEC} is not an evaluation spec this version writes "
-                                  f"({'.'.join(map(str, first['loc'])) or 'the file'}: {first['msg']}); start the "
-                                  "run's pretrain flow again to write it"]) from None
+            raw = read_record(run_dir / SPEC, cls, "start the run's pretrain flow again to write it")
+        except DamagedRecord as e:
+            raise ParameterError([f"run: {e}"]) from None
+        return None if raw is None else cls.model_validate(raw)
 
     def evaluates(self, iteration: int, save_interval: int, total_iters: int) -> bool:
         """Whether the checkpoint saved at ``iteration`` is evaluated: every ``every``-th of the
@@ -105,9 +102,13 @@ def result_path(run_dir: Path, iteration: int) -> Path:
     return run_dir / FOLDER / f"iter_{iteration:07d}.json"
 
 
+def _result(path: Path) -> EvalResult:
+    return EvalResult.model_validate(read_record(path, EvalResult, "remove it to evaluate that checkpoint again"))
+
+
 def results(run_dir: Path) -> list[EvalResult]:
     """Every evaluation of the run written so far, by iteration."""
-    found = [EvalResult.model_validate_json(p.read_text()) for p in sorted((run_dir / FOLDER).glob("iter_*.json"))]
+    found = [_result(p) for p in sorted((run_dir / FOLDER).glob("iter_*.json"))]
     return sorted(found, key=lambda r: r.iteration)
 
 
@@ -181,10 +182,22 @@ def _not_a_pin(folder: Path) -> list[str]:
     return [entry.name for entry in folder.iterdir() if entry.name not in ("config.json", "checkpoints")]
 
 
+def pins(run_dir: Path) -> list[Path]:
+    """The checkpoints kept for their evaluation (see ``pin``), oldest first."""
+    return sorted((run_dir / FOLDER / PINNED).glob("iter_???????/checkpoints/iter_???????"))
+
+
+def unevaluated(run_dir: Path) -> str:
+    """What to do with pins no automation will evaluate."""
+    return (f"evaluate them with `python -m flows.evaluate {run_dir} --iteration N`, or remove "
+            f"{run_dir / FOLDER / PINNED}/iter_N to let one go (`python -m deployments.setup` creates the automation "
+            "that evaluates each save)")
+
+
 def checkpoint_at(run_dir: Path, iteration: int | None) -> Path:
     """The complete checkpoint at ``iteration`` (None: the newest intact one): pinned for its
     evaluation, or still in the run's checkpoints."""
-    pinned = sorted((run_dir / FOLDER / PINNED).glob("iter_???????/checkpoints/iter_???????"))
+    pinned = pins(run_dir)
     if iteration is None:
         newest, _ = newest_intact(run_dir / "checkpoints")
         candidates = [p for p in pinned if (p / COMPLETE).is_file()] + ([newest] if newest else [])
@@ -214,7 +227,7 @@ def evaluated(run_dir: Path, iteration: int | None) -> EvalResult | None:
     done = result_path(run_dir, iteration_of(checkpoint) if checkpoint is not None else iteration)
     if not done.is_file():
         return None
-    earlier = EvalResult.model_validate_json(done.read_text())
+    earlier = _result(done)
     if checkpoint is not None and earlier.saved_at != saved_at(checkpoint):
         return None
     if checkpoint is not None:

@@ -18,7 +18,7 @@ from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import HangWatch, Stragglers
 from tasks.common.progress import Progress, human_duration
 from tasks.common.run_context import run_logger
-from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, tracker_items
+from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, pins, tracker_items, unevaluated
 from tasks.trackers import Trackers
 from tasks.train.spikes import SpikeFound, SpikeWatch
 
@@ -87,6 +87,7 @@ class TrainingWatch:
         self.announced = iteration_of(newest) if newest else 0   # the newest save a checkpoint event was sent for
         self.spikes = SpikeWatch(config, since=self.announced)
         self.evaluation = EvaluationSpec.read(run_dir)
+        self.automated = self.evaluation is not None and events.saves_are_evaluated()
         self.evaluated = ResultsTail(run_dir)
         if config.mock_data and (config.spike_factor or config.nan_steps):
             self.log.info("loss spikes are not rolled back in this run: mock_data has no sample order to leave "
@@ -165,4 +166,10 @@ class TrainingWatch:
             self.log.warning("checkpoint %d was gone before it could be kept for its evaluation (keep_last %d): "
                              "it is not evaluated", iteration, c.keep_last)
             return False
+        kept = pins(self.run_dir)
+        if len(kept) > c.keep_last:
+            self.log.warning("%s keeps %d saves for their evaluation (%s), more than keep_last=%d: %s",
+                             self.run_dir / "eval" / "pinned", len(kept), ", ".join(p.name for p in kept), c.keep_last,
+                             "their evaluations run behind training; each is let go once evaluated" if self.automated
+                             else "nothing on this Prefect server evaluates them; " + unevaluated(self.run_dir))
         return True
