@@ -33,6 +33,8 @@ CONFIG_FIELD = {
     "--normalization": "normalization", "--norm-epsilon": "norm_epsilon", "--rotary-base": "rotary_base",
     "--lr": "lr", "--min-lr": "min_lr", "--lr-decay-style": "lr_decay_style", "--lr-decay-iters": "lr_decay_iters",
     "--lr-decay-samples": "lr_decay_samples", "--lr-warmup-iters": "lr_warmup_iters",
+    "--lr-wsd-decay-style": "lr_wsd_decay_style", "--lr-wsd-decay-iters": "lr_wsd_decay_iters",
+    "--lr-wsd-decay-samples": "lr_wsd_decay_samples",
     "--lr-warmup-samples": "lr_warmup_samples", "--weight-decay": "weight_decay", "--adam-beta1": "adam_beta1",
     "--adam-beta2": "adam_beta2", "--adam-eps": "adam_eps", "--clip-grad": "clip_grad",
     "--log-interval": "log_interval", "--eval-interval": "eval_interval", "--eval-iters": "eval_iters",

@@ -1,5 +1,6 @@
 """The optimizer's parts, each small and separate: the learning-rate schedule (Megatron's warmup,
-then cosine, linear or constant decay to min_lr), fp16's dynamic loss scaling, and AdamW with weight
+then cosine, linear or constant decay to min_lr, or WSD: stable, then a decay over the schedule's
+last stretch), fp16's dynamic loss scaling, and AdamW with weight
 decay on matrices only: the one each device steps best (torch_xla's sync-free AdamW on XLA, torch's
 fused AdamW on accelerators, its foreach AdamW on CPU), whose step is skipped on a device-side flag."""
 from __future__ import annotations
@@ -21,21 +22,30 @@ def lr_at(config: Config, iteration: int) -> float:
     (``iteration x global_batch_size``) when the run is given in samples.
     """
     if config.train_iters is not None:
-        x, warmup, decay = iteration, config.lr_warmup_iters, config.lr_decay_iters
+        x, warmup, decay, wsd = iteration, config.lr_warmup_iters, config.lr_decay_iters, config.lr_wsd_decay_iters
     else:
-        x, warmup, decay = iteration * config.global_batch_size, config.lr_warmup_samples, config.lr_decay_samples
+        x, warmup, decay, wsd = (iteration * config.global_batch_size, config.lr_warmup_samples,
+                                 config.lr_decay_samples, config.lr_wsd_decay_samples)
     if warmup > 0 and x <= warmup:
         return config.lr * x / warmup
     if config.lr_decay_style == "constant":
         return config.lr
     if x >= decay:
         return config.min_lr
-    ratio = (x - warmup) / (decay - warmup)
-    if config.lr_decay_style == "linear":
-        coeff = 1.0 - ratio
+    if config.lr_decay_style == "WSD":        # stable until the last ``wsd`` of the decay
+        style, ratio = config.lr_wsd_decay_style, max(0.0, (x - (decay - wsd)) / wsd)
     else:
-        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
-    return config.min_lr + coeff * (config.lr - config.min_lr)
+        style, ratio = config.lr_decay_style, (x - warmup) / (decay - warmup)
+    return config.min_lr + _DECAYS[style](ratio) * (config.lr - config.min_lr)
+
+
+# The share of (lr - min_lr) left at ``ratio`` of a decay, by its shape (Megatron's names).
+_DECAYS = {
+    "linear": lambda ratio: 1.0 - ratio,
+    "cosine": lambda ratio: 0.5 * (1.0 + math.cos(math.pi * ratio)),
+    "exponential": lambda ratio: 2.0 * 0.5 ** ratio - 1.0,
+    "minus_sqrt": lambda ratio: 1.0 - math.sqrt(ratio),
+}
 
 
 # -- fp16 dynamic loss scaling ---------------------------------------------------------------

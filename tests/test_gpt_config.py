@@ -122,6 +122,60 @@ def test_lr_schedule_by_iterations():
     assert lr_at(constant, 100) == pytest.approx(1e-3)
 
 
+def _megatron_wsd_lr(num_steps: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+                     wsd_decay_steps: int, style: str) -> float:
+    """Megatron's OptimizerParamScheduler.get_lr for --lr-decay-style WSD, written out here from its
+    definition: steps count samples (an iteration is global_batch_size of them), init_lr is 0."""
+    if warmup_steps > 0 and num_steps <= warmup_steps:
+        return max_lr * num_steps / warmup_steps
+    if num_steps > decay_steps:
+        return min_lr
+    anneal_start = decay_steps - wsd_decay_steps
+    if num_steps <= anneal_start:
+        coeff = 1.0
+    else:
+        r = (num_steps - anneal_start) / wsd_decay_steps
+        coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                 "exponential": 2.0 * math.pow(0.5, r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[style]
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+@pytest.mark.parametrize("style", ["exponential", "linear", "cosine", "minus_sqrt"])
+@pytest.mark.parametrize("warmup, decay, wsd", [(10, 110, 20), (10, 120, 120), (0, 120, 1)])
+def test_wsd_schedule_is_megatrons_for_the_same_flags(style, warmup, decay, wsd):
+    """Every iteration's learning rate, scheduled by iterations and by samples, against Megatron's
+    formula for the same flags (a decay as long as the whole schedule included)."""
+    gbs = 8
+    by_iters = Config(mock_data=True, lr=1e-3, min_lr=1e-5, global_batch_size=gbs, train_iters=120,
+                      lr_warmup_iters=warmup, lr_decay_iters=decay, lr_decay_style="WSD", lr_wsd_decay_style=style,
+                      lr_wsd_decay_iters=wsd)
+    by_samples = Config(mock_data=True, lr=1e-3, min_lr=1e-5, global_batch_size=gbs, train_samples=120 * gbs,
+                        lr_warmup_samples=warmup * gbs, lr_decay_samples=decay * gbs, lr_decay_style="WSD",
+                        lr_wsd_decay_style=style, lr_wsd_decay_samples=wsd * gbs)
+    for iteration in range(1, 121):
+        theirs = _megatron_wsd_lr(iteration * gbs, 1e-3, 1e-5, warmup * gbs, decay * gbs, wsd * gbs, style)
+        assert lr_at(by_iters, iteration) == pytest.approx(theirs, rel=1e-12, abs=1e-15), iteration
+        assert lr_at(by_samples, iteration) == pytest.approx(theirs, rel=1e-12, abs=1e-15), iteration
+    stable = [lr_at(by_iters, i) for i in range(warmup + 1, decay - wsd + 1)]
+    assert stable == [1e-3] * len(stable)
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(lr_decay_style="WSD"), "lr_decay_style=WSD decays over the last lr_wsd_decay_iters"),
+    (dict(lr_decay_style="WSD", lr_wsd_decay_iters=200), "lr_wsd_decay_iters=200: the decay "
+                                                          "lies within lr_decay_iters=120"),
+    (dict(lr_decay_style="WSD", lr_wsd_decay_iters=0), "lr_wsd_decay_iters=0"),
+    (dict(lr_wsd_decay_iters=20), "lr_wsd_decay_iters is set but lr_decay_style=cosine"),
+    (dict(lr_decay_style="WSD", lr_wsd_decay_samples=20), "lr_wsd_decay_samples is set but the schedule counts by "
+                                                           "train_iters"),
+    (dict(lr_decay_style="WSD", lr_wsd_decay_iters=20, lr_wsd_decay_style="step"), "lr_wsd_decay_style"),
+])
+def test_a_wsd_schedule_that_cannot_be_is_refused_by_field(fields, says):
+    with pytest.raises(ConfigError) as e:
+        Config(mock_data=True, train_iters=120, **fields).validate(1)
+    assert says in str(e.value), str(e.value)
+
+
 def test_lr_schedule_by_samples():
     c = Config(mock_data=True, lr=1e-3, min_lr=1e-4, global_batch_size=8, train_samples=960,
                lr_warmup_samples=80, lr_decay_samples=880)

@@ -96,6 +96,14 @@ def test_two_values_for_one_field_are_refused_naming_both(args, message):
     assert parse_args(["--tp", "2", "--tensor-model-parallel-size", "2"])["training"].tensor_parallel == 2
 
 
+def test_megatrons_wsd_flags_are_the_wsd_schedule():
+    args = parse_args(["--train-iters", "1000", "--lr-warmup-iters", "10", "--lr-decay-style", "WSD",
+                       "--lr-wsd-decay-style", "minus_sqrt", "--lr-wsd-decay-iters", "200"])
+    overrides = args["training"].overrides
+    assert (overrides["lr_decay_style"], overrides["lr_wsd_decay_style"], overrides["lr_wsd_decay_iters"]) == \
+        ("WSD", "minus_sqrt", 200)
+
+
 def test_a_shape_no_preset_has_takes_the_rest_from_the_nearest_preset_of_its_block():
     args = parse_args(["--num-layers", "7", "--hidden-size", "768", "--num-attention-heads", "12"])
     assert args["model"] == "gpt3-125m" and args["training"].overrides["num_layers"] == 7

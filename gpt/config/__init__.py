@@ -119,7 +119,10 @@ class ScheduleSection:
     lr_warmup_samples: int | None = None
     lr_decay_iters: int | None = None
     lr_decay_samples: int | None = None
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "cosine"             # or WSD: warmup, then stable at lr, then a decay over the
+    lr_wsd_decay_style: str = "exponential"    # last lr_wsd_decay_iters (or _samples) of lr_decay_*,
+    lr_wsd_decay_iters: int | None = None      # shaped as Megatron's --lr-wsd-decay-style
+    lr_wsd_decay_samples: int | None = None
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

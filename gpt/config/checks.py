@@ -11,10 +11,11 @@ from pathlib import Path
 # A problem of a configuration: the field it is about ("" for the whole) and what to change.
 Problem = tuple[str, str]
 
-SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
-SCHEDULE_SAMPLES = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
+SCHEDULE_ITERS = ("train_iters", "lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters")
+SCHEDULE_SAMPLES = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 CHOICES = {
-    "lr_decay_style": ("cosine", "linear", "constant"),
+    "lr_decay_style": ("cosine", "linear", "constant", "WSD"),
+    "lr_wsd_decay_style": ("exponential", "linear", "cosine", "minus_sqrt"),
     "data_parallel_mode": ("fsdp", "ddp"),
     "device": ("auto", "cpu", "cuda", "neuron"),
     "precision": ("fp32", "bf16", "fp16", "fp8"),
@@ -181,7 +182,7 @@ class Checked:
             if getattr(self, name) is not None:
                 found.append((name, f"{name} is set but the schedule counts by {own[0]}; use {', '.join(own[1:])} "
                                   f"or schedule by {other[0]}"))
-        total, warmup, decay = (getattr(self, n) for n in own)
+        total, warmup, decay, wsd = (getattr(self, n) for n in own)
         if total < 1:
             found.append((own[0], f"{own[0]}={total}: must be at least 1" +
                          (f" iteration (train_samples must reach global_batch_size={self.global_batch_size})" if own is SCHEDULE_SAMPLES else "")))
@@ -191,6 +192,14 @@ class Checked:
             found.append((own[1], f"{own[1]}={warmup} must be >= 0 and {own[2]}={decay} must be >= 1"))
         if warmup > decay:
             found.append((own[1], f"{own[1]}={warmup} is longer than {own[2]}={decay}; shorten the warmup"))
+        if self.lr_decay_style == "WSD" and wsd is None:
+            found.append((own[3], f"lr_decay_style=WSD decays over the last {own[3]} of {own[2]}: set it (Megatron's "
+                                  f"--{own[3].replace('_', '-')})"))
+        elif self.lr_decay_style == "WSD" and not 1 <= wsd <= decay:
+            found.append((own[3], f"{own[3]}={wsd}: the decay lies within {own[2]}={decay}: between 1 and {decay}"))
+        elif self.lr_decay_style != "WSD" and wsd is not None:
+            found.append((own[3], f"{own[3]} is set but lr_decay_style={self.lr_decay_style}: set lr_decay_style=WSD "
+                                  "for a warmup-stable-decay schedule, or remove it"))
         return found
 
     def _other_problems(self, dp: int) -> list[Problem]:
