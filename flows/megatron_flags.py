@@ -34,7 +34,7 @@ CONFIG_FIELD = {
     "--lr": "lr", "--min-lr": "min_lr", "--lr-decay-style": "lr_decay_style", "--lr-decay-iters": "lr_decay_iters",
     "--lr-decay-samples": "lr_decay_samples", "--lr-warmup-iters": "lr_warmup_iters",
     "--lr-wsd-decay-style": "lr_wsd_decay_style", "--lr-wsd-decay-iters": "lr_wsd_decay_iters",
-    "--lr-wsd-decay-samples": "lr_wsd_decay_samples",
+    "--lr-wsd-decay-samples": "lr_wsd_decay_samples", "--init-method-std": "init_method_std",
     "--lr-warmup-samples": "lr_warmup_samples", "--weight-decay": "weight_decay", "--adam-beta1": "adam_beta1",
     "--adam-beta2": "adam_beta2", "--adam-eps": "adam_eps", "--clip-grad": "clip_grad",
     "--log-interval": "log_interval", "--eval-interval": "eval_interval", "--eval-iters": "eval_iters",
@@ -64,7 +64,6 @@ DECIDED_HERE = {
 }
 TOKENIZER_TYPES = {"GPT2BPETokenizer": "--vocab-file and --merge-file",
                    "HuggingFaceTokenizer": "--tokenizer-model (a tokenizer.json)"}
-INIT_METHOD_STD = 0.02
 
 
 class MegatronFlagError(ValueError):
@@ -79,7 +78,7 @@ def is_megatron(argv: list[str]) -> bool:
     """Whether the command line uses any flag that only Megatron-LM spells this way."""
     ours = set(SAME_VALUE.values())
     return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *FIELD_SWITCHES, *DECIDED_HERE, "--data-path",
-                            "--tokenizer-type", "--lr-warmup-fraction", "--init-method-std") and _name(a) not in ours
+                            "--tokenizer-type", "--lr-warmup-fraction") and _name(a) not in ours
                for a in argv)
 
 
@@ -120,11 +119,6 @@ def translate(argv: list[str]) -> list[str]:
                                     + " or ".join(f"{k} ({v})" for k, v in TOKENIZER_TYPES.items()))
         elif flag == "--lr-warmup-fraction":
             warmup_fraction = next(iter(_one(flag, values, problems)), None)
-        elif flag == "--init-method-std":
-            for value in _one(flag, values, problems):
-                if _number(value) != INIT_METHOD_STD:
-                    problems.append(f"--init-method-std {value}: this project initialises with std {INIT_METHOD_STD} "
-                                    "(GPT-2's, Megatron's default); drop the flag")
         else:
             out += argv[start:i]         # this command's own flag, as it was written
     if warmup_fraction is not None:

@@ -154,7 +154,7 @@ def hf_config(config: Config, eod_id: int | None, dtype: str = "fp32") -> dict:
             "rms_norm_eps": config.norm_epsilon, "rope_theta": float(config.rotary_base), "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rotary_base)},
             "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
-            "tie_word_embeddings": tied(config), "initializer_range": 0.02, "attention_dropout": 0.0,
+            "tie_word_embeddings": tied(config), "initializer_range": config.init_method_std, "attention_dropout": 0.0,
             "pretraining_tp": 1, "use_cache": True, "bos_token_id": eod_id, "eos_token_id": eod_id,
             "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."),
         }
@@ -167,7 +167,7 @@ def gpt2_config(config: Config, eod_id: int | None) -> dict:
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
         "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size, "n_layer": config.num_layers,
         "n_head": config.num_attention_heads, "n_inner": 4 * config.hidden_size, "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5, "initializer_range": config.init_method_std, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
         "bos_token_id": eod_id, "eos_token_id": eod_id, "torch_dtype": "float32",
     }

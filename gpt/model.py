@@ -346,8 +346,9 @@ def plain_name(name: str) -> str:
 
 
 def initial_weight(name: str, shape: torch.Size, config: Config) -> torch.Tensor:
-    """The whole initial value of parameter ``name``, GPT-2's: N(0, 0.02), residual projections
-    scaled by 1/sqrt(2 x layers), LayerNorms at one and zero, biases zero. Drawn from a generator
+    """The whole initial value of parameter ``name``, GPT-2's and Megatron's: N(0, init_method_std),
+    the output layers of attention and MLP (residual projections) scaled by 1/sqrt(2 x layers), the
+    norms at one and zero, biases zero. Drawn from a generator
     seeded by (seed, name), so it is the same whatever the parallel layout."""
     # Tied, the output layer is the embedding (on a pipeline's last stage, a copy of the first's).
     name = "wte.weight" if plain_name(name) == "lm_head.weight" and tied(config) else plain_name(name)
@@ -355,7 +356,7 @@ def initial_weight(name: str, shape: torch.Size, config: Config) -> torch.Tensor
         return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
     if name.endswith("bias"):
         return torch.zeros(shape)
-    std = 0.02 / math.sqrt(2 * config.num_layers) if name.endswith("c_proj.weight") else 0.02
+    std = config.init_method_std / (math.sqrt(2 * config.num_layers) if name.endswith("c_proj.weight") else 1)
     g = torch.Generator().manual_seed(config.seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.randn(shape, generator=g) * std
 

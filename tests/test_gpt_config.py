@@ -232,3 +232,23 @@ def test_every_field_is_in_one_section_under_its_own_name():
     assert c.section("schedule")["lr"] == c.lr == 1e-4 and "lr" not in c.section("run")
     assert c.schedule.lr == 1e-4 and c.parallel.tensor_parallel == 2 and c.architecture.hidden_size == 2048
     assert isinstance(c.run, RunSection) and not hasattr(c.run, "lr")
+
+
+def test_the_initial_weights_spread_as_init_method_std_says_the_output_layers_scaled():
+    import torch
+
+    from gpt.model import GPT
+
+    torch.manual_seed(0)
+    config = Config(mock_data=True, device="cpu", precision="fp32", train_iters=1, init_method_std=0.05)
+    weights = dict(GPT(config).named_parameters())
+    scaled = 0.05 / math.sqrt(2 * config.num_layers)
+    assert float(weights["wte.weight"].std()) == pytest.approx(0.05, rel=0.02)
+    for i in range(config.num_layers):
+        assert float(weights[f"h.{i}.attn.qkv.weight"].std()) == pytest.approx(0.05, rel=0.03)
+        assert float(weights[f"h.{i}.mlp.c_fc.weight"].std()) == pytest.approx(0.05, rel=0.03)
+        assert float(weights[f"h.{i}.attn.c_proj.weight"].std()) == pytest.approx(scaled, rel=0.03)
+        assert float(weights[f"h.{i}.mlp.c_proj.weight"].std()) == pytest.approx(scaled, rel=0.03)
+    assert Config.from_preset("gpt3-175b", mock_data=True).init_method_std == 0.006
+    with pytest.raises(ConfigError, match="init_method_std=0.0: must lie between 0 and 1"):
+        Config(mock_data=True, train_iters=1, init_method_std=0).validate(1)

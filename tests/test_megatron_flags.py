@@ -26,7 +26,7 @@ GPT3_OURS = """--model gpt-7.5b --tp 4 --pp 1 --seq-length 2048 --micro-batch-si
 --set lr_decay_samples=126953125 --set lr_warmup_samples=183105 --set lr=1.2e-4 --set min_lr=1.2e-5
 --set lr_decay_style=cosine --set weight_decay=0.1 --set adam_beta1=0.9 --set adam_beta2=0.95 --set adam_eps=1e-8
 --set clip_grad=1.0 --set log_interval=10 --set eval_interval=1000 --set eval_iters=10
---set save_interval=1000""".split()
+--set save_interval=1000 --set init_method_std=0.02""".split()
 
 # Llama 3 8B as Megatron writes it.
 LLAMA_MEGATRON = """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention
@@ -59,7 +59,6 @@ def test_llama3_8b_in_megatrons_flags_is_the_llama3_8b_preset():
     (["--save", "/ckpt"], "--save: not used here: the run's folder keeps its checkpoints"),
     (["--distributed-backend", "nccl"], "--distributed-backend: not used here: the cluster preset's device"),
     (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer: not supported"),
-    (["--init-method-std", "0.006"], "--init-method-std 0.006: this project initialises with std 0.02"),
     (["--lr-warmup-fraction", "0.01"], "--lr-warmup-fraction: give --lr-decay-iters or --train-iters"),
     (["--data-path", "0.5", "a", "b"], "--data-path 0.5 a b: expected one prefix, or weight and prefix pairs"),
 ])

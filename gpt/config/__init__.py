@@ -156,6 +156,8 @@ class RunSection:
     """Where the run keeps its files, how often it logs, evaluates and saves, where it starts from
     and when it counts as hung."""
     seed: int = 1234
+    init_method_std: float | None = None       # initial weights N(0, std), output layers std / sqrt(2 x
+                                               # layers); the preset's, else 0.02 (GPT-2's, Megatron's)
     run_dir: str = "runs/default"              # config.json, metrics.jsonl, tensorboard/, checkpoints/
     log_interval: int = 10
     eval_interval: int = 100
@@ -232,6 +234,8 @@ class Config(Checked, RunSection, ParallelSection, ScheduleSection, DataSection,
             if getattr(self, name) is None:
                 self._set(name, preset.get(name, default) if self.hidden_size == preset["hidden_size"] else default)
         self._fill_schedule(preset)
+        if self.init_method_std is None:
+            self._set("init_method_std", preset.get("init_method_std", 0.02))
         if self.max_position_embeddings is None:
             self._set("max_position_embeddings", self.seq_length)
 

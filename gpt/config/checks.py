@@ -117,6 +117,9 @@ class Checked:
         if self.position_embedding_type == "rope" and (self.hidden_size // heads) % 2:
             found.append(("position_embedding_type", f"rope rotates pairs of a head's dimensions: the head size "
                          f"{self.hidden_size // heads} (hidden_size / num_attention_heads) must be even"))
+        if not 0 < self.init_method_std < 1:
+            found.append(("init_method_std", f"init_method_std={self.init_method_std}: must lie between 0 and 1 "
+                                             "(0.02 is GPT-2's and Megatron's default)"))
         if not 0 < self.norm_epsilon < 1:
             found.append(("norm_epsilon", f"norm_epsilon={self.norm_epsilon}: must lie between 0 and 1 (a small "
                                           "number added to the variance, such as 1e-5)"))

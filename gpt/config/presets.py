@@ -44,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-2.7b": _gpt3(32, 2560, 32, 1.6e-4, 512),
     "gpt3-6.7b": _gpt3(32, 4096, 32, 1.2e-4, 1024),
     "gpt3-13b": _gpt3(40, 5120, 40, 1e-4, 1024),
-    "gpt3-175b": _gpt3(96, 12288, 96, 0.6e-4, 1536),
+    "gpt3-175b": {**_gpt3(96, 12288, 96, 0.6e-4, 1536), "init_method_std": 0.006},   # Megatron-LM's 175B example
     # Megatron-LM's scaling table (heads, hidden, layers, batch).
     "gpt-1.7b": _gpt3(24, 2304, 24, 2e-4, 512),
     "gpt-3.6b": _gpt3(30, 3072, 32, 1.6e-4, 512),
