@@ -159,34 +159,3 @@ def test_trainium_graphs_come_from_neuron_parallel_compile_with_torch_compile_of
         assert complete.compile_cache_dir == str(tmp_path / "data" / "compile-cache" / cache_key(complete, plan.cluster))
         assert job_config(complete).run_dir == str(plan.run_dir / "precompile") and job_config(complete).precompile
 
-
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def test_every_cluster_preset_the_readme_names_is_shipped():
-    text = README.read_text()
-    named = set(re.findall(r"--cluster ([\w.-]+)", text)) | set(re.findall(r'"preset": "([\w.-]+)"', text))
-    shipped = {p.stem for p in PRESET_DIR.glob("*.yaml")}
-    assert named and named <= shipped, f"the README names presets not shipped: {sorted(named - shipped)}"
-    h100 = load_cluster("p5-8gpu")
-    assert (h100.accelerator, h100.world_size, h100.price_per_node_hour is not None) == ("h100-80gb", 128, True)
-
-
-@pytest.mark.timeout(200)
-def test_the_readmes_megatron_argument_list_on_h100s_plans_as_written(tmp_path):
-    """The seed-style argument list of *Llama and Megatron's flags*, taken from the README as it is
-    (its paths are elsewhere: a dry run plans without them), on the shipped H100 preset."""
-    import os
-    import shlex
-    import sys
-
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-    (command,) = [c for b in blocks for c in b.replace("\\\n", " ").splitlines()
-                  if "--tensor-model-parallel-size" in c and "--cluster p5-8gpu" in c]
-    args = shlex.split(command)[3:]                       # after python3 -m flows.pretrain
-    out = subprocess.run([sys.executable, "-m", "flows.pretrain", *args, "--dry-run", "--root", str(tmp_path)],
-                         cwd=README.parent, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "GPT_OUTPUT_ROOTS": str(tmp_path), "GPT_INPUT_ROOTS": "/fsx"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "cluster: p5-8gpu (slurm, 16 x 8 tasks, h100-80gb)" in out.stdout
-    assert "device memory: 80 GiB per device (accelerator h100-80gb)" in out.stdout, out.stdout
