@@ -23,12 +23,18 @@ def parse_args(argv: list[str] | None = None, form: Mapping[str, Any] = FORM) ->
     flags are taken as flows.megatron_flags translates them). Raises ParameterError naming every bad
     flag value, in the plan's format."""
     argv = sys.argv[1:] if argv is None else argv
+    problems: list[str] = []
     if megatron_flags.is_megatron(argv):
-        try:
-            argv = megatron_flags.translate(argv)
-        except megatron_flags.MegatronFlagError as e:
-            raise ParameterError(e.problems) from None
-    return flags.parameters(flags.parser(form).parse_args(argv), form)
+        argv, problems, notes = megatron_flags.translate(argv)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+    try:        # every problem at once: the Megatron flags', then those of the rest of the line
+        params = flags.parameters(flags.parser(form).parse_args(argv), form)
+    except ParameterError as e:
+        raise ParameterError(problems + e.errors) from None
+    if problems:
+        raise ParameterError(problems)
+    return params
 
 
 def refuse_before_prefect(pretrain: Callable[..., dict], params: dict[str, Any]) -> Plan:

@@ -12,6 +12,7 @@ one that a run's folder or cluster preset decides here is refused naming what do
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from gpt.config import ARCHITECTURE, Config, ConfigError, nearest_preset
 from gpt.config.overrides import split_assignment
@@ -57,10 +58,14 @@ DECIDED_HERE = {
     "--distributed-backend": "the cluster preset's device decides it (NCCL on GPUs, gloo on CPUs)",
     "--tensorboard-dir": "every run writes <run>/tensorboard",
     "--data-cache-path": "the index stage keeps the sample order beside the data (--root)",
+    "--exit-duration-in-mins": "the cluster preset's time limit ends a job, which saves and requeues",
+}
+# Megatron's choices of implementation, which change nothing of the recipe: taken, with a note.
+IMPLEMENTATION = {
     "--use-mcore-models": "the model is the gpt package's",
     "--transformer-impl": "the model is the gpt package's",
+    "--attention-backend": "attention is torch's scaled_dot_product_attention, which picks its kernel itself",
     "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks the flash kernel itself",
-    "--exit-duration-in-mins": "the cluster preset's time limit ends a job, which saves and requeues",
 }
 TOKENIZER_TYPES = {"GPT2BPETokenizer": "--vocab-file and --merge-file",
                    "HuggingFaceTokenizer": "--tokenizer-model (a tokenizer.json)"}
@@ -77,16 +82,24 @@ class MegatronFlagError(ValueError):
 def is_megatron(argv: list[str]) -> bool:
     """Whether the command line uses any flag that only Megatron-LM spells this way."""
     ours = set(SAME_VALUE.values())
-    return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *FIELD_SWITCHES, *DECIDED_HERE, "--data-path",
+    return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *FIELD_SWITCHES, *DECIDED_HERE, *IMPLEMENTATION,
+                            "--data-path",
                             "--tokenizer-type", "--lr-warmup-fraction") and _name(a) not in ours
                for a in argv)
 
 
-def translate(argv: list[str]) -> list[str]:
-    """``argv`` with Megatron's flags rewritten as this command's; MegatronFlagError names each
-    flag that cannot be. Flags that are this command's own pass unchanged."""
+class Translated(NamedTuple):
+    argv: list[str]                 # this command's flags; those that could not be translated left out
+    problems: list[str]             # one line per flag that cannot be taken as written
+    notes: list[str]                # flags taken that change nothing here, and why
+
+
+def translate(argv: list[str]) -> Translated:
+    """``argv`` with Megatron's flags rewritten as this command's, every flag that cannot be named
+    at once. Flags that are this command's own pass unchanged."""
     out: list[str] = []
     problems: list[str] = []
+    notes: list[str] = []
     fields: dict[str, str] = {}
     warmup_fraction: str | None = None
     given: dict[str, tuple[str, str]] = {}      # what a value is for -> the flag that gave it, and the value
@@ -110,6 +123,8 @@ def translate(argv: list[str]) -> list[str]:
                 problems.append(f"{flag}: takes no value (got {' '.join(values)})")
         elif flag in DECIDED_HERE:
             problems.append(f"{flag}: not used here: {DECIDED_HERE[flag]}")
+        elif flag in IMPLEMENTATION:
+            notes.append(f"{' '.join([flag, *values])}: taken, and changes nothing: {IMPLEMENTATION[flag]}")
         elif flag == "--data-path":
             out += _data_path(values, problems)
         elif flag == "--tokenizer-type":
@@ -123,11 +138,13 @@ def translate(argv: list[str]) -> list[str]:
             out += argv[start:i]         # this command's own flag, as it was written
     if warmup_fraction is not None:
         fields.update(_warmup_from_fraction(warmup_fraction, fields, out, problems))
-    if problems:
-        raise MegatronFlagError(problems)
     if "--model" not in out and any(f in ARCHITECTURE for f in fields):
-        out += ["--model", preset_of_shape(fields)]
-    return out + [a for name, value in fields.items() for a in ("--set", f"{name}={value}")]
+        try:
+            out += ["--model", preset_of_shape(fields)]
+        except MegatronFlagError as e:
+            problems += e.problems
+    return Translated(out + [a for name, value in fields.items() for a in ("--set", f"{name}={value}")], problems,
+                      notes)
 
 
 def _targets(flag: str, values: list[str]) -> list[tuple[str, str, str]]:

@@ -58,6 +58,7 @@ def test_llama3_8b_in_megatrons_flags_is_the_llama3_8b_preset():
 @pytest.mark.parametrize("flag, message", [
     (["--save", "/ckpt"], "--save: not used here: the run's folder keeps its checkpoints"),
     (["--distributed-backend", "nccl"], "--distributed-backend: not used here: the cluster preset's device"),
+    (["--exit-duration-in-mins", "230"], "--exit-duration-in-mins: not used here: the cluster preset's time limit"),
     (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer: not supported"),
     (["--lr-warmup-fraction", "0.01"], "--lr-warmup-fraction: give --lr-decay-iters or --train-iters"),
     (["--data-path", "0.5", "a", "b"], "--data-path 0.5 a b: expected one prefix, or weight and prefix pairs"),
@@ -119,3 +120,30 @@ def test_an_unsupported_megatron_flag_is_one_line_from_the_command():
                           "--load", "/ckpt"], cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert run.returncode != 0 and "Traceback" not in run.stderr + run.stdout
     assert "--load: not used here: a run resumes from its own folder" in run.stdout + run.stderr
+
+
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, its arrays as they are (paths filled in).
+GPT3_175B_EXAMPLE = """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+--max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 --global-batch-size 1536
+--rampup-batch-size 16 16 5859375 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+--init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6
+--lr-warmup-fraction .001 --lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+--data-path /fsx/data/gpt3_text_document --vocab-file /fsx/gpt2-vocab.json --merge-file /fsx/gpt2-merges.txt
+--split 949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000 --save /fsx/ckpt --load /fsx/ckpt
+--eval-iters 10 --tensorboard-dir /fsx/tb""".split()
+
+
+def test_megatrons_gpt3_175b_example_gets_every_problem_in_one_message_and_the_rest_of_its_recipe(capsys):
+    with pytest.raises(ParameterError) as e:
+        parse_args(GPT3_175B_EXAMPLE)
+    assert [line.split(":")[0] for line in e.value.errors] == ["--save", "--load", "--tensorboard-dir",
+                                                               "unrecognized arguments"], e.value.errors
+    assert e.value.errors[-1].startswith("unrecognized arguments: --rampup-batch-size 16 16 5859375")
+    assert "note: --attention-backend auto: taken, and changes nothing" in capsys.readouterr().err
+    left = [a for i, a in enumerate(GPT3_175B_EXAMPLE) if a not in ("--save", "--load", "--tensorboard-dir")
+            and GPT3_175B_EXAMPLE[i - 1] not in ("--save", "--load", "--tensorboard-dir")]
+    left = left[:left.index("--rampup-batch-size")] + left[left.index("--rampup-batch-size") + 4:]
+    params = parse_args(left)
+    overrides = params["training"].overrides
+    assert params["model"] == "gpt3-175b" and params["training"].precision == "fp16"
+    assert (overrides["init_method_std"], overrides["lr_decay_iters"], overrides["lr_warmup_iters"]) == (0.006, 430000, 430)
