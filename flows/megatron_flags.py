@@ -12,6 +12,7 @@ one that a run's folder or cluster preset decides here is refused naming what do
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 from gpt.config import ARCHITECTURE, Config, ConfigError, nearest_preset
@@ -53,8 +54,6 @@ FIELD_SWITCHES = {
 }
 # Megatron flags whose job something else does here.
 DECIDED_HERE = {
-    "--save": "the run's folder keeps its checkpoints (--root and --run-name name it)",
-    "--load": "a run resumes from its own folder; --init-from starts a new run from another",
     "--distributed-backend": "the cluster preset's device decides it (NCCL on GPUs, gloo on CPUs)",
     "--tensorboard-dir": "every run writes <run>/tensorboard",
     "--data-cache-path": "the index stage keeps the sample order beside the data (--root)",
@@ -83,7 +82,7 @@ def is_megatron(argv: list[str]) -> bool:
     """Whether the command line uses any flag that only Megatron-LM spells this way."""
     ours = set(SAME_VALUE.values())
     return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *FIELD_SWITCHES, *DECIDED_HERE, *IMPLEMENTATION,
-                            "--data-path",
+                            "--save", "--load", "--data-path",
                             "--tokenizer-type", "--lr-warmup-fraction") and _name(a) not in ours
                for a in argv)
 
@@ -102,14 +101,18 @@ def translate(argv: list[str]) -> Translated:
     notes: list[str] = []
     fields: dict[str, str] = {}
     warmup_fraction: str | None = None
+    folders: dict[str, str] = {}                # --save, --load -> the folder named
     given: dict[str, tuple[str, str]] = {}      # what a value is for -> the flag that gave it, and the value
     i = 0
     while i < len(argv):
         start, (flag, inline) = i, _split(argv[i])
         values, i = _values(argv, i, inline)
+        contradicts = [f"{given[target][0]} and {shown} give {target} two values; keep one"
+                       for target, value, shown in _targets(flag, values) if target in given and given[target][1] != value]
+        if contradicts:         # said once, here: the flag goes no further
+            problems += contradicts
+            continue
         for target, value, shown in _targets(flag, values):
-            if target in given and given[target][1] != value:
-                problems.append(f"{given[target][0]} and {shown} give {target} two values; keep one")
             given.setdefault(target, (shown, value))
         if flag in SAME_VALUE:
             out += [SAME_VALUE[flag], *_one(flag, values, problems)]
@@ -134,10 +137,13 @@ def translate(argv: list[str]) -> Translated:
                                     + " or ".join(f"{k} ({v})" for k, v in TOKENIZER_TYPES.items()))
         elif flag == "--lr-warmup-fraction":
             warmup_fraction = next(iter(_one(flag, values, problems)), None)
+        elif flag in ("--save", "--load"):
+            folders.update((flag, value) for value in _one(flag, values, problems))
         else:
             out += argv[start:i]         # this command's own flag, as it was written
     if warmup_fraction is not None:
         fields.update(_warmup_from_fraction(warmup_fraction, fields, out, problems))
+    out += _checkpoint_folders(folders, notes)
     if "--model" not in out and any(f in ARCHITECTURE for f in fields):
         try:
             out += ["--model", preset_of_shape(fields)]
@@ -145,6 +151,24 @@ def translate(argv: list[str]) -> Translated:
             problems += e.problems
     return Translated(out + [a for name, value in fields.items() for a in ("--set", f"{name}={value}")], problems,
                       notes)
+
+
+def _checkpoint_folders(folders: dict[str, str], notes: list[str]) -> list[str]:
+    """Megatron's --save folder is this run's folder (its parent the output root, its name the run's
+    name), which a run resumes from; a --load of another folder starts a new run from it, its
+    optimizer state too, as Megatron loads it."""
+    out = []
+    save, load = folders.get("--save"), folders.get("--load")
+    if save is not None:
+        where = Path(save.rstrip("/"))
+        out += ["--root", str(where.parent), "--run-name", where.name]
+        notes.append(f"--save {save}: the run's folder ({where}); a run resumes from its own folder"
+                     + (", which --load names too" if load is not None and Path(load.rstrip("/")) == where else ""))
+    if load is not None and (save is None or Path(load.rstrip("/")) != Path(save.rstrip("/"))):
+        out += ["--init-from", load, "--init-from-optimizer"]
+        notes.append(f"--load {load}: a new run starts from that run or checkpoint, its weights and optimizer "
+                     "state (--init-from, --init-from-optimizer)")
+    return out
 
 
 def _targets(flag: str, values: list[str]) -> list[tuple[str, str, str]]:
@@ -162,7 +186,10 @@ def _targets(flag: str, values: list[str]) -> list[tuple[str, str, str]]:
     if flag == "--set":
         return [(name, value, f"--set {name}={value}") for name, value in map(split_assignment, values)
                 if value is not None]
-    if (flag in SAME_VALUE.values() or flag == "--precision") and one is not None:
+    if flag == "--save" and one is not None:
+        where = Path(one.rstrip("/"))
+        return [("--root", str(where.parent), f"--save {one}"), ("--run-name", where.name, f"--save {one}")]
+    if (flag in SAME_VALUE.values() or flag in ("--precision", "--root", "--run-name")) and one is not None:
         return [(flag, one, f"{flag} {one}")]
     return []
 

@@ -56,7 +56,7 @@ def test_llama3_8b_in_megatrons_flags_is_the_llama3_8b_preset():
 
 
 @pytest.mark.parametrize("flag, message", [
-    (["--save", "/ckpt"], "--save: not used here: the run's folder keeps its checkpoints"),
+    (["--tensorboard-dir", "/tb"], "--tensorboard-dir: not used here: every run writes <run>/tensorboard"),
     (["--distributed-backend", "nccl"], "--distributed-backend: not used here: the cluster preset's device"),
     (["--exit-duration-in-mins", "230"], "--exit-duration-in-mins: not used here: the cluster preset's time limit"),
     (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer: not supported"),
@@ -93,6 +93,7 @@ def test_two_values_for_one_field_are_refused_naming_both(args, message):
     with pytest.raises(ParameterError) as e:
         parse_args(args)
     assert any(message in line for line in e.value.errors), e.value.errors
+    assert sum("two values" in line for line in e.value.errors) <= 1, e.value.errors      # said once
     assert parse_args(["--tp", "2", "--tensor-model-parallel-size", "2"])["training"].tensor_parallel == 2
 
 
@@ -117,9 +118,23 @@ def test_a_shape_no_preset_has_takes_the_rest_from_the_nearest_preset_of_its_blo
 def test_an_unsupported_megatron_flag_is_one_line_from_the_command():
     """From the command line: one line naming the flag, no traceback, nothing run."""
     run = subprocess.run([sys.executable, "-m", "flows.pretrain", "--tensor-model-parallel-size", "2",
-                          "--load", "/ckpt"], cwd=ROOT, capture_output=True, text=True, timeout=100)
+                          "--data-cache-path", "/cache"], cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert run.returncode != 0 and "Traceback" not in run.stderr + run.stdout
-    assert "--load: not used here: a run resumes from its own folder" in run.stdout + run.stderr
+    assert "--data-cache-path: not used here: the index stage keeps the sample order" in run.stdout + run.stderr
+
+
+def test_megatrons_save_is_the_runs_folder_and_another_load_a_start(capsys):
+    """--save names the run's folder (a run resumes from it: --load of the same folder says nothing
+    more); a --load of another folder starts a new run from it, optimizer state included."""
+    same = parse_args(["--num-layers", "12", "--save", "/fsx/runs/gpt-a/", "--load", "/fsx/runs/gpt-a"])
+    assert (same["output"].root, same["output"].run_name, same["training"].init_from) == ("/fsx/runs", "gpt-a", None)
+    other = parse_args(["--num-layers", "12", "--save", "/fsx/runs/gpt-b", "--load", "/fsx/runs/gpt-a"])
+    assert (other["output"].run_name, other["training"].init_from, other["training"].init_from_optimizer) == \
+        ("gpt-b", "/fsx/runs/gpt-a", True)
+    assert "note: --load /fsx/runs/gpt-a: a new run starts from that run or checkpoint" in capsys.readouterr().err
+    with pytest.raises(ParameterError) as e:
+        parse_args(["--num-layers", "12", "--save", "/fsx/runs/gpt-b", "--root", "/other"])
+    assert e.value.errors == ["--save /fsx/runs/gpt-b and --root /other give --root two values; keep one"]
 
 
 # Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, its arrays as they are (paths filled in).
@@ -136,14 +151,15 @@ GPT3_175B_EXAMPLE = """--num-layers 96 --hidden-size 12288 --num-attention-heads
 def test_megatrons_gpt3_175b_example_gets_every_problem_in_one_message_and_the_rest_of_its_recipe(capsys):
     with pytest.raises(ParameterError) as e:
         parse_args(GPT3_175B_EXAMPLE)
-    assert [line.split(":")[0] for line in e.value.errors] == ["--save", "--load", "--tensorboard-dir",
-                                                               "unrecognized arguments"], e.value.errors
+    assert [line.split(":")[0] for line in e.value.errors] == ["--tensorboard-dir", "unrecognized arguments"], \
+        e.value.errors
     assert e.value.errors[-1].startswith("unrecognized arguments: --rampup-batch-size 16 16 5859375")
     assert "note: --attention-backend auto: taken, and changes nothing" in capsys.readouterr().err
-    left = [a for i, a in enumerate(GPT3_175B_EXAMPLE) if a not in ("--save", "--load", "--tensorboard-dir")
-            and GPT3_175B_EXAMPLE[i - 1] not in ("--save", "--load", "--tensorboard-dir")]
+    left = [a for i, a in enumerate(GPT3_175B_EXAMPLE) if a != "--tensorboard-dir"
+            and GPT3_175B_EXAMPLE[i - 1] != "--tensorboard-dir"]
     left = left[:left.index("--rampup-batch-size")] + left[left.index("--rampup-batch-size") + 4:]
     params = parse_args(left)
     overrides = params["training"].overrides
     assert params["model"] == "gpt3-175b" and params["training"].precision == "fp16"
+    assert (params["output"].root, params["output"].run_name) == ("/fsx", "ckpt")
     assert (overrides["init_method_std"], overrides["lr_decay_iters"], overrides["lr_warmup_iters"]) == (0.006, 430000, 430)
