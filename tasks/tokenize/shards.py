@@ -105,9 +105,9 @@ class Shard:
         return sum((p.end if p.end is not None else os.path.getsize(p.path)) - p.start for p in self.pieces)
 
     def __call__(self) -> dict[str, Any] | ReturnedError:
-        hide_in_logs()
         """Encode the shard on this node's cores; bad input is returned, not raised (running the
         task again would meet it again)."""
+        hide_in_logs()
         cores = len(os.sched_getaffinity(0))
         started = time.perf_counter()
         try:
