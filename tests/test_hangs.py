@@ -239,3 +239,21 @@ def test_a_rank_that_failed_in_an_earlier_start_of_a_requeued_job_does_not_stop_
         now[0] = float(t)
         watch.check("RUNNING")
     assert watch.abandoned()["rank"] == 0
+
+
+def test_starting_gets_a_floor_however_short_the_runs_limit(tmp_path, monkeypatch):
+    """Imports and the rendezvous do not scale with hang_timeout_s: ranks still starting after
+    several times a 6 s limit on a busy node are not hung; past START_FLOOR_S they are."""
+    from tasks.cluster import hang
+
+    beats = [{"node": "n1", "step_s": None, "longest": {}, "job": "9", "rank": r, "phase": "start", "entered": 1,
+              "iteration": 0} for r in range(2)]
+    monkeypatch.setattr(hang.heartbeat, "read", lambda run_dir: list(beats))
+    now = [0.0]
+    watch = hang.HangWatch(tmp_path, "9", 2, 6.0, clock=lambda: now[0])
+    for t in range(0, int(hang.START_FLOOR_S), 5):
+        now[0] = float(t)
+        assert watch.check("RUNNING") is None
+    now[0] = hang.START_FLOOR_S + 5
+    found = watch.check("RUNNING")
+    assert found is not None and found.phase == "start" and found.limit_s == hang.START_FLOOR_S

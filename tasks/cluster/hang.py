@@ -4,7 +4,9 @@
 A job is hung when no rank has entered a new phase for longer than its limit: ``hang_timeout_s``
 when the run sets it, else ``STEP_FACTOR`` step times with a floor of ``FLOOR_S``. Phases that are
 long by nature (starting, loading or saving a checkpoint, the job's first step, which compiles) get
-``SLOW_FACTOR`` times that, and never less than ``SAVE_FACTOR`` times the longest such phase seen.
+``SLOW_FACTOR`` times that, and never less than ``SAVE_FACTOR`` times the longest such phase seen;
+starting never less than ``START_FLOOR_S`` either (imports and the rendezvous take what they take
+on a busy node, however short the run's own limit).
 Evaluation counts as long by nature too (its first pass may compile), and so does the end (``done``:
 the process group torn down and the job's step ended, which SLURM may take a while to do). The
 rank that is behind the others (fewer phases entered, or no heartbeat at all) is named with
@@ -24,6 +26,7 @@ FLOOR_S = 600.0
 STEP_FACTOR = 20.0
 SLOW_FACTOR = 4.0
 SAVE_FACTOR = 3.0
+START_FLOOR_S = 60.0
 SLOW_PHASES = frozenset({"start", "load", "save", "eval", "done"})
 FAILED_GRACE_S = 15.0       # a rank failed this long ago while the others still run: the job is stopped
 # The follower reads every rank's heartbeat file at most once per world_size / HEARTBEATS_PER_S
@@ -138,7 +141,9 @@ class HangWatch:
         slow = [b["phase"] for b in beats if b["phase"] in SLOW_PHASES]
         behind = min(beats, key=lambda b: b["entered"])["phase"] if beats else "start"
         if slow or self.step_s is None:                 # a slow phase, or the job's first step (compiling)
-            return max(SLOW_FACTOR * base, SAVE_FACTOR * self.longest_slow), slow[0] if slow else behind
+            phase = slow[0] if slow else behind
+            floor = START_FLOOR_S if phase == "start" else 0.0
+            return max(SLOW_FACTOR * base, SAVE_FACTOR * self.longest_slow, floor), phase
         return base, behind
 
     def behind(self, beats: list[dict[str, Any]]) -> tuple[int | None, str | None]:
