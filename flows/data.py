@@ -16,7 +16,7 @@ from flows.plan.build import Plan
 from flows.plan.evaluation import EvaluationPlan
 from flows.plan.inputs import DataPlan
 from flows.plan.layout import Layout
-from flows.plan.params import ParameterError
+from flows.plan.params import ParameterError, PhaseParams
 from flows.plan.sizes import GIB, physical_memory
 from flows.stages import Stages
 from gpt.config import Config
@@ -24,9 +24,10 @@ from gpt.data import MMapIndexedDataset
 from gpt.tokenizer import Tokenizer
 from tasks import report as reporting
 from tasks.cluster.config import ClusterConfig
+from tasks.common.run_context import run_logger
 from tasks.common.uri import is_s3
 from tasks.evaluate.records import EvaluationSpec, JobCluster
-from tasks.index import IndexManifest, index_needs, index_task, parse_split
+from tasks.index import IndexManifest, index_needs, index_task, parse_split, read_left_out, split_bounds
 from tasks.sync import Remote, SyncManifest, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
 from tasks.tokenize.inputs import INPUT_SUFFIXES
@@ -34,6 +35,8 @@ from tasks.tokenize.outputs import TokenizeManifest, nonzero_counts
 from tasks.tokenize.sample_corpus import sample_corpus_task
 from tasks.tokenize.stage import tokenize_task
 from tasks.tokenize.vocabulary import named_tokenizer
+from tasks.train import phases as run_phases
+from tasks.train.phases import Phase
 
 # Beyond this many passes over the same text, more data trains better (repeated data loses value
 # quickly after about four epochs).
@@ -178,6 +181,47 @@ def index(dataset: Dataset, data: DataPlan, config: Config, layout: Layout,
     built = stages.run("index", index_task, dataset.blend, split=data.split, seq_length=config.seq_length,
                        seed=config.seed, num_samples=config.num_samples(), out_dir=str(layout.index()))
     return built, warnings
+
+
+def phase_blend(phase: PhaseParams, before: list[tuple[float, str]], plan: Plan, stages: Stages,
+                number: int) -> list[tuple[float, str]]:
+    """A phase's blend of local prefixes (synced from S3 where they are there): its own, or the
+    blend of the phase before when it names none."""
+    if not phase.prefixes:
+        return before
+    return [(p.weight, fetch_prefix(p.prefix, plan.data.remote, plan.layout, stages, plan.cluster,
+                                    f"sync-phase-{number}-prefix-{i}")) for i, p in enumerate(phase.prefixes)]
+
+
+def phase_index(phase: Phase, number: int, plan: Plan, config: Config, stages: Stages) -> IndexManifest:
+    """The order of phase ``number`` (``config``: its configuration): the index stage over its blend,
+    leaving out the documents the earlier phases consumed. A prefix those consumed to the last
+    document is refused by name; one whose documents left run out before the phase ends (and are
+    repeated from there) is a warning with the iteration."""
+    leave_out = run_phases.left_out(plan.run_dir, number)
+    left = read_left_out(leave_out) if leave_out else {}
+    split_weights = parse_split(plan.data.split)
+    total = sum(w for w, _ in phase.blend)
+    problems = []
+    for weight, prefix in phase.blend:
+        data = MMapIndexedDataset(prefix)
+        first, last = split_bounds(split_weights, len(data))[:2]
+        docs = np.setdiff1d(np.arange(first, last), left.get(os.path.abspath(prefix), np.empty(0, np.int64)))
+        tokens = int(np.asarray(data.sizes)[docs].sum(dtype=np.int64))
+        per_iteration = weight / total * config.global_batch_size * config.seq_length
+        if tokens <= 1:
+            problems.append(f"phases[{number - 2}].prefixes: {prefix} is exhausted before phase {number} can start: the "
+                            f"earlier phases consumed all its {last - first:,} train documents; give the phase other "
+                            "data, or more documents in this prefix")
+        elif tokens < per_iteration * (config.total_iters - phase.start):
+            run_logger().warning("warning: phase %d: %s runs out at about iteration %d: its %s documents the earlier "
+                                 "phases left (%s tokens) are repeated from there", number, prefix,
+                                 phase.start + int(tokens // per_iteration), f"{docs.size:,}", f"{tokens:,}")
+    if problems:
+        raise ParameterError(problems)
+    return stages.run(f"index-phase-{number}", index_task, list(phase.blend), split=plan.data.split,
+                      seq_length=config.seq_length, seed=config.seed, num_samples=config.num_samples(),
+                      out_dir=str(plan.layout.index()), leave_out=leave_out)
 
 
 def check_repetition(dataset: Dataset, split: str, config: Config) -> list[str]:

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from flows.plan.params import ParameterError, parameter_errors
 from gpt.config.overrides import parse_overrides, split_assignment
@@ -41,7 +41,7 @@ ALIASES: dict[str, str] = {
     "--budget-node-hours": "budget.node_hours", "--budget-cost": "budget.cost",
     "--eval-task": "evaluation.tasks", "--eval-task-files": "evaluation.task_files",
     "--eval-every": "evaluation.every", "--eval-limit": "evaluation.limit",
-    "--model": "model", "--dry-run": "dry_run",
+    "--model": "model", "--dry-run": "dry_run", "--phase": "phases",
 }
 # Two values that make one item of a list of records: --prefix WEIGHT PREFIX, --eval-set NAME SOURCE
 # (a set of several sources is --evaluation.sets JSON).
@@ -91,7 +91,10 @@ def parameters(given: argparse.Namespace, form: Mapping[str, Any]) -> dict[str, 
     for name, annotation in form.items():
         if not _is_group(annotation):
             if name in values:
-                params[name] = values[name]
+                try:
+                    params[name] = TypeAdapter(annotation).validate_python(values[name])
+                except ValidationError as e:
+                    errors += parameter_errors(e, name)
             continue
         fields = {path.split(".", 1)[1]: value for path, value in values.items() if path.split(".", 1)[0] == name}
         try:

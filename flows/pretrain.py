@@ -31,6 +31,7 @@ from flows.plan.params import (
     ModelName,
     OutputParams,
     ParameterError,
+    PhaseParams,
     TokenizerParams,
     TrainingParams,
     refused_as_failed_run,
@@ -46,7 +47,8 @@ from tasks.export import export_task
 from tasks.precompile import PrecompileManifest, precompile_task
 from tasks.sync import upload_task
 from tasks.trackers import Trackers
-from tasks.train.stage import progress_of_owner, train_task
+from tasks.train import phases as run_phases
+from tasks.train.stage import TrainResult, progress_of_owner, train_task
 
 
 @flow(name="pretrain", persist_result=True, log_prints=True)
@@ -60,6 +62,7 @@ def pretrain(
     output: OutputParams = OutputParams(),
     budget: BudgetParams = BudgetParams(),
     evaluation: EvaluationParams = EvaluationParams(),
+    phases: list[PhaseParams] = [],  # noqa: B006   (the form's default: Prefect reads it from the signature)
     dry_run: bool = False,
 ) -> dict:
     """Pretrain a GPT: data from S3 or local files to a trained model and its report.
@@ -74,10 +77,13 @@ def pretrain(
         budget: Node-hours or cost above which the run waits for approval before anything is submitted.
         evaluation: Named sets and lm-eval tasks every checkpoint is evaluated on, by the evaluate flow
             on a job of its own (deployments/setup.py's automation starts it for each save).
+        phases: Phases of the run after its first, each from its start iteration: its own blend, and
+            optionally a longer seq_length and a learning-rate segment (constant, or a WSD decay). A later
+            leg may add phases; one that has started cannot change. Empty: the run's phases so far.
         dry_run: Only plan: the plan artifact (layout, memory per rank against the device, time and
             cost) and nothing synced, tokenized or submitted.
     """
-    plan = make_plan(model, data, tokenizer, training, cluster, output, budget, evaluation, dry_run=dry_run)
+    plan = make_plan(model, data, tokenizer, training, cluster, output, budget, evaluation, phases, dry_run=dry_run)
     if dry_run:
         return {"plan": dry_run_table(plan)}
     # One flow run at a time trains a run: a second start of it follows the first, then goes on.
@@ -110,8 +116,7 @@ def _pretrain(plan: Plan) -> dict:
     else:
         EvaluationSpec.remove(plan.run_dir)
     compiled = precompile(job, outlook, stages)
-    result = stages.run("train", train_task, job.config, job.cluster, precompiled=compiled, trackers=job.trackers,
-                        tracker_project=job.tracker_project)
+    result = train_in_phases(plan, job, dataset, compiled, stages)
     exported = stages.run("export", export_task, result.run_dir, dataset.tokenizer)
     url = flow_run.get_flow_run_ui_url() if lasting_api() else None  # None: a temporary server
     figures = reporting.report_task(
@@ -146,6 +151,8 @@ def begin(plan: Plan) -> tuple[Outlook, Estimate]:
         raise ParameterError(problems)
     outlook = plan.outlook()
     identity.record(plan.run_dir, plan.identity)
+    if plan.phases:
+        run_phases.record(plan.run_dir, [p.model_dump() for p in plan.phases])
     provenance.record(plan.run_dir, flow_run.get_id() or None, dict(flow_run.parameters or {}))
     run_logger().info(f"run folder {plan.run_dir} ({plan.world_size} processes on {plan.config.device}, {plan.config.precision}, "
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
@@ -153,6 +160,31 @@ def begin(plan: Plan) -> tuple[Outlook, Estimate]:
     run_logger().info("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
     plan_table(plan, outlook.message, estimate=cost.rows())
     return outlook, cost
+
+
+def train_in_phases(plan: Plan, job: TrainJob, dataset: data_stages.Dataset, compiled: PrecompileManifest | None,
+                    stages: Stages) -> TrainResult:
+    """Training, phase after phase (one, for a run that declares none): the first on the run's own
+    data; each later one on its order over the documents the earlier ones left, from the checkpoint
+    the phase before ended with. Each phase ended is closed in the run's ledger."""
+    config = run_phases.first_phase(job.config, [run_phases.Phase(p.start) for p in plan.phases])
+    result = stages.run("train", train_task, config, job.cluster, precompiled=compiled, trackers=job.trackers,
+                        tracker_project=job.tracker_project)
+    blend, start = dataset.blend, 0
+    ends = [p.start for p in plan.phases[1:]] + [job.config.total_iters]
+    for number, (declared, end) in enumerate(zip(plan.phases, ends), start=2):
+        run_phases.close(plan.run_dir, number - 1, config, start)
+        blend = data_stages.phase_blend(declared, blend, plan, stages, number)
+        phase = run_phases.Phase(declared.start, tuple(blend), declared.seq_length, declared.rotary_base, declared.lr)
+        index = data_stages.phase_index(phase, number, plan, run_phases.phase_config(job.config, phase, end), stages)
+        config = run_phases.phase_config(job.config, phase, end, index.path)
+        result = stages.run(f"train-phase-{number}", train_task, config, job.cluster, trackers=job.trackers,
+                            tracker_project=job.tracker_project)
+        start = declared.start
+    if plan.phases:
+        run_phases.close(plan.run_dir, len(plan.phases) + 1, config, start)
+        reporting.mixture(plan.run_dir.name, run_phases.ledger(plan.run_dir), run_phases.declared(plan.run_dir))
+    return result
 
 
 def precompile(job: TrainJob, outlook: Outlook, stages: Stages) -> PrecompileManifest | None:

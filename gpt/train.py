@@ -295,11 +295,12 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             heartbeat.enter("data", it)
-            batches = micro_batches(run.data[0], state["consumed_samples"], g, config, env, run.device)
+            drawn = state["consumed_samples"] - config.data_offset      # this index's samples before the batch
+            batches = micro_batches(run.data[0], drawn, g, config, env, run.device)
             loss, norm, stepped = train_step(run.model, run.optimizer, batches, backend=run.backend,
                                              precision=config.precision, clip_grad=config.clip_grad,
                                              scaler=run.scaler, dims=env, pipeline=run.pipeline,
-                                             loss_factor=FAULT.loss_factor(run.data[0], state["consumed_samples"], g))
+                                             loss_factor=FAULT.loss_factor(run.data[0], drawn, g))
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
             steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, run.scaler.scale)))
             logging = it % config.log_interval == 0 or it == end_iter

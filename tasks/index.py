@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from prefect import task
@@ -26,7 +27,7 @@ from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDat
 from gpt.files import replaced, write_atomic, writing
 from native.index import build_blending_indices, build_sample_idx
 from tasks.common.cache import StageCache, cached
-from tasks.common.digest import Digest, digest
+from tasks.common.digest import Digest, digest, file_digest
 
 SPLITS = ("train", "valid", "test")
 ADD_EXTRA_TOKEN = 1
@@ -164,14 +165,21 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[int, int], split: str, split_str: str,
-                num_samples: int, seq_length: int, seed: int, out_dir: Path) -> tuple[IndexedPart, int]:
-    """Build (or find) one prefix's indices for one split; returns its manifest entry and sample count."""
-    description = json.dumps({
+                num_samples: int, seq_length: int, seed: int, out_dir: Path,
+                left_out: np.ndarray | None = None) -> tuple[IndexedPart, int]:
+    """Build (or find) one prefix's indices for one split; returns its manifest entry and sample count.
+    ``left_out``: documents of the split the order leaves out (what earlier phases of a run consumed)."""
+    docs = np.arange(documents[0], documents[1], dtype=np.int64)
+    fields = {
         "class": "GPTDataset", "prefix": os.path.abspath(data.prefix), "files": fingerprint,
         "split": split_str, "split_name": split, "documents": list(documents), "num_samples": num_samples,
         "seq_length": seq_length, "seed": seed, "add_extra_token_to_sequence": ADD_EXTRA_TOKEN,
         "drop_last_partial_sequence": True,
-    }, sort_keys=True)
+    }
+    if left_out is not None and left_out.size:
+        docs = np.setdiff1d(docs, left_out, assume_unique=True)
+        fields["left_out"] = {"documents": int(documents[1] - documents[0] - docs.size), "digest": Digest().add_bytes(docs.tobytes()).hex(32)}
+    description = json.dumps(fields, sort_keys=True)
     key = digest(description, length=32)
     names = {k: f"{key}-GPTDataset-{split}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")}
     entry = IndexedPart(prefix=os.path.abspath(data.prefix), description=description, **names)
@@ -179,11 +187,11 @@ def _build_part(data: MMapIndexedDataset, fingerprint: list, documents: tuple[in
     if all(whole(out_dir / n) for n in names.values()) and desc_path.exists():
         return entry, len(np.load(out_dir / names["shuffle_index"], mmap_mode="r"))
 
-    docs = np.arange(documents[0], documents[1], dtype=np.int64)
     sizes = np.asarray(data.sizes)
-    tokens_per_epoch = int(sizes[documents[0]:documents[1]].sum(dtype=np.int64))
+    tokens_per_epoch = int(sizes[docs].sum(dtype=np.int64))
     if tokens_per_epoch <= ADD_EXTRA_TOKEN:
-        raise ValueError(f"{data.prefix}: split {split!r} holds {tokens_per_epoch} tokens, too few for one sample")
+        left = f" left after the {fields['left_out']['documents']} earlier phases consumed" if "left_out" in fields else ""
+        raise ValueError(f"{data.prefix}: split {split!r} holds {tokens_per_epoch} tokens{left}, too few for one sample")
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
     separate_final_epoch = False
     if num_epochs > 1:
@@ -274,17 +282,38 @@ def index_needs(data_path: list[tuple[float, str]] | list[str], *, split: str, s
     return out
 
 
+def read_left_out(path: str) -> dict[str, np.ndarray]:
+    """The documents a ``leave_out`` file names, per prefix (absolute): an ``.npz`` of the prefixes
+    (``prefixes``) and, for the i-th, its sorted document ids (``documents_<i>``)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {str(p): np.asarray(f[f"documents_{i}"], dtype=np.int64) for i, p in enumerate(f["prefixes"])}
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: cannot read the documents to leave out ({e}); it is written by the run's ledger "
+                         "(tasks.train.phases): run the phase again from the flow") from e
+
+
+def write_left_out(path: Path, documents: dict[str, np.ndarray]) -> None:
+    """Write what ``read_left_out`` reads, complete or not at all."""
+    arrays = {f"documents_{i}": np.unique(np.asarray(d, dtype=np.int64)) for i, d in enumerate(documents.values())}
+    with replaced(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, prefixes=np.array(list(documents), dtype=str), **arrays)
+
+
 def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str = "969,30,1", seq_length: int,
-                  seed: int, num_samples: dict[str, int], out_dir: str, skipped: list[int] = ()) -> IndexManifest:
+                  seed: int, num_samples: dict[str, int], out_dir: str, skipped: list[int] = (),
+                  leave_out: str | None = None) -> IndexManifest:
     """Build every split's indices under ``out_dir`` and write the manifest ``GPTDataset`` reads.
 
     ``num_samples`` maps train/valid/test to sample counts (missing = 0: the split is left empty).
     Prefixes without weights are blended in proportion to their token counts. ``skipped``: positions
     of the train order left out (a run's rollbacks around loss spikes, ``<run>/skipped.json``); the
     order is built that much longer, so the run still has its samples and every position before
-    the first skipped one is unchanged.
+    the first skipped one is unchanged. ``leave_out``: a file of documents the train split leaves out
+    (``write_left_out``; a run's later phase orders what its earlier phases did not consume).
     """
     skipped = sorted({int(p) for p in skipped})
+    consumed = read_left_out(leave_out) if leave_out else {}
     inputs = _Inputs(data_path, split, num_samples, seq_length)
     entries, datasets, weights, blended, bounds = (inputs.entries, inputs.datasets, inputs.weights, inputs.blended,
                                                    inputs.bounds)
@@ -305,7 +334,8 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
         sizes = []
         for d, fingerprint, b, w in zip(datasets, fingerprints, bounds, weights):
             part_samples = inputs.part_samples(target, w)
-            entry, n = _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out)
+            entry, n = _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out,
+                                   consumed.get(os.path.abspath(d.prefix)) if name == "train" else None)
             parts.append(entry)
             sizes.append(n)
         left_out = skipped if name == "train" else []
@@ -321,10 +351,8 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
         splits[name] = IndexedSplit(datasets=parts, blend=blend, num_samples=built, skipped=left_out)
         counts[name] = built - len(left_out)
 
-    prefixes = [os.path.abspath(p) for _, p in entries]
-    built_with = json.loads(json.dumps({"data_path": prefixes if entries[0][0] is None else
-                                        [[w, p] for (w, _), p in zip(entries, prefixes)], "split": split, "seq_length": seq_length,
-                                        "seed": seed, "num_samples": num_samples}))
+    built_with = _built_with(entries, split=split, seq_length=seq_length, seed=seed, num_samples=num_samples,
+                             **({"leave_out": leave_out} if leave_out else {}))
     text = DataIndex(seq_length=seq_length, add_extra_token=ADD_EXTRA_TOKEN, seed=seed, split=split,
                      splits=splits, built_with=built_with).to_json()
     name = digest(text, length=32)
@@ -332,6 +360,13 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     write_atomic(path, text)
     return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=name,
                          max_token_ids={p: _max_token_id(d, f, out) for (_, p), d, f in zip(entries, datasets, fingerprints)})
+
+
+def _built_with(entries: list[tuple[float | None, str]], **arguments: Any) -> dict[str, Any]:
+    """build_indices' arguments as the manifest records them (prefixes absolute): what builds it again."""
+    prefixes = [os.path.abspath(p) for _, p in entries]
+    data_path = prefixes if entries[0][0] is None else [[w, p] for (w, _), p in zip(entries, prefixes)]
+    return json.loads(json.dumps({"data_path": data_path, **arguments}))
 
 
 def _max_token_id(data: MMapIndexedDataset, fingerprint: list, out_dir: Path) -> int:
@@ -377,6 +412,8 @@ def _index_cache_key(parameters: dict) -> str:
         for ext in (".idx", ".bin"):
             st = os.stat(prefix + ext)
             stamps.append([os.path.abspath(prefix + ext), st.st_size, st.st_mtime_ns])
+    if parameters.get("leave_out"):
+        stamps.append(file_digest(parameters["leave_out"]))
     return "index-v2-" + digest(parameters, stamps, length=32)      # v2: manifests record how they were built
 
 
@@ -394,13 +431,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--test-samples", type=int, default=0)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--skip", type=int, nargs="*", default=[], help="positions of the train order to leave out")
+    p.add_argument("--leave-out", help="an .npz of documents the train split leaves out (a run's ledger writes it)")
     p.add_argument("--no-cache", action="store_true", help="build even when the index of these inputs is there and "
                                                            "intact (the stage's cache, shared with the pretrain flow)")
     a = p.parse_args(argv)
     start = time.perf_counter()
     options = dict(data_path=a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
                    num_samples={"train": a.train_samples, "valid": a.valid_samples, "test": a.test_samples},
-                   out_dir=a.out_dir, skipped=a.skip)
+                   out_dir=a.out_dir, skipped=a.skip, leave_out=a.leave_out)
     m, was_cached = (build_indices(**options), False) if a.no_cache else cached(index_task, **options)
     print(json.dumps({**m.model_dump(), "cached": was_cached, "seconds": round(time.perf_counter() - start, 3)}))
 

@@ -197,6 +197,42 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
 report_task = task(report, name="report")
 
 
+def mixture_curves(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Tokens trained per prefix against iteration, over every phase of the ledger (tasks.train.phases)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    totals: dict[str, int] = {}
+    for entry in entries:
+        before = dict(totals)
+        for prefix, row in entry["prefixes"].items():
+            name = Path(prefix).name
+            points = curves.setdefault(name, [(entry["first_iteration"] - 1, before.get(name, 0))])
+            points += [(it, before.get(name, 0) + tokens) for it, tokens in row["curve"]]
+            totals[name] = before.get(name, 0) + row["tokens"]
+    return curves
+
+
+def mixture(run_name: str, entries: list[dict], declared: list[dict]) -> str:
+    """The ``mixture`` artifact: tokens per source over the run's iterations (a plot) and its
+    phases as a table, from the ledger; returns its markdown."""
+    rows = ["| phase | iterations | seq_length | learning rate | source | weight | samples | tokens | documents |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for entry in entries:
+        lr = declared[entry["phase"] - 2]["lr"] if entry["phase"] > 1 and entry["phase"] - 2 < len(declared) else "schedule"
+        share = entry["samples"] or 1
+        for prefix, row in entry["prefixes"].items():
+            rows.append(f"| {entry['phase']} | {entry['first_iteration']}-{entry['last_iteration']} | "
+                        f"{entry['seq_length']} | {lr} | `{prefix}` | {row['samples'] / share:.3f} | {row['samples']:,} | "
+                        f"{row['tokens']:,} | {row['documents']:,} |")
+    curves = mixture_curves(entries)
+    plot = png_markdown(curves_png(curves, f"{run_name}: tokens per source", "tokens"), "tokens per source") \
+        if curves else ""
+    markdown = (f"## Data mixture: {run_name}\n\n{plot}\n\n" + "\n".join(rows) + "\n\nweight: the share of the "
+                "phase's samples each source gave; documents: those the phase consumed (the ledger, `ledger.json` in "
+                "the run folder, keeps them; later phases leave them out).\n")
+    create_markdown_artifact(markdown, key="mixture", description="Tokens per source, phase by phase")
+    return markdown
+
+
 def evaluation_markdown(run_name: str, results: list[EvalResult]) -> str:
     """Every evaluation of a run so far: a table of each set's perplexity and each task's metrics by
     iteration, and a plot per set and per task."""

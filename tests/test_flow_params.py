@@ -41,7 +41,8 @@ def test_ui_form_schema_has_model_choices_and_nested_groups():
     schema = parameter_schema(pretrain.fn).model_dump()
     props = schema["properties"]
     assert list(props) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget", "evaluation",
-                           "dry_run"]
+                           "phases", "dry_run"]
+    assert props["phases"]["default"] == [] and "PhaseParams" in schema["definitions"]
     assert props["model"]["default"] == "tiny"
     model_enum = props["model"].get("enum") or schema["definitions"][props["model"]["$ref"].split("/")[-1]]["enum"]
     assert model_enum == list(PRESETS)

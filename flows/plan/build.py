@@ -26,7 +26,7 @@ from flows.plan.evaluation import EvaluationPlan, check_evaluation
 from flows.plan.inputs import DataPlan, check_inputs, container_reads
 from flows.plan.job import FLOW_DECIDED, config_fields, job_config
 from flows.plan.layout import Layout
-from flows.plan.outlook import Outlook, cannot_load, outlook
+from flows.plan.outlook import Outlook, cannot_load, check_phases, outlook
 from flows.plan.output import OutputPlan, check_upload, output_plan, output_root, run_name
 from flows.plan.params import (
     BudgetParams,
@@ -35,6 +35,7 @@ from flows.plan.params import (
     EvaluationParams,
     OutputParams,
     ParameterError,
+    PhaseParams,
     Problems,
     TokenizerParams,
     TrainingParams,
@@ -93,6 +94,7 @@ class Plan:
     warnings: tuple[str, ...] = ()      # what a dry run could not check on this machine
     cluster_preset: str = "local"       # the operator's preset the run named
     cluster_set: dict[str, Any] = dataclasses.field(default_factory=dict)    # the cluster fields the run set
+    phases: tuple[PhaseParams, ...] = ()    # after the first, each start an iteration (flows.plan.phases)
 
     @property
     def run_dir(self) -> Path:
@@ -141,8 +143,8 @@ class Plan:
 
 def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training: TrainingParams,
               cluster: ClusterParams, output: OutputParams, budget: BudgetParams = BudgetParams(),
-              evaluation: EvaluationParams = EvaluationParams(), boundary: Boundary | None = None,
-              dry_run: bool = False) -> Plan:
+              evaluation: EvaluationParams = EvaluationParams(), phases: list[PhaseParams] | None = None,
+              boundary: Boundary | None = None, dry_run: bool = False) -> Plan:
     """Check every parameter (values, paths, endpoints, tokenizer, gpt Config, cluster, what the run
     costs, the run folder's own run, the operator's caps on the budget, the evaluation's sets and
     tasks) and decide the plan. ``boundary``: what the operator allows (default: from the
@@ -176,6 +178,7 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     config = dataclasses.replace(config, run_dir=str(run_dir),
                                  init_from=start_from(training, layout, boundary, config, problems))
     check_start(config, boundary, root, problems)
+    planned = check_phases(list(phases or ()), training, config, run_dir, root, boundary, problems)
     if where.container is not None:
         problems += where.container.problems(container_reads(reads, config.init_from, config.init_from_hf),
                                              {"output.root": root})
@@ -195,7 +198,8 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
                                            dry_run=dry_run)
     return Plan(config=config, cluster=where, layout=layout, identity=identity, data=reads,
                 output=output_plan(output, root, run_dir, data.profile), evaluation=evaluated, budget=capped,
-                vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here), cluster_preset=cluster.preset, cluster_set=dict(cluster.overrides))
+                vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here), cluster_preset=cluster.preset, cluster_set=dict(cluster.overrides),
+                phases=planned)
 
 
 def _check_choices(model: str, training: TrainingParams, problems: Problems) -> None:

@@ -1,6 +1,10 @@
 """What a run's folder says will happen before anything is submitted: a new run, a resume from its
 newest intact checkpoint (under the same layout or another one), or nothing, the run being
-trained to its length already; and which checkpoints a run's layout cannot load.
+trained to its length already; which checkpoints a run's layout cannot load; and the phases it
+declares after its first (``check_phases``): each starts at an iteration of the run (``now``: where
+it has reached), after the one before and before the run's end; its prefixes are readable where the
+operator allows; a longer context needs rotary positions; a phase that has started is declared as
+it was (tasks.train.phases keeps them in the run folder).
 """
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from flows.plan.boundary import Boundary, check_prefix
+from flows.plan.params import PhaseParams, Problems, TrainingParams
 from gpt.checkpoint import iteration_of, newest_intact, saved_layout
 from gpt.config import Config
 from tasks.cluster.config import ClusterConfig
+from tasks.train import phases as run_phases
 from tasks.train.stage import trained_summary
 
 _PART = re.compile(r"\.tp\d+of(\d+)$")
@@ -90,3 +97,46 @@ def cannot_load(checkpoint: Path, config: Config) -> str | None:
             f"device neuron with tensor_parallel={parts} loads (this run: {config.device}, TP "
             f"{config.tensor_parallel}); resume with --tp {parts} on a Trainium preset, or export it (python -m "
             "gpt.export joins the parts) and start a new run from the export with init_from_hf")
+
+
+def check_phases(phases: list[PhaseParams], training: TrainingParams, config: Config, run_dir: Path, root: Path,
+                 boundary: Boundary, problems: Problems) -> tuple[PhaseParams, ...]:
+    """The phases with every start an iteration; each problem a line naming its phase."""
+    try:
+        recorded = run_phases.declared(run_dir)
+    except ValueError as e:
+        problems.append(f"phases: {e}")
+        return ()
+    if not phases:          # a leg that names none goes on with the run's
+        phases = [PhaseParams(**p) for p in recorded]
+    if not phases:
+        return ()
+    if config.train_samples is not None or training.train_samples is not None:
+        problems.append("phases: phases start at iterations; set training.train_iters instead of train_samples")
+        return ()
+    newest, _ = newest_intact(run_dir / "checkpoints")
+    reached = iteration_of(newest) if newest is not None else 0
+    resolved = []
+    for i, phase in enumerate(phases):
+        where = f"phases[{i}]"
+        start = phase.start
+        if start == "now":      # once recorded, the phase keeps the start it was given
+            before = recorded[i] if i < len(recorded) else None
+            same = before is not None and before == {**phase.model_dump(), "start": before["start"]}
+            start = before["start"] if same else reached
+            if not start:
+                problems.append(f"{where}.start: now, but run {run_dir.name} has no checkpoint yet; give an iteration")
+                continue
+        previous = resolved[-1].start if resolved else 0
+        if not previous < start < config.total_iters:
+            problems.append(f"{where}.start: {start}: a phase starts after the phase before it (iteration {previous}) "
+                            f"and before the run's end (training.train_iters {config.total_iters})")
+        if phase.seq_length is not None and config.position_embedding_type != "rope":
+            problems.append(f"{where}.seq_length: {config.model} has learned position embeddings for "
+                            f"{config.max_position_embeddings} positions; a phase may change the context of a "
+                            "model with rotary positions (e.g. tiny-llama, llama3-8b)")
+        for j, p in enumerate(phase.prefixes):
+            check_prefix(f"{where}.prefixes[{j}].prefix", p.prefix, root, boundary, problems)
+        resolved.append(phase.model_copy(update={"start": start}))
+    problems += run_phases.rewritten(run_dir, [p.model_dump() for p in resolved], reached)
+    return tuple(resolved)

@@ -162,6 +162,24 @@ class TrainingParams(_Params):
                                       description='Any other gpt Config field, e.g. {"lr_warmup_iters": 50}')
 
 
+class PhaseParams(_Params):
+    """A phase of the run after its first: from its start, its own blend, and optionally a longer
+    context and a learning-rate segment of its own. A phase that has started cannot change; a later
+    leg may add phases after it."""
+    start: int | Literal["now"] = Field(description="The iteration it starts after, or now: where the run has "
+                                                    "reached (its newest checkpoint)")
+    prefixes: list[WeightedPrefix] = Field(default_factory=list, description="Its blend: tokenized datasets "
+                                           "with weights (a prefix of an earlier phase goes on with the documents "
+                                           "it left). Empty: the blend of the phase before")
+    seq_length: int | None = Field(None, ge=1, le=2**20, description="A new sequence length from this phase "
+                                                                    "on (rotary position embeddings)")
+    rotary_base: int | None = Field(None, ge=1, description="Rotary base (theta) from this phase on")
+    lr: Literal["schedule", "constant", "decay"] = Field(
+        "schedule", description="The learning rate: the run's schedule; constant at training's lr (after "
+                                "warmup); or decay: the decay of a warmup-stable-decay schedule (Megatron's WSD, "
+                                "shaped by lr_wsd_decay_style) from its start to its end")
+
+
 class EvalSet(_Params):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="The set's name in results, e.g. wikitext")
     sources: list[str] = Field(default_factory=list, description="JSONL or Parquet files, folders, globs or s3:// "
@@ -228,4 +246,5 @@ class OutputParams(_Params):
 # what the UI renders, and what the command line's flags are made from (flows.flags).
 FORM: dict[str, Any] = {"model": ModelName, "data": DataParams, "tokenizer": TokenizerParams,
                         "training": TrainingParams, "cluster": ClusterParams, "output": OutputParams,
-                        "budget": BudgetParams, "evaluation": EvaluationParams, "dry_run": bool}
+                        "budget": BudgetParams, "evaluation": EvaluationParams, "phases": list[PhaseParams],
+                        "dry_run": bool}

@@ -104,6 +104,8 @@ class DataSection:
     """What the run reads."""
     data_index: str | None = None              # index manifest JSON written by tasks.index
     mock_data: bool = False                    # random tokens instead (gpt.data.MockGPTDataset)
+    data_offset: int = 0                       # samples the run consumed before the index's first one
+                                               # (a phase's first iteration x global_batch_size)
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,7 @@ class Config(Checked, RunSection, ParallelSection, ScheduleSection, DataSection,
         g = self.global_batch_size
         iters = self.total_iters
         eval_runs = iters // self.eval_interval + 1
-        train = self.train_samples if self.train_samples is not None else iters * g
+        train = (self.train_samples if self.train_samples is not None else iters * g) - self.data_offset
         return {"train": train, "valid": eval_runs * self.eval_iters * g, "test": self.eval_iters * g}
 
     # -- validation --------------------------------------------------------------------------

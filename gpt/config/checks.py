@@ -218,6 +218,10 @@ class Checked:
             found.append(("adam_eps", f"adam_eps={self.adam_eps}: must be positive (it keeps AdamW's division finite)"))
         if self.data_index is None and not self.mock_data:
             found.append(("", "no training data: set data_index to an index manifest (tasks.index) or mock_data=True"))
+        if self.data_offset and (self.data_offset % self.global_batch_size or
+                                 self.data_offset >= self.total_iters * self.global_batch_size):
+            found.append(("data_offset", f"data_offset={self.data_offset}: must be a whole number of global batches "
+                                         f"({self.global_batch_size}) before the run's end"))
         if self.data_index is not None and self.mock_data:
             found.append(("", "both data_index and mock_data are set; keep one"))
         if self.data_index is not None and not Path(self.data_index).is_file():

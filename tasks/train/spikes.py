@@ -47,6 +47,7 @@ class Spike:
     samples: list[int] = dataclasses.field(default_factory=list)
     documents: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # per sample: prefix, documents
     resumed_from: int | None = None         # the checkpoint's iteration the run went back to (0: the start)
+    data_offset: int = 0                    # the phase's first sample: its samples are ids in the phase's order
 
     def line(self) -> str:
         its = (f"iteration {self.iterations[0]}" if len(self.iterations) == 1 else
@@ -141,6 +142,7 @@ class _Rollback(BaseModel):
     samples: list[Count]
     documents: list[dict[str, Any]]
     resumed_from: Count | None = None
+    data_offset: Count = 0
 
 
 class _Skipped(BaseModel):
@@ -153,9 +155,10 @@ def rollbacks(run_dir: Path) -> list[dict[str, Any]]:
                        "order, and without it they come back", {"rollbacks": []})["rollbacks"]
 
 
-def skipped_samples(run_dir: Path) -> list[int]:
-    """The sample ids the run's rollbacks left out of its train order."""
-    return sorted({s for r in rollbacks(run_dir) for s in r["samples"]})
+def skipped_samples(run_dir: Path, data_offset: int = 0) -> list[int]:
+    """The sample ids the run's rollbacks left out of the train order of the phase whose first
+    sample is ``data_offset`` (a run in one phase has one order)."""
+    return sorted({s for r in rollbacks(run_dir) if r.get("data_offset", 0) == data_offset for s in r["samples"]})
 
 
 def skipping(config: Config, skipped: list[int]) -> Config:
@@ -183,21 +186,24 @@ def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Confi
     done = rollbacks(run_dir)
     train = GPTDataset.from_index(config.data_index, "train")
     g = config.global_batch_size
-    positions = [i % len(train) for it in spike.iterations for i in range((it - 1) * g, it * g)]
+    positions = [i % len(train) for it in spike.iterations
+                 for i in range((it - 1) * g - config.data_offset, it * g - config.data_offset)]
     named = [{"sample": train.position(i), "prefix": prefix, "documents": docs}
              for i in positions for prefix, docs in [train.documents(i)]]
-    spike = dataclasses.replace(spike, samples=[n["sample"] for n in named], documents=named)
+    spike = dataclasses.replace(spike, samples=[n["sample"] for n in named], documents=named,
+                                data_offset=config.data_offset)
     if len(done) >= config.max_rollbacks:
         raise TooManyRollbacks(f"{spike.line()}, after {len(done)} rollback(s) (max_rollbacks {config.max_rollbacks}): "
                                f"not rolled back again. {_named(spike, run_dir, done)}", spike)
-    before = min(spike.iterations) - 1
+    before, first = min(spike.iterations) - 1, config.data_offset // g     # a rollback stays in its phase
     complete = [iteration_of(p) for p in Checkpointer(run_dir / "checkpoints", 1, 0).complete()]
-    kept = next((it for it in complete if it <= before), 0)
-    if kept == 0 and complete:
-        raise CannotRollBack(f"{spike.line()}: no checkpoint before it is kept (the oldest is iteration "
-                             f"{complete[-1]}; keep_last {config.keep_last}), so it is not rolled back. "
+    kept = next((it for it in complete if first <= it <= before), 0 if first == 0 else None)
+    if kept is None or (kept == 0 and complete):
+        raise CannotRollBack(f"{spike.line()}: no checkpoint before it " + (f"and from its phase's start (iteration "
+                             f"{first}) on " if first else "") + f"is kept (the oldest is iteration {complete[-1] if complete else '-'}; "
+                             f"keep_last {config.keep_last}), so it is not rolled back. "
                              f"{_named(spike, run_dir, done)}", spike)
-    resumed = skipping(config, sorted({*skipped_samples(run_dir), *spike.samples}))
+    resumed = skipping(config, sorted({*skipped_samples(run_dir, config.data_offset), *spike.samples}))
     n = len(done) + 1
     while (run_dir / ROLLED_BACK / str(n)).exists():     # a rollback cut short before it was recorded
         n += 1

@@ -74,7 +74,10 @@ def refuse_other_data(run_dir: Path, config: Config) -> None:
     saved = run_dir / "config.json"
     if not saved.exists() or Checkpointer(run_dir / "checkpoints", 1, 0).latest() is None:
         return
-    before = json.loads(saved.read_text()).get("data_index")
+    saved = json.loads(saved.read_text())
+    before = saved.get("data_index")
+    if saved.get("data_offset", 0) != config.data_offset:
+        return                      # another phase of the run: its data is the phase's (tasks.train.phases)
     if not before or not config.data_index or before == config.data_index:
         return
     try:
@@ -111,7 +114,7 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = on_compiled_nodes(cluster, precompiled)
     with RunOwner(run_dir):
-        config = skipping(config, skipped_samples(run_dir))       # the samples earlier rollbacks left out
+        config = skipping(config, skipped_samples(run_dir, config.data_offset))   # what earlier rollbacks left out
         refuse_other_data(run_dir, config)
         summary = trained_summary(run_dir, config.total_iters, newest_intact(run_dir / "checkpoints")[0])
         if summary is not None:

@@ -1,0 +1,203 @@
+"""A run in phases, and its ledger of the samples each phase consumed.
+
+A run trains phase after phase in one folder: the first on the run's own data and settings, each
+later one from its ``start`` iteration with its own blend, and optionally a longer ``seq_length``
+(with ``rotary_base``) and a learning-rate segment of its own (``constant``, or ``decay``: the decay
+of a warmup-stable-decay schedule from the phase's start to its end, Megatron's ``WSD``). The
+phases are recorded in ``<run>/phases.json``; a later leg may add phases after those that started,
+never rewrite one that did.
+
+Each phase reads its own train order, built by the index stage over each prefix's documents that
+the earlier phases left unconsumed (``tasks.index``'s ``leave_out``), and counts its samples from
+the run's consumed samples at its start (Config.data_offset). When a phase is trained to its end,
+``close`` writes its entry in ``<run>/ledger.json``: the positions of its order it went through (a
+range from 0: every one trained, or left out by a rollback), the samples and tokens it trained
+per prefix, and the documents it consumed per prefix (``<run>/ledger/phase-<n>.npz``, every
+document a trained or skipped sample drew tokens from). The union of those before a phase is what
+its order leaves out (``left_out``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpt.config import Config
+from gpt.data import DataIndex, GPTDataset
+from gpt.files import write_json
+from tasks.common.digest import Digest
+from tasks.index import read_left_out, write_left_out
+from tasks.train.spikes import skipped_samples, skipping
+
+PHASES = "phases.json"
+LEDGER = "ledger.json"
+LEDGER_DIR = "ledger"
+LR_SEGMENTS = ("schedule", "constant", "decay")
+CURVE_POINTS = 64          # iterations per phase at which the ledger keeps the tokens trained so far
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase after the first: it trains iterations ``start + 1`` on."""
+    start: int
+    blend: tuple[tuple[float, str], ...] = ()   # (weight, local prefix); empty: the phase before's blend
+    seq_length: int | None = None
+    rotary_base: int | None = None
+    lr: str = "schedule"                        # one of LR_SEGMENTS
+
+
+def phase_config(config: Config, phase: Phase, end: int, data_index: str | None = None) -> Config:
+    """The run's configuration for a phase that trains to iteration ``end`` on ``data_index`` (None:
+    before its index is built, what the index stage is given)."""
+    changes: dict[str, Any] = dict(data_offset=phase.start * config.global_batch_size, train_iters=end)
+    if data_index is not None:
+        changes["data_index"] = data_index
+    if phase.seq_length is not None:
+        changes.update(seq_length=phase.seq_length, max_position_embeddings=phase.seq_length)
+    if phase.rotary_base is not None:
+        changes["rotary_base"] = phase.rotary_base
+    if phase.lr == "constant":
+        changes["lr_decay_style"] = "constant"
+    elif phase.lr == "decay":
+        changes.update(lr_decay_style="WSD", lr_decay_iters=end, lr_wsd_decay_iters=end - phase.start,
+                       lr_decay_samples=None, lr_wsd_decay_samples=None)
+    return dataclasses.replace(config, **changes)
+
+
+def first_phase(config: Config, phases: list[Phase]) -> Config:
+    """The run's configuration for its first phase: its own, to the second phase's start."""
+    return dataclasses.replace(config, train_iters=phases[0].start) if phases else config
+
+
+# -- the phases a run declared -----------------------------------------------------------------
+def declared(run_dir: Path) -> list[dict[str, Any]]:
+    """The phases after the first that the run's legs declared so far, as they were given."""
+    try:
+        return json.loads((run_dir / PHASES).read_text())["phases"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{run_dir / PHASES}: cannot read the run's phases ({e}); restore it from a copy") from e
+
+
+def rewritten(run_dir: Path, phases: list[dict[str, Any]], reached: int) -> list[str]:
+    """Why ``phases`` (as given, each with its resolved ``start``) would rewrite a phase of the run
+    that has started by iteration ``reached``: one line per phase."""
+    problems = []
+    for n, before in enumerate(declared(run_dir), start=2):
+        if before["start"] >= reached:
+            continue
+        now = phases[n - 2] if n - 2 < len(phases) else None
+        if now != before:
+            problems.append(f"phases[{n - 2}]: phase {n} started at iteration {before['start']} (the run is at "
+                            f"{reached}) as {json.dumps(before, sort_keys=True)}; "
+                            + ("it is not declared now" if now is None else f"now it is {json.dumps(now, sort_keys=True)}")
+                            + ": a phase that has started cannot change; declare it as it was and add new phases after it")
+    return problems
+
+
+def record(run_dir: Path, phases: list[dict[str, Any]]) -> None:
+    write_json(run_dir / PHASES, {"phases": phases})
+
+
+# -- the ledger --------------------------------------------------------------------------------
+def ledger(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger's entries, one per phase trained to its end, in phase order."""
+    try:
+        return json.loads((run_dir / LEDGER).read_text())["phases"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{run_dir / LEDGER}: cannot read the run's ledger ({e}); restore it from a copy: "
+                         "later phases leave out what it says the earlier ones consumed") from e
+
+
+def consumed(dataset: GPTDataset, positions: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per prefix of the order: the documents positions ``[0, positions)`` drew tokens from, and for
+    each of those positions that is the prefix's, which one it is."""
+    out = {}
+    for d, part in enumerate(dataset.parts):
+        if dataset.dataset_index is None:
+            mine = np.arange(positions, dtype=np.int64)
+            samples = mine
+        else:
+            mine = np.flatnonzero(np.asarray(dataset.dataset_index[:positions]) == d)
+            samples = np.asarray(dataset.dataset_sample_index[:positions])[mine]
+        rows = np.asarray(part.shuffle_index)[samples]
+        first = np.asarray(part.sample_index)[rows, 0].astype(np.int64)
+        last = np.asarray(part.sample_index)[rows + 1, 0].astype(np.int64)
+        covered = np.zeros(len(part.document_index) + 1, dtype=np.int64)
+        np.add.at(covered, first, 1)
+        np.add.at(covered, last + 1, -1)
+        touched = np.cumsum(covered[:-1]) > 0
+        out[part.data.prefix] = (np.unique(np.asarray(part.document_index)[touched]), mine)
+    return out
+
+
+def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, Any]:
+    """Phase ``number``'s ledger entry, for its configuration trained to its end (iteration
+    ``config.total_iters``, from ``start``); written once, read back after."""
+    done = ledger(run_dir)
+    if len(done) >= number:
+        return done[number - 1]
+    if len(done) != number - 1:
+        raise ValueError(f"{run_dir / LEDGER}: holds {len(done)} phases; phase {number} cannot be closed before "
+                         f"phase {len(done) + 1}")
+    config = skipping(config, skipped_samples(run_dir, config.data_offset))     # the order it trained on
+    g = config.global_batch_size
+    samples = (config.total_iters - start) * g
+    entry: dict[str, Any] = {"phase": number, "first_iteration": start + 1, "last_iteration": config.total_iters,
+                             "first_sample": config.data_offset, "samples": samples, "seq_length": config.seq_length,
+                             "index": config.data_index, "order": [0, 0], "skipped": [], "prefixes": {}}
+    if config.mock_data or not config.data_index or samples == 0:
+        return _append(run_dir, done, entry)
+    train = GPTDataset.from_index(config.data_index, "train")
+    positions = train.position(samples - 1) + 1
+    skipped = [p for p in DataIndex.read(config.data_index).splits["train"].skipped if p < positions]
+    kept = np.ones(positions, dtype=bool)
+    kept[skipped] = False
+    iteration_of_position = np.full(positions, -1, dtype=np.int64)
+    iteration_of_position[kept] = start + 1 + np.arange(samples) // g
+    marks = np.unique(np.linspace(start + 1, config.total_iters, min(CURVE_POINTS, config.total_iters - start))
+                      .round().astype(np.int64))
+    documents = {}
+    for prefix, (docs, mine) in consumed(train, positions).items():
+        trained = iteration_of_position[mine]
+        trained = trained[trained >= 0]
+        tokens = np.searchsorted(trained, marks, side="right") * config.seq_length
+        entry["prefixes"][prefix] = {"documents": int(docs.size), "samples": int(trained.size),
+                                     "tokens": int(trained.size) * config.seq_length,
+                                     "curve": [[int(m), int(t)] for m, t in zip(marks, tokens)]}
+        documents[prefix] = docs
+    entry.update(order=[0, int(positions)], skipped=skipped)
+    path = run_dir / LEDGER_DIR / f"phase-{number}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_left_out(path, documents)
+    entry["documents"] = str(path.relative_to(run_dir))
+    return _append(run_dir, done, entry)
+
+
+def _append(run_dir: Path, done: list[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:
+    write_json(run_dir / LEDGER, {"phases": [*done, entry]})
+    return entry
+
+
+def left_out(run_dir: Path, number: int) -> str | None:
+    """A file of the documents phases before ``number`` consumed, per prefix (None when none did),
+    named by its content so that the index stage's cache knows it."""
+    union: dict[str, list[np.ndarray]] = {}
+    for entry in ledger(run_dir)[:number - 1]:
+        if entry.get("documents"):
+            for prefix, docs in read_left_out(str(run_dir / entry["documents"])).items():
+                union.setdefault(prefix, []).append(docs)
+    if not union:
+        return None
+    merged = {p: np.unique(np.concatenate(d)) for p, d in sorted(union.items())}
+    name = Digest(sorted(merged)).add_bytes(b"".join(d.tobytes() for d in merged.values())).hex(16)
+    path = run_dir / LEDGER_DIR / f"before-phase-{number}-{name}.npz"
+    if not path.exists():
+        write_left_out(path, merged)
+    return str(path)

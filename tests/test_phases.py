@@ -1,0 +1,160 @@
+"""A run in phases: at the train stage, two prefixes at 0.5/0.5 on two ranks, then a second phase at
+0.9/0.1 on one rank with a loss spike in it rolled back, the ledger's invariants checked against the
+indices (computed here); through the flow, a second leg that adds a longer-context decay phase,
+and the phases it refuses by name."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from flows.plan.params import ClusterParams, DataParams, OutputParams, PhaseParams, TokenizerParams, TrainingParams
+from gpt.data import DataIndex, GPTDataset
+from tasks.cluster.config import load_cluster
+from tasks.index import build_indices, read_left_out
+from tasks.train import phases
+from tasks.train.spikes import SKIPPED
+from tasks.train.stage import train
+from tests.fixtures_gpt import read_metrics, slow_iterations
+from tests.test_cluster_slurm import tiny
+from tests.test_index import write_dataset
+
+G = 16                      # the tiny presets' global batch
+PHASE_1, END = 8, 16
+SPIKED = 3 * G + 2          # phase 2's sample at its fourth iteration: iteration 12
+
+
+def _cluster(tasks_per_node: int):
+    return load_cluster("local", tasks_per_node=tasks_per_node, env={"OMP_NUM_THREADS": "1"})
+
+
+def _drawn(index: str, positions: int) -> dict[str, np.ndarray]:
+    """The documents positions [0, positions) of an order drew from, trained or skipped, per prefix."""
+    dataset = GPTDataset.from_index(index, "train")
+    skipped = [p for p in DataIndex.read(index).splits["train"].skipped if p < positions]
+    out: dict[str, list[int]] = {}
+    for i in range(positions - len(skipped)):
+        prefix, docs = dataset.documents(i)
+        out.setdefault(prefix, []).extend(docs)
+    for s in skipped:
+        part, j = dataset._part_sample(s)
+        out.setdefault(part.data.prefix, []).extend(part.documents(j))
+    return {p: np.unique(d) for p, d in out.items()}
+
+
+@pytest.mark.timeout(400)
+def test_two_phases_on_two_layouts_with_a_spike_consume_every_document_once(tmp_path, monkeypatch):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_dataset(a, 300, 0, 512, 1)
+    write_dataset(b, 300, 0, 512, 2)
+    run_dir = tmp_path / "run"
+    options = dict(split="98,1,1", seq_length=64, seed=5, out_dir=str(tmp_path / "index"))
+    need = {"train": PHASE_1 * G, "valid": G, "test": G}
+    first = build_indices([(0.5, a), (0.5, b)], num_samples=need, **options).path
+    settings = dict(mock_data=False, train_iters=END, save_interval=5, spike_window=4, run_dir=str(run_dir))
+    config = phases.first_phase(tiny(data_index=first, **settings), [phases.Phase(start=PHASE_1)])
+    assert train(config, _cluster(2)).summary["iteration"] == PHASE_1
+    one = phases.close(run_dir, 1, config, 0)
+    assert one["order"] == [0, PHASE_1 * G] and one["skipped"] == []
+
+    second = build_indices([(0.9, a), (0.1, b)], num_samples={**need, "train": (END - PHASE_1) * G},
+                           leave_out=phases.left_out(run_dir, 2), **options).path
+    phase = phases.Phase(start=PHASE_1, blend=((0.9, a), (0.1, b)))
+    config = phases.phase_config(tiny(data_index=first, **settings), phase, END, second)
+    monkeypatch.setenv("GPT_FAULT", f"{slow_iterations(0.4)},sample={SPIKED},factor=1000")
+    assert train(config, _cluster(1)).summary["iteration"] == END
+    (rollback,) = json.loads((run_dir / SKIPPED).read_text())["rollbacks"]
+    assert rollback["iterations"] == [12] and rollback["resumed_from"] == 10 and rollback["data_offset"] == PHASE_1 * G
+    assert rollback["samples"] == list(range(3 * G, 4 * G))     # ids in phase 2's order
+    assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, END + 1))
+    assert json.loads((run_dir / "config.json").read_text())["data_offset"] == PHASE_1 * G
+    two = phases.close(run_dir, 2, config, PHASE_1)
+    assert two["order"] == [0, (END - PHASE_1 + 1) * G] and two["skipped"] == rollback["samples"]
+    assert phases.close(run_dir, 2, config, PHASE_1) == two           # written once
+
+    # The ledger's documents are those the orders' trained and skipped samples drew from; no
+    # document is in both phases, and phase 1 went through its order once (no document twice).
+    trained = json.loads((run_dir / "config.json").read_text())["data_index"]
+    drawn = {1: _drawn(first, PHASE_1 * G), 2: _drawn(trained, two["order"][1])}
+    for n, entry in ((1, one), (2, two)):
+        recorded = read_left_out(str(run_dir / entry["documents"]))
+        assert all(np.array_equal(recorded[p], drawn[n][p]) for p in (a, b)), n
+    assert all(not set(drawn[1][p]) & set(drawn[2][p]) for p in (a, b))
+    for part in GPTDataset.from_index(first, "train").parts:
+        order = np.asarray(part.document_index)
+        assert len(np.unique(order)) == len(order)          # one pass: each document once in the order
+    # Tokens per prefix in phase 2 follow its weights within one global batch.
+    samples = {p: two["prefixes"][p]["samples"] for p in (a, b)}
+    assert sum(samples.values()) == (END - PHASE_1) * G
+    assert abs(samples[a] - 0.9 * (END - PHASE_1) * G) <= G and abs(samples[b] - 0.1 * (END - PHASE_1) * G) <= G
+
+
+def _leg(root, prefixes, vocab, merges, iters: int, tasks: int, phase_list=(), **training):
+    from flows.pretrain import pretrain
+
+    return pretrain(model="tiny-llama",
+                    data=DataParams(prefixes=[{"weight": w, "prefix": p} for w, p in prefixes], split="50,25,25"),
+                    tokenizer=TokenizerParams(vocab_file=vocab, merge_file=merges),
+                    training=TrainingParams(train_iters=iters, seq_length=64, eval_interval=4, eval_iters=1,
+                                            log_interval=2, save_interval=4, compile=False,
+                                            overrides={"lr_decay_style": "constant", "lr_warmup_iters": 2,
+                                                       **training}),
+                    cluster=ClusterParams(preset="local", overrides={"tasks_per_node": tasks}),
+                    output=OutputParams(root=str(root), run_name="phased"), phases=list(phase_list),
+                    return_state=True)
+
+
+@pytest.mark.timeout(600)
+def test_a_second_leg_adds_a_longer_context_decay_phase_and_phases_are_refused_by_name(
+        tmp_path, bpe_vocab, prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    vocab, merges = map(str, bpe_vocab)
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    write_dataset(a, 300, 0, 1000, 1)
+    write_dataset(b, 300, 0, 1000, 2)
+    write_dataset(c, 8, 0, 1000, 3)                 # used up, and repeated, by phase 1
+    blend = [(0.35, a), (0.35, b), (0.3, c)]
+    state = _leg(tmp_path, blend, vocab, merges, PHASE_1, 2)
+    assert state.is_completed(), state.message
+    run_dir = tmp_path / "phased"
+
+    def decay(*prefixes):
+        return PhaseParams(start="now", prefixes=[{"weight": w, "prefix": p} for w, p in prefixes], seq_length=128,
+                           lr="decay")
+
+    state = _leg(tmp_path, blend, vocab, merges, END, 1, [decay((0.5, a), (0.5, c))])
+    assert state.is_failed() and "phases[0].prefixes: " + c + " is exhausted before phase 2 can start" in state.message
+
+    state = _leg(tmp_path, blend, vocab, merges, END, 1, [decay((0.9, a), (0.1, b))])
+    assert state.is_completed(), state.message
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["seq_length"], config["data_offset"], config["lr_decay_style"]) == (128, PHASE_1 * G, "WSD")
+    assert json.loads((run_dir / phases.PHASES).read_text())["phases"][0]["start"] == PHASE_1
+    records = {r["iteration"]: r for r in read_metrics(run_dir)}
+    assert sorted(records) == list(range(1, END + 1))
+    # Megatron's WSD with its exponential decay (the default): min + (max - min) * (2 * 0.5 ** share - 1).
+    lr, min_lr = 2e-3, 2e-4
+    for it in range(PHASE_1 + 1, END + 1):
+        ratio = (it - PHASE_1) / (END - PHASE_1)
+        want = min_lr + (lr - min_lr) * (2 * 0.5 ** ratio - 1)
+        assert records[it]["lr"] == pytest.approx(want, rel=1e-4), it
+    assert all(records[it]["lr"] == pytest.approx(lr) for it in range(3, PHASE_1 + 1))    # stable before it
+
+    (one, two) = phases.ledger(run_dir)
+    assert (one["seq_length"], two["seq_length"]) == (64, 128) and two["first_iteration"] == PHASE_1 + 1
+    assert set(two["prefixes"]) == {a, b}
+    assert all(not set(read_left_out(str(run_dir / one["documents"]))[p])
+               & set(read_left_out(str(run_dir / two["documents"]))[p]) for p in (a, b))
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    (mixture,) = [x for x in found if x.key == "mixture"]
+    assert "data:image/png;base64," in mixture.data and f"| 2 | 9-16 | 128 | decay | `{a}` |" in mixture.data
+
+    state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [decay((0.5, a), (0.5, b))])
+    assert state.is_failed() and "phases[0]: phase 2 started at iteration 8" in state.message
+    state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [PhaseParams(start=PHASE_1 + 4)])
+    assert state.is_failed() and "phases[0]: phase 2 started at iteration 8" in state.message
