@@ -130,7 +130,8 @@ def _pretrain(plan: Plan) -> dict:
     evaluated = results(Path(result.run_dir))
     if job.trackers and outlook.kind != "trained":     # last: evaluations written until now go with it
         Trackers(job.trackers, job.tracker_project, Path(result.run_dir), job.config.to_dict()).finish(
-            reporting.read_metrics(result.metrics_path), tracker_items(Path(result.run_dir), evaluated), figures,
+            reporting.read_metrics(result.metrics_path),
+            tracker_items(Path(result.run_dir), evaluated) + run_phases.tracker_items(Path(result.run_dir)), figures,
             reporting.samples_markdown(job.config.model, exported.samples, exported.path), Path(exported.path))
     return {
         **figures, "run_dir": result.run_dir, "metrics": result.metrics_path,

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from gpt.files import write_atomic
 from tasks.common.figures import png_bytes, png_markdown, pyplot
+from tasks.train.phases import tokens_by_source
 
 if TYPE_CHECKING:
     from tasks.evaluate.records import EvalResult
@@ -197,20 +198,6 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
 report_task = task(report, name="report")
 
 
-def mixture_curves(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Tokens trained per prefix against iteration, over every phase of the ledger (tasks.train.phases)."""
-    curves: dict[str, list[tuple[int, float]]] = {}
-    totals: dict[str, int] = {}
-    for entry in entries:
-        before = dict(totals)
-        for prefix, row in entry["prefixes"].items():
-            name = Path(prefix).name
-            points = curves.setdefault(name, [(entry["first_iteration"] - 1, before.get(name, 0))])
-            points += [(it, before.get(name, 0) + tokens) for it, tokens in row["curve"]]
-            totals[name] = before.get(name, 0) + row["tokens"]
-    return curves
-
-
 def mixture(run_name: str, entries: list[dict], declared: list[dict]) -> str:
     """The ``mixture`` artifact: tokens per source over the run's iterations (a plot) and its
     phases as a table, from the ledger; returns its markdown."""
@@ -223,7 +210,7 @@ def mixture(run_name: str, entries: list[dict], declared: list[dict]) -> str:
             rows.append(f"| {entry['phase']} | {entry['first_iteration']}-{entry['last_iteration']} | "
                         f"{entry['seq_length']} | {lr} | `{prefix}` | {row['samples'] / share:.3f} | {row['samples']:,} | "
                         f"{row['tokens']:,} | {row['documents']:,} |")
-    curves = mixture_curves(entries)
+    curves = tokens_by_source(entries)
     plot = png_markdown(curves_png(curves, f"{run_name}: tokens per source", "tokens"), "tokens per source") \
         if curves else ""
     markdown = (f"## Data mixture: {run_name}\n\n{plot}\n\n" + "\n".join(rows) + "\n\nweight: the share of the "

@@ -4,10 +4,12 @@ indices (computed here); through the flow, a second leg that adds a longer-conte
 and the phases it refuses by name."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from flows.plan.params import ClusterParams, DataParams, OutputParams, PhaseParams, TokenizerParams, TrainingParams
 from gpt.data import DataIndex, GPTDataset
@@ -131,6 +133,8 @@ def test_a_second_leg_adds_a_longer_context_decay_phase_and_phases_are_refused_b
     state = _leg(tmp_path, blend, vocab, merges, END, 1, [decay((0.9, a), (0.1, b))])
     assert state.is_completed(), state.message
     config = json.loads((run_dir / "config.json").read_text())
+    logs = "".join(p.read_text() for p in (run_dir / "jobs").glob("*_log.out"))
+    assert "checkpoints/iter_0000008 at iteration 8" in logs     # the longer context from phase 1's weights
     assert (config["seq_length"], config["data_offset"], config["lr_decay_style"]) == (128, PHASE_1 * G, "WSD")
     assert json.loads((run_dir / phases.PHASES).read_text())["phases"][0]["start"] == PHASE_1
     records = {r["iteration"]: r for r in read_metrics(run_dir)}
@@ -153,8 +157,60 @@ def test_a_second_leg_adds_a_longer_context_decay_phase_and_phases_are_refused_b
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     (mixture,) = [x for x in found if x.key == "mixture"]
     assert "data:image/png;base64," in mixture.data and f"| 2 | 9-16 | 128 | decay | `{a}` |" in mixture.data
+    assert any("phase 2" in x.data and "iterations 9-16: 0.9 " + a in x.data and "this leg starts here" in x.data
+               for x in found if x.key == "pretrain-plan")
+    logged = {(i.step, *i.values): v for i in phases.tracker_items(run_dir) for v in i.values.values()}
+    assert logged[(END, "data/a/tokens")] == one["prefixes"][a]["tokens"] + two["prefixes"][a]["tokens"]
+    assert logged[(PHASE_1, "data/c/tokens")] == one["prefixes"][c]["tokens"] and (END, "data/c/tokens") not in logged
 
     state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [decay((0.5, a), (0.5, b))])
     assert state.is_failed() and "phases[0]: phase 2 started at iteration 8" in state.message
     state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [PhaseParams(start=PHASE_1 + 4)])
     assert state.is_failed() and "phases[0]: phase 2 started at iteration 8" in state.message
+    # Declared as it was ("now" is the start it was given), the last phase extends, and its ledger entry with it.
+    state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [decay((0.9, a), (0.1, b))])
+    assert state.is_completed(), state.message
+    assert [e["last_iteration"] for e in phases.ledger(run_dir)] == [PHASE_1, END + 4]
+
+
+@pytest.mark.timeout(400)
+def test_a_phase_killed_in_the_middle_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    """kill -9 of phase 2's rank mid-phase, then the phase again: its final model and optimizer state
+    are bitwise those of phase 2 trained without the kill from the same end of phase 1."""
+    import shutil
+    import time
+
+    from tests.fixtures_gpt import GPTLauncher
+    from tests.uninterrupted import checkpoint_tensors
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_dataset(a, 200, 0, 512, 1)
+    write_dataset(b, 200, 0, 512, 2)
+    run_dir, reference = tmp_path / "run", tmp_path / "reference"
+    options = dict(split="98,1,1", seq_length=64, seed=5, out_dir=str(tmp_path / "index"))
+    first = build_indices([(0.5, a), (0.5, b)], num_samples={"train": PHASE_1 * G, "valid": G, "test": G},
+                          **options).path
+    base = tiny(mock_data=False, data_index=first, train_iters=END, save_interval=4, run_dir=str(run_dir))
+    launcher = GPTLauncher(tmp_path)
+    launcher.run(phases.first_phase(base, [phases.Phase(start=PHASE_1)]).to_dict())
+    phases.close(run_dir, 1, phases.first_phase(base, [phases.Phase(start=PHASE_1)]), 0)
+    shutil.copytree(run_dir, reference)
+    second = build_indices([(0.8, a), (0.2, b)], num_samples={"train": (END - PHASE_1) * G, "valid": G, "test": G},
+                           leave_out=phases.left_out(run_dir, 2), **options).path
+    phase = phases.phase_config(base, phases.Phase(start=PHASE_1, blend=((0.8, a), (0.2, b)), lr="decay"), END, second)
+
+    monkeypatch.setenv("GPT_FAULT", "rank=0,iteration=14,phase=data,stop=1")
+    (rank,) = launcher.start(phase.to_dict())
+    deadline = time.monotonic() + 200
+    while "fault injected: rank 0 stops" not in (rank.log.read_text() if rank.log.exists() else ""):
+        assert time.monotonic() < deadline and rank.returncode is None, "phase 2 never reached iteration 14"
+        time.sleep(0.2)
+    rank.kill()                                                   # SIGKILL, in the middle of phase 2
+    assert rank.wait(30) != 0
+    monkeypatch.delenv("GPT_FAULT")
+    assert "resumed from" in launcher.run(phase.to_dict())
+    launcher.run(dataclasses.replace(phase, run_dir=str(reference)).to_dict())
+    got, want = checkpoint_tensors(run_dir), checkpoint_tensors(reference)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, END + 1))

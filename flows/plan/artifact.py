@@ -53,6 +53,27 @@ def export_row(config: Config) -> str:
             f"({layer / GIB:,.2f} GiB in fp32) at a time")
 
 
+def phase_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Each phase of a run that declares more than one: its iterations, blend, sequence length and
+    learning rate, what it will consume, and the phase this leg starts in."""
+    if not plan.phases:
+        return []
+    c, done = plan.config, plan.outlook().done
+    starts = [0, *(p.start for p in plan.phases)]
+    ends = [*starts[1:], c.total_iters]
+    rows = []
+    for n, (start, end) in enumerate(zip(starts, ends), start=1):
+        phase = plan.phases[n - 2] if n > 1 else None
+        seq = (phase.seq_length if phase else None) or c.seq_length
+        blend = ", ".join(f"{p.weight:g} {p.prefix}" for p in phase.prefixes) if phase and phase.prefixes else \
+            ("the run's data" if n == 1 else "the blend of the phase before")
+        samples = (end - start) * c.global_batch_size
+        here = "; this leg starts here" if start <= done < end else ("; trained" if done >= end else "")
+        rows.append((f"phase {n}", f"iterations {start + 1}-{end}: {blend}; sequence {seq}; learning rate "
+                                   f"{phase.lr if phase else 'schedule'}; {samples:,} samples, {samples * seq:,} tokens{here}"))
+    return rows
+
+
 def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
               estimate: list[tuple[str, str]] = ()) -> list[dict[str, str]]:
     """What the run will do, decided before any stage runs (flows.plan.build.Plan), what its folder says
@@ -73,6 +94,7 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
             ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
             ("vocabulary", plan.vocabulary),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{c.train_samples:,} samples"),
+            *phase_rows(plan),
             ("data stages", data_stages(k)), ("compile", str(c.compile)), ("export", export_row(c)),
             ("what happens", outlook)]
     rows += [("warning", w) for w in warnings]

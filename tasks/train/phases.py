@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from gpt.data import DataIndex, GPTDataset
 from gpt.files import write_json
 from tasks.common.digest import Digest
 from tasks.index import read_left_out, write_left_out
+from tasks.trackers import Item
 from tasks.train.spikes import skipped_samples, skipping
 
 PHASES = "phases.json"
@@ -139,10 +141,12 @@ def consumed(dataset: GPTDataset, positions: int) -> dict[str, tuple[np.ndarray,
 
 def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, Any]:
     """Phase ``number``'s ledger entry, for its configuration trained to its end (iteration
-    ``config.total_iters``, from ``start``); written once, read back after."""
+    ``config.total_iters``, from ``start``); written once, read back after, and written again for
+    the run's last phase when a later leg extended it."""
     done = ledger(run_dir)
-    if len(done) >= number:
+    if len(done) >= number and done[number - 1]["last_iteration"] == config.total_iters:
         return done[number - 1]
+    done = done[:number - 1]
     if len(done) != number - 1:
         raise ValueError(f"{run_dir / LEDGER}: holds {len(done)} phases; phase {number} cannot be closed before "
                          f"phase {len(done) + 1}")
@@ -183,6 +187,26 @@ def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, A
 def _append(run_dir: Path, done: list[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:
     write_json(run_dir / LEDGER, {"phases": [*done, entry]})
     return entry
+
+
+def tokens_by_source(entries: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
+    """Tokens trained per source (a prefix, by its name) against iteration, over the ledger's phases."""
+    curves: dict[str, list[tuple[int, int]]] = {}
+    totals: dict[str, int] = {}
+    for entry in entries:
+        before = dict(totals)
+        for prefix, row in entry["prefixes"].items():
+            name = Path(prefix).name
+            points = curves.setdefault(name, [(entry["first_iteration"] - 1, before.get(name, 0))])
+            points += [(it, before.get(name, 0) + tokens) for it, tokens in row["curve"]]
+            totals[name] = before.get(name, 0) + row["tokens"]
+    return curves
+
+
+def tracker_items(run_dir: Path) -> list[Item]:
+    """``data/<source>/tokens`` at the ledger's iterations, for the experiment trackers (each logged once)."""
+    return [Item({f"data/{name}/tokens": float(tokens)}, it, time.time(), "evaluations", f"data/{name}/tokens@{it}")
+            for name, points in tokens_by_source(ledger(run_dir)).items() for it, tokens in points if it > 0]
 
 
 def left_out(run_dir: Path, number: int) -> str | None:
