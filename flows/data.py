@@ -72,18 +72,17 @@ def prepare(data: DataPlan, layout: Layout, stages: Stages, cluster: ClusterConf
 
 def sync_and_tokenize(sources: list[str], json_keys: tuple[str, ...], data: DataPlan, files: TokenizerFiles,
                       layout: Layout, stages: Stages, cluster: ClusterConfig,
-                      evaluation_set: str | None = None) -> tuple[TokenizeManifest, tuple[str, ...]]:
+                      label: str = "", field: str = "data.sources") -> tuple[TokenizeManifest, tuple[str, ...]]:
     """The sources synced and tokenized; and what the run goes on without: synced files that are no
     input (by their names relative to the sync's folder), and sources' files the sync did not copy.
-    ``evaluation_set``: the name of the evaluation set the sources are (its stages are named after it)."""
-    label = f"-eval-{evaluation_set}" if evaluation_set else ""
+    ``label``: what the stages' names end with when the sources are not the run's data (an evaluation
+    set's, a later phase's), and ``field`` the parameter that names them."""
     raw = stages.run(f"sync{label}", sync_task, sources, str(layout.raw(sources, data.remote.endpoint_url)),
                      cluster=cluster, remote=data.remote, allowed_roots=list(data.readable),
                      verify_content=data.verify_content)
     inputs = [f for f in synced_files(raw) if f.endswith(INPUT_SUFFIXES)]
     left_out = sorted(f.path for f in raw.files if not f.path.endswith(INPUT_SUFFIXES))
     if not inputs:
-        field = "data.sources" if not evaluation_set else f"evaluation.sets ({evaluation_set!r}) sources"
         raise ParameterError([f"{field}: no JSONL or Parquet files ({', '.join(INPUT_SUFFIXES)}) among "
                               f"the {len(raw.files)} files synced to {raw.dest}"])
     vocab_file, merge_file, tokenizer_model = files
@@ -95,16 +94,16 @@ def sync_and_tokenize(sources: list[str], json_keys: tuple[str, ...], data: Data
                            json_keys=list(json_keys), train_vocab_size=data.bpe_vocab_size,
                            add_bos_token=t.add_bos_token,
                            origins={str(Path(raw.local_dir) / f.path): f.key for f in raw.files})
-    if not evaluation_set:
+    if not label:
         reporting.dataset_table(tokenized)
-    warnings = [f"data.sources: {len(names)} {what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+    warnings = [f"{field}: {len(names)} {what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
                 for names, what in ((left_out, "synced file(s) are not JSONL or Parquet and are not tokenized"),
                                     (raw.not_copied, "file(s) are named as the sync names its own files and are "
                                                      "not copied; rename them if they are data")) if names]
     skipped = {kind: n for kind, n in tokenized.skipped.items() if kind != "blank_line" and n}
     lines = tokenized.documents + sum(skipped.values())
     if lines and sum(skipped.values()) > SKIPPED_LINES_WARNING * lines:
-        warnings.append(f"data.sources: {sum(skipped.values()):,} of {lines:,} lines ({sum(skipped.values()) / lines:.0%}) "
+        warnings.append(f"{field}: {sum(skipped.values()):,} of {lines:,} lines ({sum(skipped.values()) / lines:.0%}) "
                         f"were skipped ({nonzero_counts(skipped)}): the run trains on the rest; the tokenize "
                         "stage's log names the first of them, and data.json_keys names the text field")
     return tokenized, tuple(warnings)
@@ -122,7 +121,7 @@ def evaluation_sets(evaluation: EvaluationPlan, dataset: Dataset, data: DataPlan
             prefixes[s.name] = fetch_prefix(s.prefix, data.remote, layout, stages, cluster, "sync-prefix-0")
             continue
         tokenized, _ = sync_and_tokenize(list(s.sources), data.json_keys[:1], data, files, layout, stages, cluster,
-                                         evaluation_set=s.name)
+                                         label=f"-eval-{s.name}", field=f"evaluation.sets ({s.name!r}) sources")
         (prefixes[s.name],) = tokenized.prefixes.values()
     short = [f"evaluation.sets[{i}] ({s.name!r}): {tokens} tokens, fewer than one window of {seq_length + 1} (the "
              "run's seq_length + 1); give it more text" for i, s in enumerate(evaluation.sets)
@@ -183,14 +182,26 @@ def index(dataset: Dataset, data: DataPlan, config: Config, layout: Layout,
     return built, warnings
 
 
-def phase_blend(phase: PhaseParams, before: list[tuple[float, str]], plan: Plan, stages: Stages,
+def phase_blend(phase: PhaseParams, before: list[tuple[float, str]], dataset: Dataset, plan: Plan, stages: Stages,
                 number: int) -> list[tuple[float, str]]:
-    """A phase's blend of local prefixes (synced from S3 where they are there): its own, or the
-    blend of the phase before when it names none."""
-    if not phase.prefixes:
+    """A phase's blend of local prefixes: its prefixes (synced from S3 where they are there) and its
+    sources synced and tokenized with the run's tokenizer (the run's own sources, named as the run
+    names them, are the run's tokenized data); or the blend of the phase before when it names none."""
+    if not phase.prefixes and not phase.sources:
         return before
-    return [(p.weight, fetch_prefix(p.prefix, plan.data.remote, plan.layout, stages, plan.cluster,
-                                    f"sync-phase-{number}-prefix-{i}")) for i, p in enumerate(phase.prefixes)]
+    blend = [(p.weight, fetch_prefix(p.prefix, plan.data.remote, plan.layout, stages, plan.cluster,
+                                     f"sync-phase-{number}-prefix-{i}")) for i, p in enumerate(phase.prefixes)]
+    if dataset.tokenized is not None and sorted(phase.sources) == sorted(plan.data.sources):
+        blend += [(phase.weight, p) for p in dataset.tokenized.prefixes.values()]
+    elif phase.sources:
+        files = (dataset.tokenizer.vocab_file, dataset.tokenizer.merge_file, dataset.tokenizer.tokenizer_file)
+        tokenized, warnings = sync_and_tokenize(list(phase.sources), plan.data.json_keys, plan.data, files, plan.layout,
+                                                stages, plan.cluster, label=f"-phase-{number}",
+                                                field=f"phases[{number - 2}].sources")
+        for warning in warnings:
+            run_logger().warning("warning: %s", warning)
+        blend += [(phase.weight, p) for p in tokenized.prefixes.values()]
+    return blend
 
 
 def phase_index(phase: Phase, number: int, plan: Plan, config: Config, stages: Stages) -> IndexManifest:

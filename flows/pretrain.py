@@ -175,7 +175,7 @@ def train_in_phases(plan: Plan, job: TrainJob, dataset: data_stages.Dataset, com
     ends = [p.start for p in plan.phases[1:]] + [job.config.total_iters]
     for number, (declared, end) in enumerate(zip(plan.phases, ends), start=2):
         run_phases.close(plan.run_dir, number - 1, config, start)
-        blend = data_stages.phase_blend(declared, blend, plan, stages, number)
+        blend = data_stages.phase_blend(declared, blend, dataset, plan, stages, number)
         phase = run_phases.Phase(declared.start, tuple(blend), declared.seq_length, declared.rotary_base, declared.lr)
         index = data_stages.phase_index(phase, number, plan, run_phases.phase_config(job.config, phase, end), stages)
         config = run_phases.phase_config(job.config, phase, end, index.path)

@@ -214,3 +214,37 @@ def test_a_phase_killed_in_the_middle_resumes_to_the_weights_of_an_uninterrupted
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, END + 1))
+
+
+@pytest.mark.timeout(600)
+def test_phases_declared_with_the_run_go_on_with_its_own_sources_and_a_new_prefix(small_corpus, tmp_path,
+                                                                                 prefect_harness):
+    from flows.pretrain import pretrain
+
+    extra = str(tmp_path / "extra")
+    write_dataset(extra, 200, 0, 1000, 4)
+    other = tmp_path / "other" / "other.jsonl"          # new text, tokenized with the run's tokenizer
+    other.parent.mkdir()
+    other.write_text("".join(small_corpus.read_text().splitlines(keepends=True)[:60]))
+    state = pretrain(data=DataParams(sources=[str(small_corpus)], split="80,10,10"),
+                     tokenizer=TokenizerParams(train_vocab_size=1024),
+                     training=TrainingParams(train_iters=12, eval_interval=6, eval_iters=1, log_interval=3,
+                                             save_interval=6, compile=False),
+                     output=OutputParams(root=str(tmp_path / "runs"), run_name="declared"),
+                     phases=[PhaseParams(start=6, sources=[str(small_corpus)], weight=0.5, lr="constant",
+                                         prefixes=[{"weight": 0.5, "prefix": extra}]),
+                             PhaseParams(start=9, sources=[str(other)])],
+                     return_state=True)
+    assert state.is_completed(), state.message
+    run_dir = tmp_path / "runs" / "declared"
+    one, two, three = phases.ledger(run_dir)
+    (own,) = one["prefixes"]
+    assert set(two["prefixes"]) == {own, extra}          # the run's sources are its tokenized prefix again
+    (new,) = three["prefixes"]
+    assert new != own and "/tokenized/" in new and three["prefixes"][new]["samples"] == 3 * 16
+    consumed = [read_left_out(str(run_dir / e["documents"])) for e in (one, two)]
+    assert consumed[0][own].size and consumed[1][own].size and not set(consumed[0][own]) & set(consumed[1][own])
+    config = json.loads((run_dir / "config.json").read_text())
+    records = {r["iteration"]: r for r in read_metrics(run_dir)}
+    assert sorted(records) == list(range(1, 13)) and config["lr_decay_style"] != "constant"
+    assert all(records[it]["lr"] == pytest.approx(config["lr"]) for it in range(7, 10))   # phase 2's constant

@@ -65,8 +65,9 @@ def phase_rows(plan: Plan) -> list[tuple[str, str]]:
     for n, (start, end) in enumerate(zip(starts, ends), start=1):
         phase = plan.phases[n - 2] if n > 1 else None
         seq = (phase.seq_length if phase else None) or c.seq_length
-        blend = ", ".join(f"{p.weight:g} {p.prefix}" for p in phase.prefixes) if phase and phase.prefixes else \
-            ("the run's data" if n == 1 else "the blend of the phase before")
+        named = [f"{p.weight:g} {p.prefix}" for p in phase.prefixes] if phase else []
+        named += [f"{phase.weight:g} {', '.join(phase.sources)} (tokenized)"] if phase and phase.sources else []
+        blend = ", ".join(named) or ("the run's data" if n == 1 else "the blend of the phase before")
         samples = (end - start) * c.global_batch_size
         here = "; this leg starts here" if start <= done < end else ("; trained" if done >= end else "")
         rows.append((f"phase {n}", f"iterations {start + 1}-{end}: {blend}; sequence {seq}; learning rate "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from flows.plan.boundary import Boundary, check_prefix
+from flows.plan.boundary import Boundary, check_prefix, check_source
 from flows.plan.params import PhaseParams, Problems, TrainingParams
 from gpt.checkpoint import iteration_of, newest_intact, saved_layout
 from gpt.config import Config
@@ -137,6 +137,8 @@ def check_phases(phases: list[PhaseParams], training: TrainingParams, config: Co
                             "model with rotary positions (e.g. tiny-llama, llama3-8b)")
         for j, p in enumerate(phase.prefixes):
             check_prefix(f"{where}.prefixes[{j}].prefix", p.prefix, root, boundary, problems)
+        for j, source in enumerate(phase.sources):
+            check_source(f"{where}.sources[{j}]", source, root, boundary, problems)
         resolved.append(phase.model_copy(update={"start": start}))
     problems += run_phases.rewritten(run_dir, [p.model_dump() for p in resolved], reached)
     return tuple(resolved)

@@ -170,7 +170,10 @@ class PhaseParams(_Params):
                                                     "reached (its newest checkpoint)")
     prefixes: list[WeightedPrefix] = Field(default_factory=list, description="Its blend: tokenized datasets "
                                            "with weights (a prefix of an earlier phase goes on with the documents "
-                                           "it left). Empty: the blend of the phase before")
+                                           "it left). Empty, with no sources: the blend of the phase before")
+    sources: list[str] = Field(default_factory=list, description="And JSONL or Parquet inputs, tokenized with the "
+                                                                 "run's tokenizer; the run's data.sources, named as there, are its data")
+    weight: float = Field(1.0, gt=0, description="Blend weight of the data tokenized from `sources`")
     seq_length: int | None = Field(None, ge=1, le=2**20, description="A new sequence length from this phase "
                                                                     "on (rotary position embeddings)")
     rotary_base: int | None = Field(None, ge=1, description="Rotary base (theta) from this phase on")
