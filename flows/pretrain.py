@@ -105,7 +105,7 @@ def _pretrain(plan: Plan) -> dict:
     for warning in warnings:
         run_logger().warning("warning: %s", warning)
     if warnings:
-        plan_table(plan, outlook.message, warnings, cost.rows())
+        plan_table(plan, outlook.message, [*plan.warnings, *warnings], cost.rows())
     job = plan.training_job(dataset.tokenizer, index)
     if plan.evaluation:       # before training: its saves are evaluated as they come
         data_stages.evaluation_spec(plan, dataset, stages).write(plan.run_dir)
@@ -159,7 +159,9 @@ def begin(plan: Plan) -> tuple[Outlook, Estimate]:
           f"cluster preset {plan.cluster.name!r}): {outlook.message}")
     cost = plan.estimate(outlook)
     run_logger().info("estimate: " + "; ".join(f"{item} {value}" for item, value in cost.rows()))
-    plan_table(plan, outlook.message, estimate=cost.rows())
+    for warning in plan.warnings:
+        run_logger().warning("warning: %s", warning)
+    plan_table(plan, outlook.message, list(plan.warnings), cost.rows())
     return outlook, cost
 
 

@@ -92,7 +92,7 @@ def test_two_phases_on_two_layouts_with_a_spike_consume_every_document_once(tmp_
     assert abs(samples[a] - 0.9 * (END - PHASE_1) * G) <= G and abs(samples[b] - 0.1 * (END - PHASE_1) * G) <= G
 
 
-def _leg(root, prefixes, vocab, merges, iters: int, tasks: int, phase_list=(), **training):
+def _leg(root, prefixes, vocab, merges, iters: int, tasks: int, phase_list=(), dry_run=False, **training):
     from flows.pretrain import pretrain
 
     return pretrain(model="tiny-llama",
@@ -104,7 +104,7 @@ def _leg(root, prefixes, vocab, merges, iters: int, tasks: int, phase_list=(), *
                                                        **training}),
                     cluster=ClusterParams(preset="local", overrides={"tasks_per_node": tasks}),
                     output=OutputParams(root=str(root), run_name="phased"), phases=list(phase_list),
-                    return_state=True)
+                    dry_run=dry_run, return_state=True)
 
 
 @pytest.mark.timeout(600)
@@ -127,6 +127,9 @@ def test_a_second_leg_adds_a_longer_context_decay_phase_and_phases_are_refused_b
         return PhaseParams(start="now", prefixes=[{"weight": w, "prefix": p} for w, p in prefixes], seq_length=128,
                            lr="decay")
 
+    planned = _leg(tmp_path, blend, vocab, merges, END, 1, [decay((0.5, a), (0.5, c))], dry_run=True).result()
+    said = [r["value"] for r in planned["plan"] if r["item"] == "warning"]
+    assert any(w.startswith(f"phase 2: {c} is used up before the phase starts") for w in said), said
     state = _leg(tmp_path, blend, vocab, merges, END, 1, [decay((0.5, a), (0.5, c))])
     assert state.is_failed() and "phases[0].prefixes: " + c + " is exhausted before phase 2 can start" in state.message
 

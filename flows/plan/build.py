@@ -178,7 +178,7 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     config = dataclasses.replace(config, run_dir=str(run_dir),
                                  init_from=start_from(training, layout, boundary, config, problems))
     check_start(config, boundary, root, problems)
-    planned = check_phases(list(phases or ()), training, config, run_dir, root, boundary, problems)
+    planned = check_phases(list(phases or ()), data, training, config, run_dir, root, boundary, problems)
     if where.container is not None:
         problems += where.container.problems(container_reads(reads, config.init_from, config.init_from_hf),
                                              {"output.root": root})

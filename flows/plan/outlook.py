@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Literal
 
 from flows.plan.boundary import Boundary, check_prefix, check_source
-from flows.plan.params import PhaseParams, Problems, TrainingParams
+from flows.plan.params import DataParams, PhaseParams, Problems, TrainingParams
 from gpt.checkpoint import iteration_of, newest_intact, saved_layout
 from gpt.config import Config
 from tasks.cluster.config import ClusterConfig
+from tasks.common.uri import is_s3
+from tasks.sync import local_path
 from tasks.train import phases as run_phases
 from tasks.train.stage import trained_summary
 
@@ -99,8 +101,8 @@ def cannot_load(checkpoint: Path, config: Config) -> str | None:
             "gpt.export joins the parts) and start a new run from the export with init_from_hf")
 
 
-def check_phases(phases: list[PhaseParams], training: TrainingParams, config: Config, run_dir: Path, root: Path,
-                 boundary: Boundary, problems: Problems) -> tuple[PhaseParams, ...]:
+def check_phases(phases: list[PhaseParams], data: DataParams, training: TrainingParams, config: Config, run_dir: Path,
+                 root: Path, boundary: Boundary, problems: Problems) -> tuple[PhaseParams, ...]:
     """The phases with every start an iteration; each problem a line naming its phase."""
     try:
         recorded = run_phases.declared(run_dir)
@@ -141,4 +143,20 @@ def check_phases(phases: list[PhaseParams], training: TrainingParams, config: Co
             check_source(f"{where}.sources[{j}]", source, root, boundary, problems)
         resolved.append(phase.model_copy(update={"start": start}))
     problems += run_phases.rewritten(run_dir, [p.model_dump() for p in resolved], reached)
+    if not problems:
+        problems.warnings += run_phases.shortfalls(_legs(data, resolved, config), config.global_batch_size, data.split)
     return tuple(resolved)
+
+
+def _legs(data: DataParams, phases: list[PhaseParams], config: Config) -> list[tuple[int, int, list, int]]:
+    """Each phase's start, end, blend of local prefixes (the run's own tokenized sources are not
+    known before they are tokenized) and sequence length, the first phase the run's."""
+    blend = [(p.weight, local_path(p.prefix)) for p in data.prefixes if not is_s3(p.prefix)]
+    starts = [0, *(p.start for p in phases)]
+    legs, seq = [(0, starts[1], blend, config.seq_length)], config.seq_length
+    for phase, end in zip(phases, [*starts[2:], config.total_iters]):
+        if phase.prefixes or phase.sources:
+            blend = [(p.weight, local_path(p.prefix)) for p in phase.prefixes if not is_s3(p.prefix)]
+        seq = phase.seq_length or seq
+        legs.append((phase.start, end, blend, seq))
+    return legs

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from gpt.config import Config
-from gpt.data import DataIndex, GPTDataset
+from gpt.data import DataIndex, GPTDataset, MMapIndexedDataset
 from gpt.files import write_json
 from tasks.common.digest import Digest
-from tasks.index import read_left_out, write_left_out
+from tasks.index import parse_split, read_left_out, split_bounds, write_left_out
 from tasks.trackers import Item
 from tasks.train.spikes import skipped_samples, skipping
 
@@ -72,6 +72,35 @@ def phase_config(config: Config, phase: Phase, end: int, data_index: str | None 
 def first_phase(config: Config, phases: list[Phase]) -> Config:
     """The run's configuration for its first phase: its own, to the second phase's start."""
     return dataclasses.replace(config, train_iters=phases[0].start) if phases else config
+
+
+def shortfalls(legs: list[tuple[int, int, list[tuple[float, str]], int]], global_batch_size: int,
+               split: str) -> list[str]:
+    """Before anything trains: each prefix a phase will use up, projected from the tokens of its
+    train documents. ``legs``: per phase, its start, end, blend of (weight, local prefix; those not
+    here are left out) and sequence length. A sample also spends the rest of each document it
+    draws from (a later phase leaves it out), counted as a mean document per sample."""
+    left: dict[str, float] = {}
+    said = []
+    for n, (start, end, blend, seq_length) in enumerate(legs, start=1):
+        total = sum(w for w, _ in blend)
+        for weight, prefix in blend:
+            if not Path(prefix + ".idx").is_file():
+                continue
+            if prefix not in left:
+                data = MMapIndexedDataset(prefix)
+                first, last = split_bounds(parse_split(split), len(data))[:2]
+                left[prefix] = float(np.asarray(data.sizes)[first:last].sum(dtype=np.int64))
+                left[prefix + " mean"] = left[prefix] / max(1, last - first)
+            per_iteration = weight / total * global_batch_size * (seq_length + left[prefix + " mean"])
+            if left[prefix] <= seq_length:
+                said.append(f"phase {n}: {prefix} is used up before the phase starts (projected: the phases before "
+                            "it consume its train documents); give the phase other data")
+            elif left[prefix] < per_iteration * (end - start):
+                said.append(f"phase {n}: {prefix} runs out at about iteration {start + int(left[prefix] // per_iteration)} "
+                            "(projected from its train documents): they are repeated from there")
+            left[prefix] = max(0.0, left[prefix] - per_iteration * (end - start))
+    return said
 
 
 # -- the phases a run declared -----------------------------------------------------------------
