@@ -251,3 +251,33 @@ def test_phases_declared_with_the_run_go_on_with_its_own_sources_and_a_new_prefi
     records = {r["iteration"]: r for r in read_metrics(run_dir)}
     assert sorted(records) == list(range(1, 13)) and config["lr_decay_style"] != "constant"
     assert all(records[it]["lr"] == pytest.approx(config["lr"]) for it in range(7, 10))   # phase 2's constant
+
+
+def test_phases_the_plan_refuses_by_name(tmp_path, monkeypatch):
+    from flows.cli import parse_args
+    from flows.plan.build import make_plan
+    from flows.plan.params import ParameterError
+
+    monkeypatch.setenv("GPT_OUTPUT_ROOTS", str(tmp_path))
+
+    def problems(model: str, phase_list: list, training=None, cluster="local") -> list[str]:
+        with pytest.raises(ParameterError) as e:
+            make_plan(model, DataParams(), TokenizerParams(), training or TrainingParams(train_iters=20),
+                      ClusterParams(preset=cluster), OutputParams(root=str(tmp_path)), phases=phase_list, dry_run=True)
+        return e.value.errors
+
+    assert problems("tiny-llama", [PhaseParams(start=12), PhaseParams(start=8)]) == [
+        "phases[1].start: 8: a phase starts after the phase before it (iteration 12) and before the run's end "
+        "(training.train_iters 20)"]
+    assert "has no checkpoint yet" in problems("tiny-llama", [PhaseParams(start="now")])[0]
+    assert problems("tiny", [PhaseParams(start=10, seq_length=256)])[0].startswith(
+        "phases[0].seq_length: tiny has learned position embeddings for 128 positions")
+    assert problems("tiny-llama", [PhaseParams(start=10)], TrainingParams(train_samples=320))[0].startswith(
+        "phases: phases start at iterations")
+    assert problems("llama3-8b", [PhaseParams(start=10, seq_length=131072)],
+                    TrainingParams(train_iters=20, overrides={"data_parallel_mode": "fsdp"}), "p5-8gpu")[0].startswith(
+        "phases[0].seq_length: each rank needs an estimated")
+    with pytest.raises(ParameterError) as e:           # weights are positive, from the command line too
+        parse_args(["--phase", '{"start": 5, "prefixes": [{"weight": 0, "prefix": "/data/a"}], "lr": "anneal"}'])
+    assert e.value.errors[0].startswith("phases[0].prefixes[0].weight: Input should be greater than 0")
+    assert e.value.errors[1].startswith("phases[0].lr: Input should be 'schedule', 'constant' or 'decay'")

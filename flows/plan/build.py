@@ -52,6 +52,7 @@ from tasks.common.records import DamagedRecord
 from tasks.index import IndexManifest
 from tasks.precompile import cache_key
 from tasks.trackers import tracker_runs
+from tasks.train import phases as run_phases
 from tasks.train.spikes import rollbacks
 
 
@@ -185,6 +186,12 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     problem = memory_problem(config, where)
     if problem:
         problems.append(f"training: {problem}")
+    for i, phase in enumerate(planned):            # a longer context takes more memory per rank
+        longer = run_phases.phase_config(config, run_phases.Phase(phase.start, seq_length=phase.seq_length),
+                                         config.total_iters)
+        problem = memory_problem(longer, where) if phase.seq_length and not problems else None
+        if problem:
+            problems.append(f"phases[{i}].seq_length: {problem}")
     resuming = Checkpointer(run_dir / "checkpoints", 1, 0).latest() is not None
     problem = None if any(e.startswith("output.root:") for e in problems) else disk_problem(config, root, resuming)
     if problem:
