@@ -37,6 +37,7 @@ from flows.plan.params import (
     refused_as_failed_run,
 )
 from flows.stages import Stages
+from gpt.config import Config
 from tasks import events
 from tasks import report as reporting
 from tasks.cluster.run_owner import RunOwner
@@ -150,6 +151,8 @@ def begin(plan: Plan) -> tuple[Outlook, Estimate]:
     problems = run_folder_problems(plan.run_dir, plan.identity, plan.config)
     if problems:
         raise ParameterError(problems)
+    if plan.branch_from:
+        run_phases.branch(plan.run_dir, plan.branch_from)
     outlook = plan.outlook()
     identity.record(plan.run_dir, plan.identity)
     if plan.phases:
@@ -169,10 +172,19 @@ def train_in_phases(plan: Plan, job: TrainJob, dataset: data_stages.Dataset, com
                     stages: Stages) -> TrainResult:
     """Training, phase after phase (one, for a run that declares none): the first on the run's own
     data; each later one on its order over the documents the earlier ones left, from the checkpoint
-    the phase before ended with. Each phase ended is closed in the run's ledger."""
+    the phase before ended with. Each phase ended is closed in the run's ledger; one the run is past
+    already (an earlier leg's, or the run it branched from) is not submitted again."""
+    reached = plan.outlook().done
+
+    def train(stage: str, config: Config, last: bool) -> TrainResult | None:
+        if reached >= config.total_iters and not last:
+            stages.skip(stage, f"the run is past this phase's end (iteration {config.total_iters}) already")
+            return None
+        return stages.run(stage, train_task, config, job.cluster, precompiled=compiled, trackers=job.trackers,
+                          tracker_project=job.tracker_project)
+
     config = run_phases.first_phase(job.config, [run_phases.Phase(p.start) for p in plan.phases])
-    result = stages.run("train", train_task, config, job.cluster, precompiled=compiled, trackers=job.trackers,
-                        tracker_project=job.tracker_project)
+    result = train("train", config, not plan.phases)
     blend, start = dataset.blend, 0
     ends = [p.start for p in plan.phases[1:]] + [job.config.total_iters]
     for number, (declared, end) in enumerate(zip(plan.phases, ends), start=2):
@@ -181,12 +193,12 @@ def train_in_phases(plan: Plan, job: TrainJob, dataset: data_stages.Dataset, com
         phase = run_phases.Phase(declared.start, tuple(blend), declared.seq_length, declared.rotary_base, declared.lr)
         index = data_stages.phase_index(phase, number, plan, run_phases.phase_config(job.config, phase, end), stages)
         config = run_phases.phase_config(job.config, phase, end, index.path)
-        result = stages.run(f"train-phase-{number}", train_task, config, job.cluster, trackers=job.trackers,
-                            tracker_project=job.tracker_project)
+        result = train(f"train-phase-{number}", config, number == len(plan.phases) + 1)
         start = declared.start
     if plan.phases:
         run_phases.close(plan.run_dir, len(plan.phases) + 1, config, start)
         reporting.mixture(plan.run_dir.name, run_phases.ledger(plan.run_dir), run_phases.declared(plan.run_dir))
+    assert result is not None           # the last phase always runs its stage
     return result
 
 

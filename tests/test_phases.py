@@ -19,6 +19,7 @@ from tasks.train import phases
 from tasks.train.spikes import SKIPPED
 from tasks.train.stage import train
 from tests.fixtures_gpt import read_metrics, slow_iterations
+from tests.run_folder import job_records
 from tests.test_cluster_slurm import tiny
 from tests.test_index import write_dataset
 
@@ -92,18 +93,19 @@ def test_two_phases_on_two_layouts_with_a_spike_consume_every_document_once(tmp_
     assert abs(samples[a] - 0.9 * (END - PHASE_1) * G) <= G and abs(samples[b] - 0.1 * (END - PHASE_1) * G) <= G
 
 
-def _leg(root, prefixes, vocab, merges, iters: int, tasks: int, phase_list=(), dry_run=False, **training):
+def _leg(root, prefixes, vocab, merges, iters: int, tasks: int, phase_list=(), dry_run=False, run_name="phased",
+         branch_from=None, **training):
     from flows.pretrain import pretrain
 
     return pretrain(model="tiny-llama",
                     data=DataParams(prefixes=[{"weight": w, "prefix": p} for w, p in prefixes], split="50,25,25"),
                     tokenizer=TokenizerParams(vocab_file=vocab, merge_file=merges),
                     training=TrainingParams(train_iters=iters, seq_length=64, eval_interval=4, eval_iters=1,
-                                            log_interval=2, save_interval=4, compile=False,
+                                            log_interval=2, save_interval=4, compile=False, branch_from=branch_from,
                                             overrides={"lr_decay_style": "constant", "lr_warmup_iters": 2,
                                                        **training}),
                     cluster=ClusterParams(preset="local", overrides={"tasks_per_node": tasks}),
-                    output=OutputParams(root=str(root), run_name="phased"), phases=list(phase_list),
+                    output=OutputParams(root=str(root), run_name=run_name), phases=list(phase_list),
                     dry_run=dry_run, return_state=True)
 
 
@@ -167,9 +169,9 @@ def test_a_second_leg_adds_a_longer_context_decay_phase_and_phases_are_refused_b
     assert logged[(PHASE_1, "data/c/tokens")] == one["prefixes"][c]["tokens"] and (END, "data/c/tokens") not in logged
 
     state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [decay((0.5, a), (0.5, b))])
-    assert state.is_failed() and "phases[0]: phase 2 started at iteration 8" in state.message
+    assert state.is_failed() and "phases[0]: phase 2 of run phased started at iteration 8" in state.message
     state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [PhaseParams(start=PHASE_1 + 4)])
-    assert state.is_failed() and "phases[0]: phase 2 started at iteration 8" in state.message
+    assert state.is_failed() and "phases[0]: phase 2 of run phased started at iteration 8" in state.message
     # Declared as it was ("now" is the start it was given), the last phase extends, and its ledger entry with it.
     state = _leg(tmp_path, blend, vocab, merges, END + 4, 1, [decay((0.9, a), (0.1, b))])
     assert state.is_completed(), state.message
@@ -281,3 +283,43 @@ def test_phases_the_plan_refuses_by_name(tmp_path, monkeypatch):
         parse_args(["--phase", '{"start": 5, "prefixes": [{"weight": 0, "prefix": "/data/a"}], "lr": "anneal"}'])
     assert e.value.errors[0].startswith("phases[0].prefixes[0].weight: Input should be greater than 0")
     assert e.value.errors[1].startswith("phases[0].lr: Input should be 'schedule', 'constant' or 'decay'")
+
+
+@pytest.mark.timeout(600)
+def test_decays_branched_from_two_stable_checkpoints_share_the_stable_run(tmp_path, bpe_vocab, prefect_harness):
+    """A stable run (constant learning rate), and two new runs that branch from its checkpoints at 4
+    and 8 with a WSD decay phase to 12: each has the stable run's iterations up to its branch (its
+    checkpoint, metrics and ledger), and decays from there by Megatron's formula."""
+    vocab, merges = map(str, bpe_vocab)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_dataset(a, 300, 0, 1000, 1)
+    write_dataset(b, 300, 0, 1000, 2)
+    blend = [(0.5, a), (0.5, b)]
+    assert _leg(tmp_path, blend, vocab, merges, 12, 1, keep_last=5).is_completed()
+    stable = {r["iteration"]: r for r in read_metrics(tmp_path / "phased")}
+    decay = PhaseParams(start="now", lr="decay", prefixes=[{"weight": 0.8, "prefix": a}, {"weight": 0.2, "prefix": b}])
+    branches = {}
+    for at in (4, 8):
+        state = _leg(tmp_path, blend, vocab, merges, 12, 1, [decay], run_name=f"decay-{at}",
+                     branch_from=f"phased/iter_{at:07d}")
+        assert state.is_completed(), state.message
+        branches[at] = tmp_path / f"decay-{at}"
+    for at, run_dir in branches.items():
+        records = {r["iteration"]: r for r in read_metrics(run_dir)}
+        assert sorted(records) == list(range(1, 13))
+        assert all(records[it]["lm_loss"] == stable[it]["lm_loss"] for it in range(1, at + 1))   # the stable part
+        for it in range(at + 1, 13):
+            want = 2e-4 + (2e-3 - 2e-4) * (2 * 0.5 ** ((it - at) / (12 - at)) - 1)
+            assert records[it]["lr"] == pytest.approx(want, rel=1e-4), (at, it)
+        one, two = phases.ledger(run_dir)
+        assert (one["last_iteration"], one["order"], two["first_iteration"]) == (at, [0, at * G], at + 1)
+        assert json.loads((run_dir / phases.PHASES).read_text())["phases"][0]["start"] == at
+        logs = "".join(p.read_text() for p in (run_dir / "jobs").glob("*_log.out"))
+        assert f"decay-{at}/checkpoints/iter_{at:07d} at iteration {at}" in logs
+        assert len(job_records(run_dir)) == 1             # the stable phase, ended by the branch point, is not run
+    assert records[9]["lm_loss"] != {r["iteration"]: r for r in read_metrics(branches[4])}[9]["lm_loss"]
+    assert not phases.ledger(tmp_path / "phased") and len(read_metrics(tmp_path / "phased")) == 12   # untouched
+    state = _leg(tmp_path, blend, vocab, merges, 12, 1, [decay], run_name="other", branch_from="phased/iter_0000004",
+                 dry_run=True, seed=7)
+    assert state.is_failed() and "training.branch_from: run phased is another recipe (training.seed: 1234 -> 7)" \
+        in state.message, state.message

@@ -41,7 +41,7 @@ from flows.plan.params import (
     TrainingParams,
 )
 from flows.plan.sizes import device_memory, disk_problem, memory_problem
-from flows.plan.start import check_start, start_from
+from flows.plan.start import branch_point, check_start, start_from
 from gpt.checkpoint import Checkpointer, newest_intact
 from gpt.config import Config
 from gpt.config.presets import PRESETS
@@ -95,7 +95,8 @@ class Plan:
     warnings: tuple[str, ...] = ()      # what a dry run could not check on this machine
     cluster_preset: str = "local"       # the operator's preset the run named
     cluster_set: dict[str, Any] = dataclasses.field(default_factory=dict)    # the cluster fields the run set
-    phases: tuple[PhaseParams, ...] = ()    # after the first, each start an iteration (flows.plan.phases)
+    phases: tuple[PhaseParams, ...] = ()    # after the first, each start an iteration (flows.plan.outlook)
+    branch_from: Path | None = None         # the checkpoint of another run this new run goes on from
 
     @property
     def run_dir(self) -> Path:
@@ -174,24 +175,17 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     if vocab_size is None:
         vocabulary = f"{config.vocab_size:,} assumed (GPT-2's): {vocabulary}"     # the preset's
     config = dataclasses.replace(config, vocab_size=vocab_size or config.vocab_size)      # the memory check's
-    identity = run_identity.run_identity(data, tokenizer, config, config_fields(training))
+    identity = run_identity.run_identity(data, tokenizer, config, config_fields(training), training.branch_from)
     run_dir = layout.run(run_name(output, f"{identity['model']}-{run_identity.run_key(identity)}", problems))
     config = dataclasses.replace(config, run_dir=str(run_dir),
                                  init_from=start_from(training, layout, boundary, config, problems))
     check_start(config, boundary, root, problems)
-    planned = check_phases(list(phases or ()), data, training, config, run_dir, root, boundary, problems)
+    branch = branch_point(training, layout, boundary, identity, config, problems)
+    planned = check_phases(list(phases or ()), data, training, config, run_dir, root, boundary, problems, branch)
     if where.container is not None:
         problems += where.container.problems(container_reads(reads, config.init_from, config.init_from_hf),
                                              {"output.root": root})
-    problem = memory_problem(config, where)
-    if problem:
-        problems.append(f"training: {problem}")
-    for i, phase in enumerate(planned):            # a longer context takes more memory per rank
-        longer = run_phases.phase_config(config, run_phases.Phase(phase.start, seq_length=phase.seq_length),
-                                         config.total_iters)
-        problem = memory_problem(longer, where) if phase.seq_length and not problems else None
-        if problem:
-            problems.append(f"phases[{i}].seq_length: {problem}")
+    check_memory(config, planned, where, problems)
     resuming = Checkpointer(run_dir / "checkpoints", 1, 0).latest() is not None
     problem = None if any(e.startswith("output.root:") for e in problems) else disk_problem(config, root, resuming)
     if problem:
@@ -206,7 +200,20 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     return Plan(config=config, cluster=where, layout=layout, identity=identity, data=reads,
                 output=output_plan(output, root, run_dir, data.profile), evaluation=evaluated, budget=capped,
                 vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here), cluster_preset=cluster.preset, cluster_set=dict(cluster.overrides),
-                phases=planned)
+                phases=planned, branch_from=branch)
+
+
+def check_memory(config: Config, phases: tuple[PhaseParams, ...], cluster: ClusterConfig, problems: Problems) -> None:
+    """A rank's memory fits its device, at the run's sequence length and at each phase's longer one."""
+    problem = memory_problem(config, cluster)
+    if problem:
+        problems.append(f"training: {problem}")
+    for i, phase in enumerate(phases):
+        longer = run_phases.phase_config(config, run_phases.Phase(phase.start, seq_length=phase.seq_length),
+                                         config.total_iters)
+        problem = memory_problem(longer, cluster) if phase.seq_length and not problems else None
+        if problem:
+            problems.append(f"phases[{i}].seq_length: {problem}")
 
 
 def _check_choices(model: str, training: TrainingParams, problems: Problems) -> None:
@@ -217,6 +224,9 @@ def _check_choices(model: str, training: TrainingParams, problems: Problems) -> 
         problems.append(f"training.overrides.{name}: decided by the flow (the model is the model parameter; where "
                         "runs, data and caches live follows output.root and output.run_name; the vocabulary is the "
                         "tokenizer's; a run to start from is training.init_from); remove it")
+    if training.branch_from is not None and training.init_from is not None:
+        problems.append("training.branch_from: a branch goes on from a checkpoint with its iterations; init_from "
+                        "starts a new run from weights: give one of them")
     if training.train_iters is not None and training.train_samples is not None:
         problems.append("training: set train_iters or train_samples, not both (clear train_iters to train by samples)")
 

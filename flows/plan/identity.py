@@ -45,13 +45,16 @@ ADDED_TOKENIZER = ("tokenizer_model", "add_bos_token")
 
 
 def run_identity(data: DataParams, tokenizer: TokenizerParams, config: Config,
-                 given: dict[str, Any]) -> dict[str, Any]:
+                 given: dict[str, Any], branch_from: str | None = None) -> dict[str, Any]:
     """The identity of the run these parameters train: ``config`` resolved from them, ``given``
     the Config fields the parameters set explicitly. A model of its own shape is named by it and
-    keeps its whole architecture, and the preset its other fields came from."""
+    keeps its whole architecture, and the preset its other fields came from. A run branched from
+    another's checkpoint is that run's identity and the checkpoint it branched from."""
     training = {name: getattr(config, name) for name in DEFINING}
     training.update({name: given[name] for name in SCHEDULE + START
                      if given.get(name) is not None and given[name] is not False})
+    if branch_from:
+        training["branch_from"] = branch_from
     called = model_name(config)
     shape = {} if called == config.model else {
         "shape": {"preset": config.model, **{field: getattr(config, field) for field in ARCHITECTURE}}}

@@ -102,50 +102,57 @@ def cannot_load(checkpoint: Path, config: Config) -> str | None:
 
 
 def check_phases(phases: list[PhaseParams], data: DataParams, training: TrainingParams, config: Config, run_dir: Path,
-                 root: Path, boundary: Boundary, problems: Problems) -> tuple[PhaseParams, ...]:
-    """The phases with every start an iteration; each problem a line naming its phase."""
+                 root: Path, boundary: Boundary, problems: Problems,
+                 branch_from: Path | None = None) -> tuple[PhaseParams, ...]:
+    """The phases with every start an iteration; each problem a line naming its phase. A leg that
+    names none goes on with the run's; a new run branched from another's checkpoint has that run's
+    phases started by then."""
+    newest, _ = newest_intact(run_dir / "checkpoints")
+    source = run_dir
+    if newest is None and branch_from is not None:
+        source, newest = branch_from.parent.parent, branch_from
+    reached = iteration_of(newest) if newest is not None else 0
     try:
-        recorded = run_phases.declared(run_dir)
+        recorded = [p for p in run_phases.declared(source) if source == run_dir or p["start"] < reached]
     except ValueError as e:
         problems.append(f"phases: {e}")
         return ()
-    if not phases:          # a leg that names none goes on with the run's
-        phases = [PhaseParams(**p) for p in recorded]
-    if not phases:
-        return ()
-    if config.train_samples is not None or training.train_samples is not None:
+    phases = phases or [PhaseParams(**p) for p in recorded]
+    if phases and (config.train_samples is not None or training.train_samples is not None):
         problems.append("phases: phases start at iterations; set training.train_iters instead of train_samples")
         return ()
-    newest, _ = newest_intact(run_dir / "checkpoints")
-    reached = iteration_of(newest) if newest is not None else 0
-    resolved = []
+    resolved: list[PhaseParams] = []
     for i, phase in enumerate(phases):
-        where = f"phases[{i}]"
         start = phase.start
         if start == "now":      # once recorded, the phase keeps the start it was given
             before = recorded[i] if i < len(recorded) else None
-            same = before is not None and before == {**phase.model_dump(), "start": before["start"]}
-            start = before["start"] if same else reached
+            start = before["start"] if before == {**phase.model_dump(), "start": (before or {}).get("start")} else reached
             if not start:
-                problems.append(f"{where}.start: now, but run {run_dir.name} has no checkpoint yet; give an iteration")
+                problems.append(f"phases[{i}].start: now, but run {run_dir.name} has no checkpoint yet; give an "
+                                "iteration")
                 continue
-        previous = resolved[-1].start if resolved else 0
-        if not previous < start < config.total_iters:
-            problems.append(f"{where}.start: {start}: a phase starts after the phase before it (iteration {previous}) "
-                            f"and before the run's end (training.train_iters {config.total_iters})")
-        if phase.seq_length is not None and config.position_embedding_type != "rope":
-            problems.append(f"{where}.seq_length: {config.model} has learned position embeddings for "
-                            f"{config.max_position_embeddings} positions; a phase may change the context of a "
-                            "model with rotary positions (e.g. tiny-llama, llama3-8b)")
-        for j, p in enumerate(phase.prefixes):
-            check_prefix(f"{where}.prefixes[{j}].prefix", p.prefix, root, boundary, problems)
-        for j, source in enumerate(phase.sources):
-            check_source(f"{where}.sources[{j}]", source, root, boundary, problems)
+        _check_phase(i, phase, start, resolved[-1].start if resolved else 0, config, root, boundary, problems)
         resolved.append(phase.model_copy(update={"start": start}))
-    problems += run_phases.rewritten(run_dir, [p.model_dump() for p in resolved], reached)
-    if not problems:
+    problems += run_phases.rewritten(recorded, [p.model_dump() for p in resolved], reached, run_dir.name)
+    if resolved and not problems:
         problems.warnings += run_phases.shortfalls(_legs(data, resolved, config), config.global_batch_size, data.split)
     return tuple(resolved)
+
+
+def _check_phase(i: int, phase: PhaseParams, start: int, previous: int, config: Config, root: Path,
+                 boundary: Boundary, problems: Problems) -> None:
+    where = f"phases[{i}]"
+    if not previous < start < config.total_iters:
+        problems.append(f"{where}.start: {start}: a phase starts after the phase before it (iteration {previous}) "
+                        f"and before the run's end (training.train_iters {config.total_iters})")
+    if phase.seq_length is not None and config.position_embedding_type != "rope":
+        problems.append(f"{where}.seq_length: {config.model} has learned position embeddings for "
+                        f"{config.max_position_embeddings} positions; a phase may change the context of a "
+                        "model with rotary positions (e.g. tiny-llama, llama3-8b)")
+    for j, p in enumerate(phase.prefixes):
+        check_prefix(f"{where}.prefixes[{j}].prefix", p.prefix, root, boundary, problems)
+    for j, source in enumerate(phase.sources):
+        check_source(f"{where}.sources[{j}]", source, root, boundary, problems)
 
 
 def _legs(data: DataParams, phases: list[PhaseParams], config: Config) -> list[tuple[int, int, list, int]]:

@@ -158,6 +158,10 @@ class TrainingParams(_Params):
     init_from: str | None = Field(None, description="A new run starts from this run (a name under output.root, or "
                                                     "its folder) or checkpoint folder: its weights")
     init_from_optimizer: bool = Field(False, description="With init_from: its optimizer state too")
+    branch_from: str | None = Field(None, description="A checkpoint of a run of this recipe (RUN/iter_NNNNNNN under "
+                                    "output.root, or its folder) that this new run goes on from with its "
+                                    "iterations, samples, phases and ledger: e.g. a decay phase from a stable "
+                                    "checkpoint, on other data")
     overrides: dict[str, Any] = Field(default_factory=dict,
                                       description='Any other gpt Config field, e.g. {"lr_warmup_iters": 50}')
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from flows.plan.boundary import Boundary, refused
+from flows.plan.identity import differences, recorded
 from flows.plan.layout import Layout
 from flows.plan.outlook import cannot_load
 from flows.plan.output import RUN_NAME
@@ -58,6 +60,40 @@ def start_from(training: TrainingParams, layout: Layout, boundary: Boundary, con
     if problem:
         errors.append(f"training.init_from: {problem}")
     return str(checkpoint)
+
+
+def branch_point(training: TrainingParams, layout: Layout, boundary: Boundary, identity: dict[str, Any],
+                 config: Config, errors: Problems) -> Path | None:
+    """The checkpoint a new run branches from (training.branch_from: RUN/iter_NNNNNNN under the
+    output root, or a checkpoint folder): intact, loadable in this layout, and of a run of this
+    recipe (its identity, any branch of its own aside)."""
+    given = training.branch_from
+    if given is None:
+        return None
+    name, _, checkpoint = given.partition("/")
+    where = (layout.run(name) / "checkpoints" / checkpoint if RUN_NAME.fullmatch(name) and checkpoint
+             and "/" not in checkpoint else Path(local_path(given)))
+    problem = boundary.local_input(str(where), layout.root)
+    if problem:
+        errors.append(f"training.branch_from: {problem}")
+        return None
+    if not (where / MARKER).is_file():
+        (errors.append if where.exists() else errors.not_here)(
+            f"training.branch_from: {given!r} ({where}) is not a complete checkpoint folder (iter_NNNNNNN with "
+            "COMPLETE); name one as RUN/iter_NNNNNNN")
+        return None
+    problem = damage(where) or cannot_load(where, config)
+    if problem:
+        errors.append(f"training.branch_from: checkpoint {where}: {problem}")
+        return None
+    source = where.parent.parent
+    theirs, ours = (None if i is None else {**i, "training": {k: v for k, v in i["training"].items() if k != "branch_from"}}
+                    for i in (recorded(source), identity))
+    if theirs != ours:
+        changed = "; ".join(differences(theirs, ours)) if theirs else f"{source} holds no run.json"
+        errors.append(f"training.branch_from: run {source.name} is another recipe ({changed}): a branch goes on with "
+                      "the recipe of its run, and changes what follows through its phases")
+    return where
 
 
 def check_start(config: Config, boundary: Boundary, root: Path, errors: Problems) -> None:

@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gpt.checkpoint import Checkpointer, iteration_of
 from gpt.config import Config
 from gpt.data import DataIndex, GPTDataset, MMapIndexedDataset
 from gpt.files import write_json
+from gpt.metrics import truncate_after
 from tasks.common.digest import Digest
 from tasks.index import parse_split, read_left_out, split_bounds, write_left_out
 from tasks.trackers import Item
-from tasks.train.spikes import skipped_samples, skipping
+from tasks.train.spikes import SKIPPED, rollbacks, skipped_samples, skipping
 
 PHASES = "phases.json"
 LEDGER = "ledger.json"
@@ -114,16 +118,16 @@ def declared(run_dir: Path) -> list[dict[str, Any]]:
         raise ValueError(f"{run_dir / PHASES}: cannot read the run's phases ({e}); restore it from a copy") from e
 
 
-def rewritten(run_dir: Path, phases: list[dict[str, Any]], reached: int) -> list[str]:
-    """Why ``phases`` (as given, each with its resolved ``start``) would rewrite a phase of the run
-    that has started by iteration ``reached``: one line per phase."""
+def rewritten(recorded: list[dict[str, Any]], phases: list[dict[str, Any]], reached: int, run: str) -> list[str]:
+    """Why ``phases`` (as given, each with its resolved ``start``) would rewrite one of the phases
+    ``recorded`` for run ``run`` that has started by iteration ``reached``: one line per phase."""
     problems = []
-    for n, before in enumerate(declared(run_dir), start=2):
+    for n, before in enumerate(recorded, start=2):
         if before["start"] >= reached:
             continue
         now = phases[n - 2] if n - 2 < len(phases) else None
         if now != before:
-            problems.append(f"phases[{n - 2}]: phase {n} started at iteration {before['start']} (the run is at "
+            problems.append(f"phases[{n - 2}]: phase {n} of run {run} started at iteration {before['start']} (it is at "
                             f"{reached}) as {json.dumps(before, sort_keys=True)}; "
                             + ("it is not declared now" if now is None else f"now it is {json.dumps(now, sort_keys=True)}")
                             + ": a phase that has started cannot change; declare it as it was and add new phases after it")
@@ -236,6 +240,42 @@ def tracker_items(run_dir: Path) -> list[Item]:
     """``data/<source>/tokens`` at the ledger's iterations, for the experiment trackers (each logged once)."""
     return [Item({f"data/{name}/tokens": float(tokens)}, it, time.time(), "evaluations", f"data/{name}/tokens@{it}")
             for name, points in tokens_by_source(ledger(run_dir)).items() for it, tokens in points if it > 0]
+
+
+def branch(run_dir: Path, checkpoint: Path) -> None:
+    """A new run folder seeded from another run's checkpoint, to go on from there as that run would:
+    what the run knew up to it (its configuration, metrics, rollbacks, phases started and the ledger
+    of phases ended), then the checkpoint itself, its files linked where the file system allows
+    (checkpoints are never written in place). Nothing when the folder holds a checkpoint already."""
+    if Checkpointer(run_dir / "checkpoints", 1, 0).latest() is not None:
+        return
+    source, reached = checkpoint.parent.parent, iteration_of(checkpoint)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / "config.json", run_dir / "config.json")
+    if (source / "metrics.jsonl").exists():
+        shutil.copyfile(source / "metrics.jsonl", run_dir / "metrics.jsonl")
+        truncate_after(run_dir / "metrics.jsonl", reached)
+    rolled = [r for r in rollbacks(source) if max(r["iterations"]) <= reached]
+    write_json(run_dir / SKIPPED, {"rollbacks": rolled})
+    record(run_dir, [p for p in declared(source) if p["start"] < reached])
+    ended = [e for e in ledger(source) if e["last_iteration"] <= reached]
+    for entry in ended:
+        if entry.get("documents"):
+            (run_dir / entry["documents"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / entry["documents"], run_dir / entry["documents"])
+    write_json(run_dir / LEDGER, {"phases": ended})
+    target = run_dir / "checkpoints" / checkpoint.name
+    staged = target.with_name(f".{checkpoint.name}.branch-{os.getpid()}")
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(checkpoint, staged, copy_function=_link_or_copy)
+    os.replace(staged, target)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def left_out(run_dir: Path, number: int) -> str | None:
