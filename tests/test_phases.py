@@ -279,6 +279,15 @@ def test_phases_the_plan_refuses_by_name(tmp_path, monkeypatch):
     assert problems("llama3-8b", [PhaseParams(start=10, seq_length=131072)],
                     TrainingParams(train_iters=20, overrides={"data_parallel_mode": "fsdp"}), "p5-8gpu")[0].startswith(
         "phases[0].seq_length: each rank needs an estimated")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / phases.PHASES).write_text('{"phases": [{"start": -4, "lr": "decay"}]}')
+    with pytest.raises(ParameterError) as e:
+        make_plan("tiny-llama", DataParams(), TokenizerParams(), TrainingParams(train_iters=20), ClusterParams(),
+                  OutputParams(root=str(tmp_path), run_name="damaged"), dry_run=True)
+    assert e.value.errors == [f"phases: {damaged / phases.PHASES}: phases.0.start: input should be greater than or "
+                              "equal to 0 (it holds -4); restore it from a copy: a phase that has started cannot "
+                              "change, and this file says which did"]
     with pytest.raises(ParameterError) as e:           # weights are positive, from the command line too
         parse_args(["--phase", '{"start": 5, "prefixes": [{"weight": 0, "prefix": "/data/a"}], "lr": "anneal"}'])
     assert e.value.errors[0].startswith("phases[0].prefixes[0].weight: Input should be greater than 0")

@@ -244,7 +244,7 @@ def run_folder_problems(run_dir: Path, identity: dict[str, Any], config: Config)
                 f"from this one with training.init_from={run_dir.name} (weights only, or with "
                 "training.init_from_optimizer its optimizer state too)"]
     damaged = []
-    for read in (rollbacks, JobRecord, tracker_runs):       # what the run reads back of itself
+    for read in (rollbacks, JobRecord, tracker_runs, run_phases.ledger):       # what the run reads back of itself
         try:
             read(run_dir)
         except DamagedRecord as e:

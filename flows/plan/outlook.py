@@ -19,6 +19,7 @@ from flows.plan.params import DataParams, PhaseParams, Problems, TrainingParams
 from gpt.checkpoint import iteration_of, newest_intact, saved_layout
 from gpt.config import Config
 from tasks.cluster.config import ClusterConfig
+from tasks.common.records import DamagedRecord
 from tasks.common.uri import is_s3
 from tasks.sync import local_path
 from tasks.train import phases as run_phases
@@ -114,7 +115,7 @@ def check_phases(phases: list[PhaseParams], data: DataParams, training: Training
     reached = iteration_of(newest) if newest is not None else 0
     try:
         recorded = [p for p in run_phases.declared(source) if source == run_dir or p["start"] < reached]
-    except ValueError as e:
+    except DamagedRecord as e:
         problems.append(f"phases: {e}")
         return ()
     phases = phases or [PhaseParams(**p) for p in recorded]

@@ -24,9 +24,10 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from gpt.checkpoint import Checkpointer, iteration_of
 from gpt.config import Config
@@ -34,6 +35,7 @@ from gpt.data import DataIndex, GPTDataset, MMapIndexedDataset
 from gpt.files import write_json
 from gpt.metrics import truncate_after
 from tasks.common.digest import Digest
+from tasks.common.records import Count, read_record
 from tasks.index import parse_split, read_left_out, split_bounds, write_left_out
 from tasks.trackers import Item
 from tasks.train.spikes import SKIPPED, rollbacks, skipped_samples, skipping
@@ -108,14 +110,41 @@ def shortfalls(legs: list[tuple[int, int, list[tuple[float, str]], int]], global
 
 
 # -- the phases a run declared -----------------------------------------------------------------
+class _Declared(BaseModel):
+    """A phase as the flow records it (its form's fields, the start resolved)."""
+    model_config = ConfigDict(extra="allow")
+    start: Count
+    lr: Literal[LR_SEGMENTS]  # type: ignore[valid-type]
+    seq_length: Count | None = None
+
+
+class _Phases(BaseModel):
+    phases: list[_Declared]
+
+
+class _Entry(BaseModel):
+    """A phase's entry in the ledger, as ``close`` writes it."""
+    phase: Count
+    first_iteration: Count
+    last_iteration: Count
+    first_sample: Count
+    samples: Count
+    seq_length: Count
+    index: str | None
+    order: list[Count]
+    skipped: list[Count]
+    prefixes: dict[str, dict[str, Any]]
+    documents: str | None = None
+
+
+class _Ledger(BaseModel):
+    phases: list[_Entry]
+
+
 def declared(run_dir: Path) -> list[dict[str, Any]]:
     """The phases after the first that the run's legs declared so far, as they were given."""
-    try:
-        return json.loads((run_dir / PHASES).read_text())["phases"]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{run_dir / PHASES}: cannot read the run's phases ({e}); restore it from a copy") from e
+    return read_record(run_dir / PHASES, _Phases, "restore it from a copy: a phase that has started cannot change, "
+                       "and this file says which did", {"phases": []})["phases"]
 
 
 def rewritten(recorded: list[dict[str, Any]], phases: list[dict[str, Any]], reached: int, run: str) -> list[str]:
@@ -141,13 +170,8 @@ def record(run_dir: Path, phases: list[dict[str, Any]]) -> None:
 # -- the ledger --------------------------------------------------------------------------------
 def ledger(run_dir: Path) -> list[dict[str, Any]]:
     """The ledger's entries, one per phase trained to its end, in phase order."""
-    try:
-        return json.loads((run_dir / LEDGER).read_text())["phases"]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{run_dir / LEDGER}: cannot read the run's ledger ({e}); restore it from a copy: "
-                         "later phases leave out what it says the earlier ones consumed") from e
+    return read_record(run_dir / LEDGER, _Ledger, "restore it from a copy: later phases leave out the documents it "
+                       "says the earlier ones consumed", {"phases": []})["phases"]
 
 
 def consumed(dataset: GPTDataset, positions: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
