@@ -27,7 +27,7 @@ from tasks.cluster.config import ClusterConfig
 from tasks.common.run_context import run_logger
 from tasks.common.uri import is_s3
 from tasks.evaluate.records import EvaluationSpec, JobCluster
-from tasks.index import IndexManifest, index_needs, index_task, parse_split, read_left_out, split_bounds
+from tasks.index import IndexManifest, index_needs, index_task, parse_split
 from tasks.sync import Remote, SyncManifest, sync_task
 from tasks.tokenize.hf_encoder import tokenizer_file
 from tasks.tokenize.inputs import INPUT_SUFFIXES
@@ -206,28 +206,27 @@ def phase_blend(phase: PhaseParams, before: list[tuple[float, str]], dataset: Da
 
 def phase_index(phase: Phase, number: int, plan: Plan, config: Config, stages: Stages) -> IndexManifest:
     """The order of phase ``number`` (``config``: its configuration): the index stage over its blend,
-    leaving out the documents the earlier phases consumed. A prefix those consumed to the last
-    document is refused by name; one whose documents left run out before the phase ends (and are
-    repeated from there) is a warning with the iteration."""
+    each prefix's order going on where the earlier phases left it, or over the documents they left.
+    A prefix they consumed to the last document is refused by name; one whose text left runs out
+    before the phase ends (and is repeated from there) is a warning with the iteration."""
     leave_out = run_phases.left_out(plan.run_dir, number)
-    left = read_left_out(leave_out) if leave_out else {}
-    split_weights = parse_split(plan.data.split)
     total = sum(w for w, _ in phase.blend)
     problems = []
     for weight, prefix in phase.blend:
-        data = MMapIndexedDataset(prefix)
-        first, last = split_bounds(split_weights, len(data))[:2]
-        docs = np.setdiff1d(np.arange(first, last), left.get(os.path.abspath(prefix), np.empty(0, np.int64)))
-        tokens = int(np.asarray(data.sizes)[docs].sum(dtype=np.int64))
         per_iteration = weight / total * config.global_batch_size * config.seq_length
-        if tokens <= 1:
+        needed = per_iteration * (config.total_iters - phase.start)
+        going_on, documents = run_phases.tokens_left(prefix, plan.data.split, config.seq_length, leave_out,
+                                                     plan.layout.index())
+        if going_on >= needed:
+            continue
+        if documents <= 1:
             problems.append(f"phases[{number - 2}].prefixes: {prefix} is exhausted before phase {number} can start: the "
-                            f"earlier phases consumed all its {last - first:,} train documents; give the phase other "
-                            "data, or more documents in this prefix")
-        elif tokens < per_iteration * (config.total_iters - phase.start):
-            run_logger().warning("warning: phase %d: %s runs out at about iteration %d: its %s documents the earlier "
-                                 "phases left (%s tokens) are repeated from there", number, prefix,
-                                 phase.start + int(tokens // per_iteration), f"{docs.size:,}", f"{tokens:,}")
+                            "earlier phases drew from all its train documents; give the phase other data, or more "
+                            "documents in this prefix")
+        elif documents < needed:
+            run_logger().warning("warning: phase %d: %s runs out at about iteration %d: the %s tokens of the documents "
+                                 "the earlier phases left are repeated from there", number, prefix,
+                                 phase.start + int(documents // per_iteration), f"{documents:,}")
     if problems:
         raise ParameterError(problems)
     return stages.run(f"index-phase-{number}", index_task, list(phase.blend), split=plan.data.split,

@@ -295,12 +295,15 @@ def _load_npy(path: Path) -> np.ndarray:
 
 @dataclass(frozen=True)
 class IndexedPart:
-    """One prefix's indices for one split; file names are relative to the manifest's folder."""
+    """One prefix's indices for one split; file names are relative to the manifest's folder.
+    ``first``: the position of its order it starts at (a later phase of a run goes on with the
+    order an earlier one drew from)."""
     prefix: str
     description: str
     document_index: str
     sample_index: str
     shuffle_index: str
+    first: int = 0
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,12 @@ class DataIndex:
         return [self.seq_length, self.seed, self.split, parts]
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+        raw = dataclasses.asdict(self)
+        for split in raw["splits"].values():         # a part from the start of its order is written as before
+            for part in split["datasets"]:
+                if not part["first"]:
+                    del part["first"]
+        return json.dumps(raw, indent=1, sort_keys=True)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "DataIndex":
@@ -369,20 +377,21 @@ class _SplitPart:
         self.document_index = _load_npy(root / part.document_index)
         self.sample_index = _load_npy(root / part.sample_index)
         self.shuffle_index = _load_npy(root / part.shuffle_index)
+        self.first = part.first
         self.length = seq_length + add_extra_token
         self.add_extra_token = add_extra_token
 
     def __len__(self) -> int:
-        return len(self.shuffle_index)
+        return len(self.shuffle_index) - self.first
 
     def documents(self, i: int) -> list[int]:
         """The documents (their index in the prefix) sample ``i`` draws tokens from."""
-        j = int(self.shuffle_index[i])
+        j = int(self.shuffle_index[self.first + i])
         first, last = int(self.sample_index[j][0]), int(self.sample_index[j + 1][0])
         return [int(d) for d in self.document_index[first:last + 1]]
 
     def sample(self, i: int) -> np.ndarray:
-        j = int(self.shuffle_index[i])
+        j = int(self.shuffle_index[self.first + i])
         doc_beg, off_beg = (int(x) for x in self.sample_index[j])
         doc_end, off_end = (int(x) for x in self.sample_index[j + 1])
         docs = self.document_index

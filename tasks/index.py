@@ -282,22 +282,60 @@ def index_needs(data_path: list[tuple[float, str]] | list[str], *, split: str, s
     return out
 
 
+@dataclass(frozen=True)
+class Continued:
+    """Where a prefix's train order goes on: the order (an IndexedPart's fields) and its first
+    position not drawn yet."""
+    order: dict[str, Any]
+    first: int
+
+
 def read_left_out(path: str) -> dict[str, np.ndarray]:
     """The documents a ``leave_out`` file names, per prefix (absolute): an ``.npz`` of the prefixes
     (``prefixes``) and, for the i-th, its sorted document ids (``documents_<i>``)."""
+    return _read(path, lambda f, i: np.asarray(f[f"documents_{i}"], dtype=np.int64))
+
+
+def read_continued(path: str) -> dict[str, Continued]:
+    """The orders a ``leave_out`` file says go on, per prefix (``order_<i>``: the order as JSON,
+    ``first_<i>``: its first position not drawn yet)."""
+    found = _read(path, lambda f, i: Continued(json.loads(str(f[f"order_{i}"])), int(f[f"first_{i}"]))
+                  if f"order_{i}" in f.files else None)
+    return {p: c for p, c in found.items() if c is not None}
+
+
+def _read(path: str, item: Any) -> dict[str, Any]:
     try:
         with np.load(path, allow_pickle=False) as f:
-            return {str(p): np.asarray(f[f"documents_{i}"], dtype=np.int64) for i, p in enumerate(f["prefixes"])}
+            return {str(p): item(f, i) for i, p in enumerate(f["prefixes"])}
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{path}: cannot read the documents to leave out ({e}); it is written by the run's ledger "
                          "(tasks.train.phases): run the phase again from the flow") from e
 
 
-def write_left_out(path: Path, documents: dict[str, np.ndarray]) -> None:
-    """Write what ``read_left_out`` reads, complete or not at all."""
+def write_left_out(path: Path, documents: dict[str, np.ndarray], continued: dict[str, Continued] | None = None) -> None:
+    """Write what ``read_left_out`` and ``read_continued`` read, complete or not at all."""
     arrays = {f"documents_{i}": np.unique(np.asarray(d, dtype=np.int64)) for i, d in enumerate(documents.values())}
+    for i, prefix in enumerate(documents):
+        if continued and prefix in continued:
+            arrays[f"order_{i}"] = np.array(json.dumps(continued[prefix].order, sort_keys=True))
+            arrays[f"first_{i}"] = np.array(continued[prefix].first, dtype=np.int64)
     with replaced(path) as tmp, open(tmp, "wb") as f:
         np.savez(f, prefixes=np.array(list(documents), dtype=str), **arrays)
+
+
+def _continue(continued: Continued | None, fingerprint: list, split: str, seq_length: int, seed: int,
+              num_samples: int, out_dir: Path) -> tuple[IndexedPart, int] | None:
+    """A prefix's part that goes on with the order an earlier phase drew from, where that order is
+    of these tokens, split, sequence length and seed and holds ``num_samples`` more; else None."""
+    if continued is None:
+        return None
+    before = json.loads(continued.order["description"])
+    same = [before[k] for k in ("files", "split", "seq_length", "seed")] == [fingerprint, split, seq_length, seed]
+    if not same or not all(whole(out_dir / continued.order[k]) for k in ("document_index", "sample_index", "shuffle_index")):
+        return None
+    left = len(np.load(out_dir / continued.order["shuffle_index"], mmap_mode="r")) - continued.first
+    return (IndexedPart(**continued.order, first=continued.first), left) if left >= num_samples else None
 
 
 def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str = "969,30,1", seq_length: int,
@@ -309,14 +347,15 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     Prefixes without weights are blended in proportion to their token counts. ``skipped``: positions
     of the train order left out (a run's rollbacks around loss spikes, ``<run>/skipped.json``); the
     order is built that much longer, so the run still has its samples and every position before
-    the first skipped one is unchanged. ``leave_out``: a file of documents the train split leaves out
-    (``write_left_out``; a run's later phase orders what its earlier phases did not consume).
+    the first skipped one is unchanged. ``leave_out``: what a run's earlier phases consumed
+    (``write_left_out``): the train split goes on with each prefix's order where they left it, when
+    that order holds the samples (same tokens, split, sequence length and seed), else orders the
+    documents they left.
     """
     skipped = sorted({int(p) for p in skipped})
-    consumed = read_left_out(leave_out) if leave_out else {}
+    consumed, continued = (read_left_out(leave_out), read_continued(leave_out)) if leave_out else ({}, {})
     inputs = _Inputs(data_path, split, num_samples, seq_length)
-    entries, datasets, weights, blended, bounds = (inputs.entries, inputs.datasets, inputs.weights, inputs.blended,
-                                                   inputs.bounds)
+    entries, datasets, weights, bounds = inputs.entries, inputs.datasets, inputs.weights, inputs.bounds
     fingerprints = [_fingerprint(d) for d in datasets]
     out = Path(out_dir).resolve()
     with writing(out):
@@ -334,20 +373,17 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
         sizes = []
         for d, fingerprint, b, w in zip(datasets, fingerprints, bounds, weights):
             part_samples = inputs.part_samples(target, w)
-            entry, n = _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out,
-                                   consumed.get(os.path.abspath(d.prefix)) if name == "train" else None)
+            prefix = os.path.abspath(d.prefix)
+            entry, n = (name == "train" and _continue(continued.get(prefix), fingerprint, split, seq_length, seed,
+                                                      part_samples, out)) or \
+                _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out,
+                            consumed.get(prefix) if name == "train" else None)
             parts.append(entry)
             sizes.append(n)
         left_out = skipped if name == "train" else []
-        blend = None
-        if blended:
-            blend = _build_blend(parts, weights, sizes, target + len(left_out), name, out)
-        built = target + len(left_out) if blended else sizes[0]
-        if left_out and (left_out[-1] >= built or built - len(left_out) < target):
-            raise ValueError(f"skipped samples {left_out[:5]}...: the train order holds {built} samples; leaving "
-                             f"{len(left_out)} out leaves fewer than the {target} the run needs, and the split has "
-                             "no spare samples to take their place (its last pass over the documents is used up). "
-                             "Remove entries from <run>/skipped.json, or train fewer iterations")
+        blend = _build_blend(parts, weights, sizes, target + len(left_out), name, out) if inputs.blended else None
+        built = target + len(left_out) if inputs.blended else sizes[0]
+        _check_skipped(left_out, built, target)
         splits[name] = IndexedSplit(datasets=parts, blend=blend, num_samples=built, skipped=left_out)
         counts[name] = built - len(left_out)
 
@@ -360,6 +396,15 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
     write_atomic(path, text)
     return IndexManifest(path=str(path), seq_length=seq_length, num_samples=counts, digest=name,
                          max_token_ids={p: _max_token_id(d, f, out) for (_, p), d, f in zip(entries, datasets, fingerprints)})
+
+
+def _check_skipped(skipped: list[int], built: int, target: int) -> None:
+    """The train order still holds ``target`` samples once ``skipped`` are left out of the ``built``."""
+    if skipped and (skipped[-1] >= built or built - len(skipped) < target):
+        raise ValueError(f"skipped samples {skipped[:5]}...: the train order holds {built} samples; leaving "
+                         f"{len(skipped)} out leaves fewer than the {target} the run needs, and the split has "
+                         "no spare samples to take their place (its last pass over the documents is used up). "
+                         "Remove entries from <run>/skipped.json, or train fewer iterations")
 
 
 def _built_with(entries: list[tuple[float | None, str]], **arguments: Any) -> dict[str, Any]:

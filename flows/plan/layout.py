@@ -10,6 +10,8 @@ Run folder (written by the train stage and the training job)::
     run.json        what defines the run            provenance.json   each start: commit, parameters, versions
     trackers.json   W&B/MLflow run ids, the last iteration each got
     skipped.json    loss-spike rollbacks and the sample ids left out   rolled-back/<n>/  checkpoints set aside
+    phases.json     the phases after the first, as declared             ledger.json, ledger/  what each phase
+                    consumed (its order's positions, samples and tokens per prefix, documents)
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from gpt.files import write_json
 from gpt.metrics import truncate_after
 from tasks.common.digest import Digest
 from tasks.common.records import Count, read_record
-from tasks.index import parse_split, read_left_out, split_bounds, write_left_out
+from tasks.index import Continued, parse_split, read_continued, read_left_out, split_bounds, write_left_out
 from tasks.trackers import Item
 from tasks.train.spikes import SKIPPED, rollbacks, skipped_samples, skipping
 
@@ -84,9 +84,11 @@ def shortfalls(legs: list[tuple[int, int, list[tuple[float, str]], int]], global
                split: str) -> list[str]:
     """Before anything trains: each prefix a phase will use up, projected from the tokens of its
     train documents. ``legs``: per phase, its start, end, blend of (weight, local prefix; those not
-    here are left out) and sequence length. A sample also spends the rest of each document it
-    draws from (a later phase leaves it out), counted as a mean document per sample."""
+    here are left out) and sequence length. A phase at the sequence length a prefix was last drawn
+    at goes on with its order; at another, the rest of every document drawn from before is left
+    out too (a mean document per sample drawn)."""
     left: dict[str, float] = {}
+    drawn: dict[str, tuple[int, float, float]] = {}       # prefix: its order's sequence length, samples, mean document
     said = []
     for n, (start, end, blend, seq_length) in enumerate(legs, start=1):
         total = sum(w for w, _ in blend)
@@ -97,8 +99,12 @@ def shortfalls(legs: list[tuple[int, int, list[tuple[float, str]], int]], global
                 data = MMapIndexedDataset(prefix)
                 first, last = split_bounds(parse_split(split), len(data))[:2]
                 left[prefix] = float(np.asarray(data.sizes)[first:last].sum(dtype=np.int64))
-                left[prefix + " mean"] = left[prefix] / max(1, last - first)
-            per_iteration = weight / total * global_batch_size * (seq_length + left[prefix + " mean"])
+                drawn[prefix] = (seq_length, 0.0, left[prefix] / max(1, last - first))
+            length, samples, mean = drawn[prefix]
+            if length != seq_length:          # a new order over the documents left
+                left[prefix] = max(0.0, left[prefix] - samples * mean)
+            per_iteration = weight / total * global_batch_size * seq_length
+            drawn[prefix] = (seq_length, samples + per_iteration / seq_length * (end - start), mean)
             if left[prefix] <= seq_length:
                 said.append(f"phase {n}: {prefix} is used up before the phase starts (projected: the phases before "
                             "it consume its train documents); give the phase other data")
@@ -185,7 +191,7 @@ def consumed(dataset: GPTDataset, positions: int) -> dict[str, tuple[np.ndarray,
         else:
             mine = np.flatnonzero(np.asarray(dataset.dataset_index[:positions]) == d)
             samples = np.asarray(dataset.dataset_sample_index[:positions])[mine]
-        rows = np.asarray(part.shuffle_index)[samples]
+        rows = np.asarray(part.shuffle_index)[part.first + samples]
         first = np.asarray(part.sample_index)[rows, 0].astype(np.int64)
         last = np.asarray(part.sample_index)[rows + 1, 0].astype(np.int64)
         covered = np.zeros(len(part.document_index) + 1, dtype=np.int64)
@@ -224,7 +230,8 @@ def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, A
     iteration_of_position[kept] = start + 1 + np.arange(samples) // g
     marks = np.unique(np.linspace(start + 1, config.total_iters, min(CURVE_POINTS, config.total_iters - start))
                       .round().astype(np.int64))
-    documents = {}
+    documents, continued = {}, {}
+    orders = {p.prefix: p for p in DataIndex.read(config.data_index).splits["train"].datasets}
     for prefix, (docs, mine) in consumed(train, positions).items():
         trained = iteration_of_position[mine]
         trained = trained[trained >= 0]
@@ -233,10 +240,13 @@ def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, A
                                      "tokens": int(trained.size) * config.seq_length,
                                      "curve": [[int(m), int(t)] for m, t in zip(marks, tokens)]}
         documents[prefix] = docs
+        order = {k: v for k, v in dataclasses.asdict(orders[prefix]).items() if k != "first"}
+        continued[prefix] = Continued(order, orders[prefix].first + int(mine.size))     # drawn or skipped
+        entry["prefixes"][prefix]["positions"] = [orders[prefix].first, continued[prefix].first]
     entry.update(order=[0, int(positions)], skipped=skipped)
     path = run_dir / LEDGER_DIR / f"phase-{number}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_left_out(path, documents)
+    write_left_out(path, documents, continued)
     entry["documents"] = str(path.relative_to(run_dir))
     return _append(run_dir, done, entry)
 
@@ -244,6 +254,23 @@ def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, A
 def _append(run_dir: Path, done: list[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:
     write_json(run_dir / LEDGER, {"phases": [*done, entry]})
     return entry
+
+
+def tokens_left(prefix: str, split: str, seq_length: int, leave_out: str | None, index_dir: Path) -> tuple[int, int]:
+    """What a prefix's train split still holds for a phase at ``seq_length`` after the phases
+    ``leave_out`` records: the tokens of the order an earlier phase goes on with (0 without one, or
+    at another sequence length), and the tokens of the documents none drew from."""
+    data = MMapIndexedDataset(prefix)
+    first, last = split_bounds(parse_split(split), len(data))[:2]
+    key = os.path.abspath(prefix)
+    drawn = read_left_out(leave_out).get(key, np.empty(0, np.int64)) if leave_out else np.empty(0, np.int64)
+    documents = int(np.asarray(data.sizes)[np.setdiff1d(np.arange(first, last), drawn)].sum(dtype=np.int64))
+    continued = read_continued(leave_out).get(key) if leave_out else None
+    if continued is None or json.loads(continued.order["description"])["seq_length"] != seq_length \
+            or not (index_dir / continued.order["shuffle_index"]).is_file():
+        return 0, documents
+    order = np.load(index_dir / continued.order["shuffle_index"], mmap_mode="r")
+    return (len(order) - continued.first) * seq_length, documents
 
 
 def tokens_by_source(entries: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
@@ -303,18 +330,22 @@ def _link_or_copy(source: str, destination: str) -> None:
 
 
 def left_out(run_dir: Path, number: int) -> str | None:
-    """A file of the documents phases before ``number`` consumed, per prefix (None when none did),
-    named by its content so that the index stage's cache knows it."""
+    """What phases before ``number`` consumed, for the index stage (None when none did): per prefix,
+    the documents any drew from, and the order the last to draw from it goes on with from where it
+    stopped. Named by its content, so that the index stage's cache knows it."""
     union: dict[str, list[np.ndarray]] = {}
+    continued: dict[str, Continued] = {}
     for entry in ledger(run_dir)[:number - 1]:
         if entry.get("documents"):
             for prefix, docs in read_left_out(str(run_dir / entry["documents"])).items():
                 union.setdefault(prefix, []).append(docs)
+            continued.update(read_continued(str(run_dir / entry["documents"])))
     if not union:
         return None
     merged = {p: np.unique(np.concatenate(d)) for p, d in sorted(union.items())}
-    name = Digest(sorted(merged)).add_bytes(b"".join(d.tobytes() for d in merged.values())).hex(16)
+    name = Digest(sorted(merged), {p: dataclasses.asdict(c) for p, c in continued.items()}) \
+        .add_bytes(b"".join(d.tobytes() for d in merged.values())).hex(16)
     path = run_dir / LEDGER_DIR / f"before-phase-{number}-{name}.npz"
     if not path.exists():
-        write_left_out(path, merged)
+        write_left_out(path, merged, continued)
     return str(path)
