@@ -90,11 +90,13 @@ def parameters(given: argparse.Namespace, form: Mapping[str, Any]) -> dict[str, 
     params: dict[str, Any] = {}
     for name, annotation in form.items():
         if not _is_group(annotation):
-            if name in values:
+            if name in values and typing.get_origin(annotation) is list:    # records: each checked by its model
                 try:
                     params[name] = TypeAdapter(annotation).validate_python(values[name])
                 except ValidationError as e:
                     errors += parameter_errors(e, name)
+            elif name in values:
+                params[name] = values[name]
             continue
         fields = {path.split(".", 1)[1]: value for path, value in values.items() if path.split(".", 1)[0] == name}
         try:

@@ -257,7 +257,7 @@ def test_served_nightly_benchmark_carries_its_schedule(served):
     pretrain = served.server.api("/deployments/name/pretrain/gpt3")
     schema = pretrain["parameter_openapi_schema"]
     assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget",
-                                          "evaluation", "dry_run"]
+                                          "evaluation", "phases", "dry_run"]
     assert served.server.api("/deployments/name/evaluate/checkpoint")["entrypoint"].endswith("evaluate")
 
 
