@@ -561,14 +561,26 @@ def test_sync_task_caches_on_listing_and_retries_transient_errors(s3: S3Server, 
         progress = [a for a in client.read_artifacts() if a.type == "progress"]
     assert progress and any(a.data == 100.0 for a in progress)
 
+    from prefect.exceptions import ObjectNotFound
+
     quick = sync_task.with_options(retries=1, retry_delay_seconds=0, retry_jitter_factor=None)
 
     @flow
     def attempts(src: str, endpoint: str) -> int:
         state = quick([src], str(tmp_path / "x"), remote=Remote(endpoint), return_state=True)
         assert state.is_failed()
+        # Task runs reach the server as events, a moment after they end: read it once it is there, failed.
+        deadline = time.monotonic() + 30
         with get_client(sync_client=True) as client:
-            return client.read_task_run(state.state_details.task_run_id).run_count
+            while True:
+                try:
+                    run = client.read_task_run(state.state_details.task_run_id)
+                    if run.state is not None and run.state.is_failed():
+                        return run.run_count
+                except ObjectNotFound:
+                    pass
+                assert time.monotonic() < deadline, "the failed task run never reached the server"
+                time.sleep(0.2)
 
     assert attempts(f"s3://{bucket}/data/", "http://127.0.0.1:9") == 2         # unreachable: retried
     assert attempts("s3://no-such-bucket-here/", s3.endpoint_url) == 1          # missing bucket: not retried
