@@ -69,7 +69,7 @@ class _Row:
         self.optimizer = build_optimizer(self.model, config, backend)
         mb, seq = config.micro_batch_size, config.seq_length
         tokens = torch.randint(0, config.vocab_size, (config.global_batch_size // mb, mb, seq + 1), device=self.device)
-        self.batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+        self.batches = [(t[:, :-1], t[:, 1:], None) for t in tokens]
         self.times: list[float] = []
         self.loss = float("nan")
         self.warmup_s = 0.0
@@ -161,7 +161,7 @@ class _HuggingFace(_Row):
 
     def train_step(self) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        for x, _ in self.batches:
+        for x, _, _ in self.batches:
             with self.backend.autocast(self.config.precision):
                 loss = self.model(input_ids=x, labels=x).loss / len(self.batches)
             loss.backward()

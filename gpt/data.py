@@ -390,6 +390,18 @@ class _SplitPart:
         first, last = int(self.sample_index[j][0]), int(self.sample_index[j + 1][0])
         return [int(d) for d in self.document_index[first:last + 1]]
 
+    def pieces(self, i: int) -> np.ndarray:
+        """The lengths of the document pieces sample ``i`` is made of, in order."""
+        j = int(self.shuffle_index[self.first + i])
+        doc_beg, off_beg = (int(x) for x in self.sample_index[j])
+        doc_end, off_end = (int(x) for x in self.sample_index[j + 1])
+        if doc_beg == doc_end:
+            return np.array([off_end - off_beg + self.add_extra_token])
+        sizes = self.data.sizes[self.document_index[doc_beg:doc_end + 1]].astype(np.int64)
+        sizes[0] -= off_beg
+        sizes[-1] = off_end + self.add_extra_token
+        return sizes
+
     def sample(self, i: int) -> np.ndarray:
         j = int(self.shuffle_index[self.first + i])
         doc_beg, off_beg = (int(x) for x in self.sample_index[j])
@@ -465,6 +477,13 @@ class GPTDataset:
         part, j = self._part_sample(self.position(i))
         return part.sample(j)
 
+    def pieces(self, i: int) -> np.ndarray:
+        """The lengths of the documents' pieces sample ``i`` is packed from, in order (they sum to
+        its seq_length + 1 tokens): where attention and positions restart with reset_attention_mask
+        and reset_position_ids."""
+        part, j = self._part_sample(self.position(i))
+        return part.pieces(j)
+
 
 class MockGPTDataset:
     """Random tokens, no files: sample ``i`` depends only on ``(seed, i)``."""
@@ -486,3 +505,7 @@ class MockGPTDataset:
             raise IndexError(f"sample {i} out of range for a dataset of {self.num_samples} samples")
         rng = np.random.default_rng([self.seed, i])
         return rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
+
+    def pieces(self, i: int) -> np.ndarray:
+        """One document per sample."""
+        return np.array([self.seq_length + 1])

@@ -26,6 +26,41 @@ from torch import nn
 from gpt.config import Config
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Where the tokens of a batch sit, when that is not simply 0..T-1 of one causal sequence: each
+    token's place in the whole sample (``index``; under context parallel a rank holds a share of
+    the places), its position for the position embeddings (``positions``, restarting at each
+    document with reset_position_ids), and the document of the packed sample it belongs to
+    (``documents``, with reset_attention_mask: attention stays inside a document)."""
+    index: torch.Tensor                  # (T,) places in the sample, increasing
+    positions: torch.Tensor              # (B, T) or (T,)
+    documents: torch.Tensor | None       # (B, T), or None: every token sees every earlier one
+
+    def allowed(self) -> torch.Tensor:
+        """(B or 1, T, T): which tokens each token may attend to."""
+        return attention_mask(self.index, self.index, self.documents, self.documents)
+
+
+def attention_mask(queries: torch.Tensor, keys: torch.Tensor, query_documents: torch.Tensor | None = None,
+                   key_documents: torch.Tensor | None = None) -> torch.Tensor:
+    """(B or 1, queries, keys): whether each query (by its place in the sample) may attend to each key:
+    a key at an earlier or the same place, of the same document where documents are given."""
+    mask = (queries[:, None] >= keys[None, :])[None]
+    if query_documents is not None:
+        mask = mask & (query_documents[:, :, None] == key_documents[:, None, :])
+    return mask
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing | None) -> torch.Tensor:
+    """Causal attention of q (B, heads, T, head_dim) over k and v (B, groups, T, head_dim) held
+    whole on this rank, inside each document when the packing names documents."""
+    gqa = q.shape[1] != k.shape[1]
+    if packing is None or packing.documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=packing.allowed()[:, None], enable_gqa=gqa)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -39,8 +74,10 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(h, (heads + 2 * groups) * self.head_dim, bias=config.add_bias_linear)
         self.c_proj = nn.Linear(h, h, bias=config.add_bias_linear)
         self.rotary_base = config.rotary_base if config.position_embedding_type == "rope" else None
+        # Attention over q, k and v and the batch's packing; context parallel puts its ring here.
+        self.attend: Callable[..., torch.Tensor] = local_attention
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, packing: Packing | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 groups: under tensor parallelism each rank holds only its share of them.
         qkv = self.qkv(x).view(B, T, -1, self.heads_per_group + 2, self.head_dim).permute(0, 2, 3, 1, 4)
@@ -48,22 +85,27 @@ class CausalSelfAttention(nn.Module):
         k, v = qkv[:, :, -2], qkv[:, :, -1]                  # (B, groups, T, head_dim)
         if self.rotary_base is not None:
             start = cache.length if cache is not None else 0
-            cos, sin = rotary(self.rotary_base, self.head_dim, start, T, x.device)
+            positions = packing.positions if packing is not None else torch.arange(start, start + T, device=x.device)
+            cos, sin = rotary(self.rotary_base, self.head_dim, positions)
+            if positions.dim() == 2:                                 # per sample: (B, 1, T, head_dim)
+                cos, sin = cos[:, None], sin[:, None]
             q, k = rotate(q, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
         if cache is not None:
             # Generation: a prompt (causal over itself) into an empty cache, then one token at a
             # time, which sees everything before it.
             k, v = cache.extend(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.heads_per_group > 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.heads_per_group > 1)
+        else:
+            y = self.attend(q, k, v, packing)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def rotary(base: int, head_dim: int, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (length, head_dim) of the rotary angles of positions start.. start + length: the
-    angle of dimension pair i is position / base^(2i / head_dim); a pair is (i, i + head_dim / 2),
-    the first and second half of a head (HuggingFace Llama's convention, so its weights load as they are)."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(start, start + length, device=device, dtype=torch.float32), inv_freq)
+def rotary(base: int, head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (positions' shape, head_dim) of the rotary angles of the positions: the angle of
+    dimension pair i is position / base^(2i / head_dim); a pair is (i, i + head_dim / 2), the first
+    and second half of a head (HuggingFace Llama's convention, so its weights load as they are)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -139,8 +181,8 @@ class Block(nn.Module):
         self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, packing: Packing | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, packing)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -248,21 +290,24 @@ class GPT(nn.Module):
             self.init_weights()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: list[KVCache] | None = None) -> torch.Tensor:
+                cache: list[KVCache] | None = None, packing: Packing | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) or, given targets, the mean cross-entropy loss. Both cover the real
         vocabulary only: the padding rows exist for the matmul shapes, never as predictions.
-        ``cache`` (one KVCache per layer) continues a sequence for generation. A pipeline stage
-        without the embedding takes hidden states for ``idx``; one without the output layer
-        returns hidden states."""
+        ``cache`` (one KVCache per layer) continues a sequence for generation; ``packing`` says
+        where the tokens sit when they are not one causal sequence 0..T-1 (documents, a context-
+        parallel rank's share). A pipeline stage without the embedding takes hidden states for
+        ``idx``; one without the output layer returns hidden states."""
         if self.wte is not None:
             x = self.wte(idx)
             if self.wpe is not None:
                 start = cache[0].length if cache is not None else 0
-                x = x + self.wpe(torch.arange(start, start + idx.shape[1], device=idx.device))
+                positions = packing.positions if packing is not None else torch.arange(
+                    start, start + idx.shape[1], device=idx.device)
+                x = x + self.wpe(positions)
         else:
             x = idx
         for i, block in enumerate(self.h.values()):
-            x = block(x) if cache is None else block(x, cache[i])
+            x = block(x, packing=packing) if cache is None else block(x, cache[i])
         if self.ln_f is None:
             return x
         x = self.ln_f(x)

@@ -33,6 +33,8 @@ from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
 from gpt.metrics import HeldStep, MetricsWriter, StepLog, saved_line, valid_line
 from gpt.optim import LossScaler, build_optimizer, lr_at, optimizer_step
+from gpt.model import Packing
+from gpt.parallel import context
 from gpt.parallel.build import build_model
 from gpt.parallel.data import gradient_sync
 from gpt.parallel.dims import ParallelDims
@@ -45,7 +47,7 @@ EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run agai
 
 
 # -- one optimizer step ----------------------------------------------------------------------
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[MicroBatch],
                *, backend: Backend, precision: str, clip_grad: float, scaler: LossScaler,
                dims: ParallelDims | None = None, pipeline: Pipeline | None = None,
                loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,10 +70,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             total = total * loss_factor
     else:
         total = torch.zeros((), device=micro_batches[0][0].device)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, (x, y, packing) in enumerate(micro_batches):
             heartbeat.enter("forward")
             with gradient_sync(model, i == len(micro_batches) - 1), backend.autocast(precision):
-                loss = model(x, y) * loss_factor / len(micro_batches)
+                loss = model(x, y, packing=packing) * loss_factor / len(micro_batches)
             heartbeat.enter("backward")
             (loss * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach()
@@ -88,29 +90,50 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     scaler.update(finite)
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    # Tensor-parallel ranks hold the same loss and only the last pipeline stage holds one: divide by
-    # the ranks of the last stage.
+    # Tensor-parallel ranks hold the same loss, context-parallel ones each the mean over the same
+    # number of tokens, and only the last pipeline stage holds one: divide by the ranks of the last stage.
     mean_loss = all_reduce_sum(total) / (world // (pipeline.size if pipeline else 1))
     backend.sync()
     return mean_loss, norm, finite
 
 
 # -- data ------------------------------------------------------------------------------------
+# Tokens, targets, and where the tokens sit when that is not one causal sequence (gpt.model.Packing).
+MicroBatch = tuple[torch.Tensor, torch.Tensor, Packing | None]
+
+
 def micro_batches(dataset, start: int, count: int, config: Config, env: ParallelDims,
-                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                  device: torch.device) -> list[MicroBatch]:
     """This rank's micro-batches of the global batch of ``count`` samples beginning at ``start``.
 
     Micro-step m covers samples [start + m*mb*dp, start + (m+1)*mb*dp); data-parallel rank r takes
-    its contiguous slice of it. The order is the same for any number of ranks.
+    its contiguous slice of it, and under context parallel each rank of the slice its share of
+    every sequence. The order is the same for any number of ranks.
     """
     dp, dp_rank, mb = env.dp_size, env.dp_rank, config.micro_batch_size
+    packed = config.reset_attention_mask or config.reset_position_ids or env.cp_size > 1
     out = []
     for m in range(count // (mb * dp)):
         first = start + m * mb * dp + dp_rank * mb
-        rows = np.stack([dataset[i % len(dataset)] for i in range(first, first + mb)]).astype(np.int64)
-        tokens = torch.from_numpy(rows).to(device, non_blocking=True)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        samples = [i % len(dataset) for i in range(first, first + mb)]
+        tokens = torch.from_numpy(np.stack([dataset[i] for i in samples]).astype(np.int64)).to(device, non_blocking=True)
+        batch = (tokens[:, :-1], tokens[:, 1:], sample_packing(dataset, samples, config, device) if packed else None)
+        out.append(context.shard(*batch, env.cp_size, env.cp_rank) if env.cp_size > 1 else batch)
     return out
+
+
+def sample_packing(dataset, samples: list[int], config: Config, device: torch.device) -> Packing:
+    """Where the input tokens of these samples sit: their places, and with reset_attention_mask and
+    reset_position_ids the documents the index stage packed each sample from."""
+    length = config.seq_length
+    index = torch.arange(length, device=device)
+    if not (config.reset_attention_mask or config.reset_position_ids):
+        return Packing(index, index, None)
+    pieces = [dataset.pieces(i) for i in samples]
+    documents = np.stack([np.repeat(np.arange(len(p)), p)[:length] for p in pieces])
+    starts = np.stack([np.repeat(np.cumsum(p) - p, p)[:length] for p in pieces])
+    positions = torch.from_numpy(np.arange(length) - starts).to(device) if config.reset_position_ids else index
+    return Packing(index, positions, torch.from_numpy(documents).to(device) if config.reset_attention_mask else None)
 
 
 def load_datasets(config: Config) -> tuple[Any, Any, Any]:
@@ -147,12 +170,12 @@ def evaluate(model: nn.Module, dataset, config: Config, env: ParallelDims, devic
             if pipeline is not None:
                 total += pipeline.evaluate(batches)
             else:
-                for x, y in batches:
-                    total += model(x, y).float()
+                for x, y, where in batches:
+                    total += model(x, y, packing=where).float()
         count += len(batches)
     backend.sync()
-    # Each tensor-parallel rank holds the same loss, and only the last pipeline stage holds one:
-    # divide by the ranks of the last stage.
+    # Each tensor-parallel rank holds the same loss, each context-parallel one the mean over as many
+    # tokens, and only the last pipeline stage holds one: divide by the ranks of the last stage.
     return float(all_reduce_sum(total / count)) / (env.world_size // env.pp_size)
 
 
@@ -160,6 +183,7 @@ def job_layout(config: Config, env: ParallelDims, model: nn.Module) -> dict[str,
     """How this job is laid out, as each checkpoint's marker keeps it (gpt.checkpoint.saved_layout)."""
     return {"world_size": env.world_size, "nodes": int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
             "tensor_parallel": config.tensor_parallel, "pipeline_parallel": config.pipeline_parallel,
+            "context_parallel": config.context_parallel,
             "data_parallel_mode": config.data_parallel_mode,
             "device": config.device, "parts": bool(sharded_names(model))}
 
@@ -191,7 +215,8 @@ def main(config: Config) -> dict[str, Any]:
     start = time.time()
     backend = get_backend(config.device)
     env = init_distributed(backend, config.tensor_parallel, config.collective_timeout_s,
-                           pp_size=config.pipeline_parallel, data_parallel_mode=config.data_parallel_mode)
+                           pp_size=config.pipeline_parallel, data_parallel_mode=config.data_parallel_mode,
+                           cp_size=config.context_parallel)
     finished = False
     try:
         config.validate(env.world_size)

@@ -20,7 +20,7 @@ import gpt.parallel.process_group as _dist, gpt.parallel.dims as _dims, gpt.trai
 from gpt.parallel import xla as _tp
 from gpt.backend import DEVICES as _DEVICES, Backend as _Backend
 _init = _dist.init_distributed
-def _explicit(backend, tp_size, timeout_s, pp_size=1, data_parallel_mode="ddp"):
+def _explicit(backend, tp_size, timeout_s, pp_size=1, data_parallel_mode="ddp", cp_size=1):
     env = _init(backend, 1, timeout_s)
     return _dims.ParallelDims(env.rank, env.world_size, env.local_rank, None,
                               _tp.new_group(env.rank, env.world_size, tp_size, lazy=False))

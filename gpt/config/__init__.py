@@ -106,6 +106,8 @@ class DataSection:
     mock_data: bool = False                    # random tokens instead (gpt.data.MockGPTDataset)
     data_offset: int = 0                       # samples the run consumed before the index's first one
                                                # (a phase's first iteration x global_batch_size)
+    reset_attention_mask: bool = False         # each document of a packed sample attends only to itself
+    reset_position_ids: bool = False           # positions restart at each document of a packed sample
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class ParallelSection:
     """How the work is laid out over ranks and run on each device."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1                 # pipeline stages (ranks along the pipeline)
+    context_parallel: int = 1                  # ranks splitting every sequence (ring attention)
     virtual_pipeline_stages: int = 1           # stages per pipeline rank (interleaved schedules)
     pipeline_schedule: str = "1f1b"            # "1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb"
     data_parallel_mode: str = "ddp"            # "ddp" or "fsdp" (FSDP2 fully_shard)

@@ -65,7 +65,7 @@ class Checked:
             if getattr(self, name) not in choices:
                 found.append((name, f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}"))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-                     "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel",
+                     "vocab_size", "micro_batch_size", "global_batch_size", "tensor_parallel", "pipeline_parallel", "context_parallel",
                      "virtual_pipeline_stages", "ffn_hidden_size", "num_query_groups", "rotary_base", "log_interval",
                      "eval_interval", "eval_iters", "save_interval", "keep_last", "precompile_iters"):
             if any(field == name for field, _ in found):
@@ -83,11 +83,13 @@ class Checked:
             found.append(("num_attention_heads", f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_parallel="
                          f"{self.tensor_parallel}; pick a tensor_parallel that divides the head count"))
         found += self._block_problems()
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        found += self._context_problems()
+        model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if world_size % model_parallel:
             found.append(("", f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel} x "
-                         f"pipeline_parallel={self.pipeline_parallel}; use a number of ranks that is a multiple "
-                         f"of {model_parallel} (world = pipeline x data x tensor parallel)"))
+                         f"pipeline_parallel={self.pipeline_parallel} x context_parallel={self.context_parallel}; use a "
+                         f"number of ranks that is a multiple of {model_parallel} (world = pipeline x data x context x "
+                         "tensor parallel)"))
             return found + self._schedule_problems()
         dp = world_size // model_parallel
         found += self._pipeline_problems(dp)
@@ -123,6 +125,23 @@ class Checked:
         if not 0 < self.norm_epsilon < 1:
             found.append(("norm_epsilon", f"norm_epsilon={self.norm_epsilon}: must lie between 0 and 1 (a small "
                                           "number added to the variance, such as 1e-5)"))
+        return found
+
+    def _context_problems(self) -> list[Problem]:
+        """Context parallel and document masking: where they apply."""
+        cp, found = self.context_parallel, []
+        if cp > 1 and self.seq_length % (2 * cp):
+            found.append(("context_parallel", f"context_parallel={cp} gives each rank one chunk from each end of a "
+                          f"sequence: seq_length={self.seq_length} must be a multiple of 2 x {cp} = {2 * cp}"))
+        packed = self.reset_attention_mask or self.reset_position_ids
+        for name, used in (("context_parallel", cp > 1), ("reset_attention_mask", packed)):
+            if used and self.pipeline_parallel > 1:
+                found.append((name, f"{name} is not available with pipeline_parallel={self.pipeline_parallel}: the "
+                              "pipeline's stages pass hidden states only; set pipeline_parallel=1 (tensor, context "
+                              "and data parallel apply)"))
+            if used and self.device == "neuron":
+                found.append((name, f"{name} is not available on device='neuron' (the torch_xla path has not been "
+                              "proven with it); train it on GPUs or CPUs"))
         return found
 
     def _pipeline_problems(self, dp: int) -> list[Problem]:

@@ -1,5 +1,5 @@
 """A GPT with every configured parallelism applied, in torchtitan's order: float8 linears (torchao)
--> tensor parallel -> activation checkpointing -> compile -> data parallel (FSDP2 or DDP), then
+-> tensor parallel -> context parallel (attention around a ring) -> activation checkpointing -> compile -> data parallel (FSDP2 or DDP), then
 allocated on the device with its weights initialised. Pipeline stages (gpt.parallel.pipeline)
 take the same steps, each stage a data-parallel unit of its own.
 
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from gpt.backend import DEVICES
 from gpt.config import Config, ConfigError
 from gpt.model import GPT, initial_weight, tied
-from gpt.parallel import data, tensor, xla
+from gpt.parallel import context, data, tensor, xla
 from gpt.parallel.dims import ParallelDims
 
 
@@ -41,6 +41,8 @@ def apply_layers(model: GPT, config: Config, env: ParallelDims, device: torch.de
         tensor.apply(model, env.mesh["tp"])
     elif env.tp is not None:
         xla.apply(model, env.tp)
+    if env.cp_size > 1:
+        context.apply(model, env.context_group())
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing_scope)
     if config.compile and compile_scope(config, device, env.world_size) == "blocks":

@@ -1,5 +1,6 @@
 """Data parallel inside each (tensor-parallel, pipeline) part: FSDP2 shards parameters, gradients
-and optimizer state over the ``dp`` mesh dimension; DDP all-reduces gradients and keeps optimizer
+and optimizer state over the replicas (the ``dp`` mesh dimension, with the ``cp`` one where
+sequences are split: gpt.parallel.dims); DDP all-reduces gradients and keeps optimizer
 state on every replica. Where torch's DDP module cannot apply (its model holds DTensors, or a
 pipeline schedule runs it), the replicas average the gradients after the backward instead
 (gpt.parallel.dims.ParallelDims.average_gradients)."""
@@ -20,26 +21,26 @@ from gpt.parallel.dims import ParallelDims
 
 def fsdp(config: Config, env: ParallelDims, device: torch.device) -> bool:
     """Whether the job shards with FSDP2 (more than one data-parallel replica on a device mesh)."""
-    if env.dp_size > 1 and config.data_parallel_mode == "fsdp" and env.mesh is None:
+    if env.replica_count > 1 and config.data_parallel_mode == "fsdp" and env.mesh is None:
         raise ConfigError(f"data_parallel_mode='fsdp': {device.type} devices train data parallel as "
                           "data_parallel_mode='ddp' (gradients all-reduced, optimizer state on every replica)")
-    return env.dp_size > 1 and config.data_parallel_mode == "fsdp"
+    return env.replica_count > 1 and config.data_parallel_mode == "fsdp"
 
 
 def shard(model: GPT, parts: list[GPT], env: ParallelDims) -> None:
     """FSDP2 over the data-parallel ranks: each block, then each part (the whole model, or a pipeline
     stage) for what is left, on the (meta) model before it is allocated."""
     for block in model.h.values():
-        fully_shard(block, mesh=env.mesh["dp"])
+        fully_shard(block, mesh=env.replicas())
     for part in parts:
-        fully_shard(part, mesh=env.mesh["dp"])
+        fully_shard(part, mesh=env.replicas())
 
 
 def wrap(parts: list[GPT], config: Config, env: ParallelDims, device: torch.device) -> list[nn.Module]:
     """The parts in torch's DDP module where it applies; as they are otherwise."""
-    if env.mesh is None or env.dp_size == 1 or config.data_parallel_mode != "ddp" or env.gradient_replicas():
+    if env.mesh is None or env.replica_count == 1 or config.data_parallel_mode != "ddp" or env.gradient_replicas():
         return list(parts)
-    return [DistributedDataParallel(part, process_group=env.mesh["dp"].get_group(),
+    return [DistributedDataParallel(part, process_group=env.replicas().get_group(),
                                     device_ids=None if device.index is None else [device.index]) for part in parts]
 
 

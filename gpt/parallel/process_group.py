@@ -19,7 +19,7 @@ from gpt.parallel.dims import ParallelDims
 
 
 def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, pp_size: int = 1,
-                     data_parallel_mode: str = "ddp") -> ParallelDims:
+                     data_parallel_mode: str = "ddp", cp_size: int = 1) -> ParallelDims:
     """Join the process group described by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT.
     A collective that cannot complete within ``timeout_s`` fails the rank (and so the job) rather
     than waiting forever.
@@ -31,7 +31,7 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size == 1:
         return ParallelDims(rank, 1, local_rank, None, tp_size=tp_size, pp_size=pp_size,
-                            data_parallel_mode=data_parallel_mode)
+                            data_parallel_mode=data_parallel_mode, cp_size=cp_size)
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; the launcher must export it")
@@ -44,7 +44,7 @@ def init_distributed(backend: Backend, tp_size: int, timeout_s: float = 1800.0, 
                                 timeout=datetime.timedelta(seconds=timeout_s))
     check_world(rank, world_size)
     return ParallelDims.build(backend.kind.device_type, backend.lazy, rank, world_size, local_rank, tp_size, pp_size,
-                              data_parallel_mode)
+                              data_parallel_mode, cp_size)
 
 
 def free_port() -> int:

@@ -1,0 +1,125 @@
+"""Context parallelism (every sequence split over ranks, attention around a ring) and document
+masking, on real gloo ranks running gpt.train: the losses, gradient norms and weights of one
+process, and each document of a packed sample attending only to itself."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gpt.config import Config
+from gpt.data import IndexedDatasetWriter
+from gpt.export import find_checkpoint, load_checkpoint
+from gpt.model import GPT, Packing
+from tasks.index import build_indices
+from tests.fixtures_gpt import SMALL, read_metrics
+
+pytestmark = pytest.mark.timeout(300)
+
+# tiny-llama's block (rotary positions, grouped K/V, SwiGLU) at a length where the ring has work.
+LONG = {**SMALL, "model": "tiny-llama", "num_layers": 2, "num_query_groups": 2, "ffn_hidden_size": 64,
+        "seq_length": 512, "train_iters": 10, "lr_warmup_iters": 2, "eval_interval": 5, "save_interval": 5}
+
+
+def _curve(run_dir, kind="train", key="lm_loss") -> list[float]:
+    return [r[key] for r in read_metrics(run_dir, kind)]
+
+
+def _weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_checkpoint(*find_checkpoint(run_dir)).state_dict()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    from tests.fixtures_gpt import GPTLauncher
+    run_dir = tmp_path_factory.mktemp("cp") / "run"
+    GPTLauncher(run_dir.parent).run({**LONG, "run_dir": str(run_dir)})
+    return run_dir
+
+
+@pytest.mark.parametrize("world, layout", [
+    (2, {"context_parallel": 2}),
+    (4, {"context_parallel": 2}),
+    (4, {"context_parallel": 2, "tensor_parallel": 2}),
+    (4, {"context_parallel": 2, "data_parallel_mode": "fsdp"}),
+], ids=["cp2", "cp2-dp2", "cp2-tp2", "cp2-fsdp2"])
+def test_layouts_with_context_parallel_train_as_one_process(world, layout, one_process, gpt_launcher, tmp_path):
+    """Each rank holds a chunk from each end of every sequence and attends around the ring: the
+    losses, gradient norms, validation losses and final weights of one process."""
+    run_dir = tmp_path / "run"
+    out = gpt_launcher.run({**LONG, **layout, "run_dir": str(run_dir)}, world_size=world)
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "completed"
+    assert len(_curve(run_dir)) == LONG["train_iters"]
+    for kind, key in (("train", "lm_loss"), ("train", "grad_norm"), ("valid", "valid_loss")):
+        assert _curve(run_dir, kind, key) == pytest.approx(_curve(one_process, kind, key), rel=1e-5), key
+    ours, theirs = _weights(run_dir), _weights(one_process)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_run_saved_under_context_parallel_resumes_in_one_process(one_process, gpt_launcher, tmp_path):
+    run_dir = tmp_path / "run"
+    gpt_launcher.run({**LONG, "context_parallel": 2, "train_iters": 5, "lr_decay_iters": 10,
+                      "run_dir": str(run_dir)}, world_size=2)
+    out = gpt_launcher.run({**LONG, "run_dir": str(run_dir)}, world_size=1)
+    assert "at iteration 5" in out
+    assert _curve(run_dir) == pytest.approx(_curve(one_process), rel=1e-5)
+
+
+# -- document masking -------------------------------------------------------------------------
+def _three_documents() -> tuple[Config, GPT, list[torch.Tensor]]:
+    config = Config.from_dict({**LONG, "seq_length": 64, "reset_attention_mask": True, "reset_position_ids": True})
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    lengths = (20, 31, 13)
+    return config, model, [torch.randint(0, 256, (n,)) for n in lengths]
+
+
+def test_each_document_of_a_packed_sample_gets_the_logits_it_gets_alone():
+    """Three documents packed into one sample: with reset_attention_mask and reset_position_ids each
+    gets the logits of that document run alone; without them, every document after the first does not."""
+    config, model, documents = _three_documents()
+    packed = torch.cat(documents)[None]
+    which = torch.cat([torch.full((len(d),), i) for i, d in enumerate(documents)])[None]
+    positions = torch.cat([torch.arange(len(d)) for d in documents])[None]
+    with torch.no_grad():
+        masked = model(packed, packing=Packing(torch.arange(64), positions, which))
+        plain = model(packed)
+        alone = [model(d[None]) for d in documents]
+    start = 0
+    for i, (document, logits) in enumerate(zip(documents, alone)):
+        rows = slice(start, start + len(document))
+        torch.testing.assert_close(masked[:, rows], logits, rtol=1e-5, atol=1e-5)
+        assert i == 0 or not torch.allclose(plain[:, rows], logits, atol=1e-3)
+        start += len(document)
+
+
+@pytest.fixture(scope="module")
+def packed_index(tmp_path_factory):
+    """Documents of 5 to 90 tokens, so that every sample of 64 packs several, each counting up from
+    a token of its own (what a model learns within a document and cannot carry across one)."""
+    out = tmp_path_factory.mktemp("packed")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(str(out / "docs"), np.uint16) as writer:
+        for _ in range(400):
+            writer.add_document((rng.integers(0, 256) + np.arange(rng.integers(5, 90))) % 256)
+    index = build_indices([str(out / "docs")], split="98,1,1", seq_length=64, seed=1,
+                          num_samples={"train": 10 * 8, "valid": 8, "test": 8}, out_dir=str(out / "index"))
+    return index.path
+
+
+def test_document_masking_trains_alike_under_context_parallel_and_differs_from_none(packed_index, gpt_launcher,
+                                                                                     tmp_path):
+    """The same packed samples: with masking the losses under CP 2 are one process's, and they differ
+    from the losses without masking (the mask is applied)."""
+    base = {**LONG, "seq_length": 64, "mock_data": False, "data_index": str(packed_index)}
+    masked = {**base, "reset_attention_mask": True, "reset_position_ids": True}
+    runs = {}
+    for name, config, world in (("plain", base, 1), ("masked", masked, 1), ("masked-cp2", {**masked, "context_parallel": 2}, 2)):
+        runs[name] = tmp_path / name
+        gpt_launcher.run({**config, "run_dir": str(runs[name])}, world_size=world)
+    assert _curve(runs["masked-cp2"]) == pytest.approx(_curve(runs["masked"]), rel=1e-5)
+    assert _curve(runs["masked-cp2"], "train", "grad_norm") == pytest.approx(_curve(runs["masked"], "train", "grad_norm"), rel=1e-5)
+    apart = max(abs(m - p) / p for m, p in zip(_curve(runs["masked"]), _curve(runs["plain"])))
+    assert apart > 10 * 1e-5         # ten times the tolerance the equal runs above meet
