@@ -35,6 +35,8 @@ LAYOUTS = [  # (world size, fields)
     (2, {"data_parallel_mode": "fsdp"}),
     (2, {"pipeline_parallel": 2}),
     (2, {"pipeline_parallel": 2, "activation_checkpointing": True}),
+    (2, {"context_parallel": 2}),
+    (2, {"context_parallel": 2, "activation_checkpointing": True}),
 ]
 # Runs in each rank: the high-water mark above the resident set once everything is imported.
 RANK = """

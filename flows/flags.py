@@ -31,6 +31,7 @@ ALIASES: dict[str, str] = {
     "--train-iters": "training.train_iters", "--train-samples": "training.train_samples",
     "--micro-batch-size": "training.micro_batch_size", "--global-batch-size": "training.global_batch_size",
     "--seq-length": "training.seq_length", "--tp": "training.tensor_parallel", "--pp": "training.pipeline_parallel",
+    "--cp": "training.context_parallel",
     "--dp": "training.data_parallel", "--device": "training.device", "--precision": "training.precision",
     "--compile": "training.compile", "--benchmark": "training.benchmark", "--seed": "training.seed",
     "--init-from": "training.init_from", "--init-from-optimizer": "training.init_from_optimizer",

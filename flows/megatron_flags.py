@@ -22,6 +22,7 @@ from gpt.config.presets import PRESETS
 # Megatron flag -> this command's flag taking the same value.
 SAME_VALUE = {
     "--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp",
     "--micro-batch-size": "--micro-batch-size", "--global-batch-size": "--global-batch-size",
     "--seq-length": "--seq-length", "--train-iters": "--train-iters", "--train-samples": "--train-samples",
     "--seed": "--seed", "--split": "--split", "--vocab-file": "--vocab-file", "--merge-file": "--merge-file",
@@ -51,6 +52,7 @@ SWITCHES = {
 FIELD_SWITCHES = {
     "--swiglu": ("swiglu", "true"), "--disable-bias-linear": ("add_bias_linear", "false"),
     "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
+    "--reset-attention-mask": ("reset_attention_mask", "true"), "--reset-position-ids": ("reset_position_ids", "true"),
 }
 # Megatron flags whose job something else does here.
 DECIDED_HERE = {

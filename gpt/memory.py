@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from gpt.config import Config
 from gpt.config.overrides import parse_overrides
 from gpt.model import parameters
+from gpt.parallel.context import SCORES_PER_TILE
 
 GIB = 1 << 30
 STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
@@ -26,10 +27,12 @@ class RankMemory:
     activations: int           # kept for the backward pass, for every micro-batch in flight
     in_flight: float           # micro-batches whose activations the stage holds at once
     loss: int                  # the output layer's gathered weight, gradient and one chunk of logits
+    attention: int = 0         # one layer's attention work space: context parallel's ring (keys and values
+                               # held and arriving, their gradients, a tile of scores) or a document mask
 
     @property
     def total(self) -> int:
-        return self.model_state + self.unsharded + self.activations + self.loss
+        return self.model_state + self.unsharded + self.activations + self.loss + self.attention
 
     def arithmetic(self) -> str:
         gib = lambda n: f"{n / GIB:,.2f}"  # noqa: E731
@@ -37,7 +40,8 @@ class RankMemory:
                 f"parameters x {STATE_BYTES} B{', sharded over data parallel' if self.unsharded else ''})"
                 + (f" + gathered whole (one block, embedding and norm) {gib(self.unsharded)}" if self.unsharded else "")
                 + f" + activations {gib(self.activations)} ({self.in_flight:g} micro-batch(es) in flight)"
-                + f" + output layer and loss {gib(self.loss)}")
+                + f" + output layer and loss {gib(self.loss)}"
+                + (f" + attention work space {gib(self.attention)}" if self.attention else ""))
 
 
 # Activations kept per layer for one micro-batch, in units of sequence x micro-batch x hidden x 2 bytes
@@ -58,12 +62,29 @@ def _split_activations(config: Config) -> tuple[float, float]:
     return attention, mlp
 
 
+def attention_space(config: Config) -> int:
+    """Bytes one layer's attention uses while it runs beyond what it keeps: under context parallel
+    the ring's keys and values (held and arriving, with their fp32 gradients in the backward pass),
+    the fp32 output and query gradient, and a tile of fp32 scores with its probabilities and their
+    gradient (gpt.parallel.context); with document masking and no ring, the mask of each sample."""
+    t, cp, b, s = config.tensor_parallel, config.context_parallel, config.micro_batch_size, config.seq_length
+    heads, groups = config.num_attention_heads // t, config.num_query_groups // t
+    head_dim, element = config.hidden_size // config.num_attention_heads, 4 if config.precision == "fp32" else 2
+    if cp == 1:
+        return b * s * s if config.reset_attention_mask else 0
+    local = b * (s // cp)
+    keys = 2 * local * groups * head_dim
+    tile = min(SCORES_PER_TILE, b * heads * (s // cp) * (s // (2 * cp)))
+    return keys * (2 * element + 2 * 4) + 2 * local * heads * head_dim * 4 + 3 * tile * 4
+
+
 def rank_memory(config: Config, world_size: int) -> RankMemory:
-    """One rank's peak memory for this layout (pipeline x data x tensor parallel, the micro-batch, the
-    activation-checkpointing scope, the pipeline schedule), on the stage that needs the most."""
-    t, pp, v = config.tensor_parallel, config.pipeline_parallel, config.virtual_pipeline_stages
-    dp = max(1, world_size // (t * pp))
-    h, s, b = config.hidden_size, config.seq_length, config.micro_batch_size
+    """One rank's peak memory for this layout (pipeline x data x context x tensor parallel, the
+    micro-batch, the activation-checkpointing scope, the pipeline schedule), on the stage that needs
+    the most. Context parallel divides each sequence, and so the activations, over its ranks."""
+    t, pp, v, cp = config.tensor_parallel, config.pipeline_parallel, config.virtual_pipeline_stages, config.context_parallel
+    dp = max(1, world_size // (t * pp * cp))
+    h, s, b = config.hidden_size, config.seq_length // cp, config.micro_batch_size
     vocab = config.padded_vocab_size()
     layers = config.num_layers // pp
     held = parameters(config, t)
@@ -103,9 +124,9 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
         params = layers * block + extra
         # FSDP2 gathers each block's weights (and its gradient before the reduce-scatter) while it runs,
         # and the stage's own layers (embedding, final norm) for the whole step: it does not reshard the root.
-        gathered = 8 * (block + extra) if fsdp and dp > 1 else 0
-        return RankMemory(name, params, STATE_BYTES * params // (dp if fsdp else 1), gathered,
-                          activations(in_flight), in_flight, loss)
+        gathered = 8 * (block + extra) if fsdp and dp * cp > 1 else 0
+        return RankMemory(name, params, STATE_BYTES * params // (dp * cp if fsdp else 1), gathered,
+                          activations(in_flight), in_flight, loss, attention_space(config))
 
     if pp == 1:
         return stage("the only stage", embedding + held.positions + held.final_norm + held.output, 1.0, loss)
@@ -113,14 +134,28 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
                stage("the last stage", embedding + held.final_norm, last_in_flight, loss), key=lambda m: m.total)
 
 
+def _model_parallel(config: Config) -> list[tuple[int, int, int]]:
+    """(pipeline, context, tensor) degrees to try, the fewest more ranks per replica first: more
+    stages or sequence splits, and for a sequence split, tensor-parallel ranks given over to it."""
+    raised = lambda now: sorted({now, *(n for n in (2, 4, 8, 16, 32) if n > now)})  # noqa: E731
+    t = config.tensor_parallel
+    tps = [t, *(t // d for d in (2, 4, 8, 16) if t % d == 0)]
+    layouts = {(pp, cp, tp) for pp in raised(config.pipeline_parallel) for cp in raised(config.context_parallel)
+               for tp in tps if tp == t or cp * tp >= config.context_parallel * t}
+    return sorted(layouts, key=lambda layout: (layout[0] * layout[1] * layout[2], -layout[2]))
+
+
 def fitting_layout(config: Config, world_size: int, limit: int) -> str | None:
-    """A change to the layout that fits in ``limit`` bytes per rank, named by its fields, or None."""
+    """A change to the layout that fits in ``limit`` bytes per rank, named by its fields, or None:
+    activation checkpointing, then sharded data parallel, then more pipeline stages or ranks splitting
+    each sequence (context parallel), the fewest first."""
     for ac in dict.fromkeys((config.activation_checkpointing, True)):
         for mode in dict.fromkeys((config.data_parallel_mode, "fsdp")):
-            for pp in sorted({config.pipeline_parallel, *(p for p in (2, 4, 8, 16, 32) if p > config.pipeline_parallel)}):
-                if world_size % (config.tensor_parallel * pp) or config.num_layers % pp:
+            for pp, cp, tp in _model_parallel(config):
+                if world_size % (tp * pp * cp) or config.num_layers % pp:
                     continue
-                change = {"activation_checkpointing": ac, "data_parallel_mode": mode, "pipeline_parallel": pp}
+                change = {"activation_checkpointing": ac, "data_parallel_mode": mode, "pipeline_parallel": pp,
+                          "context_parallel": cp, "tensor_parallel": tp}
                 candidate = dataclasses.replace(config, **change, activation_checkpointing_scope="block"
                                                 if ac and not config.activation_checkpointing else
                                                 config.activation_checkpointing_scope)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpt import heartbeat
@@ -22,12 +23,25 @@ from gpt.model import param_count
 from gpt.parallel.process_group import gather_floats, gather_objects
 
 
-def flops_per_token(config: Config, num_params: int) -> float:
+def flops_per_token(config: Config, num_params: int, span: float | None = None) -> float:
     """Training FLOPs per token: 6 x the parameters that multiply (all but an embedding that is no
-    output layer: a lookup) plus attention's 12 x layers x hidden x sequence (query heads count;
-    grouped K/V and SwiGLU's third matrix are in the parameters)."""
+    output layer: a lookup) plus attention's 12 x layers x hidden x the keys a token's attention
+    spans (query heads count; grouped K/V and SwiGLU's third matrix are in the parameters). The span
+    is the sequence (Megatron's count), or with document masking the documents' (``attention_span``)."""
     lookup = config.padded_vocab_size() * config.hidden_size if config.untie_embeddings_and_output_weights else 0
-    return 6 * (num_params - lookup) + 12 * config.num_layers * config.hidden_size * config.seq_length
+    return 6 * (num_params - lookup) + 12 * config.num_layers * config.hidden_size * (span or config.seq_length)
+
+
+def attention_span(pieces: list[np.ndarray], seq_length: int) -> float:
+    """The keys a token's attention spans, on average, when attention stays inside each document of
+    samples packed from these pieces (their lengths, the last one's target token included): the
+    sequence's count (``seq_length``) for one document, sum(length^2) / seq_length for several."""
+    squares = 0
+    for lengths in pieces:
+        inputs = np.asarray(lengths, dtype=np.int64).copy()
+        inputs[-1] -= 1
+        squares += int((inputs * inputs).sum())
+    return squares / (seq_length * len(pieces))
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_per_device: float | None, devices: int) -> float | None:
@@ -173,6 +187,7 @@ class HeldStep:
     consumed_samples: int
     lr: float
     values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # loss, grad norm, stepped, loss scale
+    span: float | None = None                    # keys a token attends to, with document masking (attention_span)
 
 
 class StepLog:
@@ -219,8 +234,9 @@ class StepLog:
             loss, norm, stepped, scale = values[4 * i:4 * i + 4]
             records.append({"iteration": step.iteration, "consumed_samples": step.consumed_samples, "lm_loss": loss,
                             "lr": step.lr, "grad_norm": norm, "loss_scale": scale, "elapsed_ms": 1000 * elapsed,
-                            "tokens_per_s": tokens / elapsed, "mfu": self.mfu(tokens / elapsed),
-                            "skipped": int(not stepped), "nan": int(not math.isfinite(loss))})
+                            "tokens_per_s": tokens / elapsed, "mfu": self.mfu(tokens / elapsed, step.span),
+                            "skipped": int(not stepped), "nan": int(not math.isfinite(loss)),
+                            **({"attention_span": step.span} if step.span is not None else {})})
         for record in records:
             self.metrics.train(record)
         if self.nodes is not None:
@@ -251,15 +267,21 @@ class StepLog:
                             batch=self.config.global_batch_size, loss=sum(finite) / max(1, len(finite)),
                             loss_scale=last["loss_scale"], grad_norm=last["grad_norm"],
                             skipped=sum(r["skipped"] for r in self.interval), nan=sum(r["nan"] for r in self.interval),
-                            tokens_per_s=tokens_per_s, mfu_value=self.mfu(tokens_per_s)), flush=True)
+                            tokens_per_s=tokens_per_s, mfu_value=self.mfu(tokens_per_s, self._span())), flush=True)
         self.interval = []
+
+    def _span(self) -> float | None:
+        """The interval's mean attention span, with document masking."""
+        spans = [r["attention_span"] for r in self.interval if "attention_span" in r]
+        return sum(spans) / len(spans) if spans else None
 
     def restart_clock(self) -> None:
         """Evaluations and checkpoints are not training time."""
         self.clock = time.time()
 
-    def mfu(self, tokens_per_s: float) -> float | None:
-        return mfu(tokens_per_s, self.flops_token, self.peak, self.world_size)
+    def mfu(self, tokens_per_s: float, span: float | None = None) -> float | None:
+        flops = self.flops_token if span is None else flops_per_token(self.config, param_count(self.config), span)
+        return mfu(tokens_per_s, flops, self.peak, self.world_size)
 
     def tokens_per_s(self) -> float | None:
         """Over the timed iterations (all but the first), else the first alone."""

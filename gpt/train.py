@@ -31,9 +31,9 @@ from gpt.data import GPTDataset, MockGPTDataset
 from gpt.faults import FAULT
 from gpt.files import WriteError
 from gpt.heartbeat import Heartbeat
-from gpt.metrics import HeldStep, MetricsWriter, StepLog, saved_line, valid_line
-from gpt.optim import LossScaler, build_optimizer, lr_at, optimizer_step
+from gpt.metrics import HeldStep, MetricsWriter, StepLog, attention_span, saved_line, valid_line
 from gpt.model import Packing
+from gpt.optim import LossScaler, build_optimizer, lr_at, optimizer_step
 from gpt.parallel import context
 from gpt.parallel.build import build_model
 from gpt.parallel.data import gradient_sync
@@ -327,7 +327,9 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
                                              scaler=run.scaler, dims=env, pipeline=run.pipeline,
                                              loss_factor=FAULT.loss_factor(run.data[0], drawn, g))
             state.update(iteration=it, consumed_samples=state["consumed_samples"] + g)
-            steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, run.scaler.scale)))
+            span = (attention_span([run.data[0].pieces(i % len(run.data[0])) for i in range(drawn, drawn + g)],
+                                   config.seq_length) if config.reset_attention_mask else None)
+            steps.hold(HeldStep(it, state["consumed_samples"], lr, (loss, norm, stepped, run.scaler.scale), span))
             logging = it % config.log_interval == 0 or it == end_iter
             evaluating = not config.benchmark and (it % config.eval_interval == 0 or it == end_iter)
             saving = not config.precompile and (it % config.save_interval == 0 or it == end_iter)

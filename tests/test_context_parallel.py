@@ -123,3 +123,48 @@ def test_document_masking_trains_alike_under_context_parallel_and_differs_from_n
     assert _curve(runs["masked-cp2"], "train", "grad_norm") == pytest.approx(_curve(runs["masked"], "train", "grad_norm"), rel=1e-5)
     apart = max(abs(m - p) / p for m, p in zip(_curve(runs["masked"]), _curve(runs["plain"])))
     assert apart > 10 * 1e-5         # ten times the tolerance the equal runs above meet
+
+
+# -- sized before the queue ---------------------------------------------------------------------
+LLAMA3_8B_128K = """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention
+--num-query-groups 8 --ffn-hidden-size 14336 --position-embedding-type rope --rotary-base 500000
+--normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --seq-length 131072
+--max-position-embeddings 131072 --micro-batch-size 1 --global-batch-size 8 --train-iters 1000 --lr 3e-4
+--reset-attention-mask --reset-position-ids --bf16""".split()
+
+
+def _plan(args: list[str], tmp_path, monkeypatch):
+    import flows.plan.build
+    from flows.cli import parse_args
+    from flows.plan.build import make_plan
+
+    monkeypatch.setattr(flows.plan.build, "disk_problem", lambda *a: None)   # an 8B checkpoint is not this disk's
+    params = parse_args([*args, "--root", str(tmp_path), "--dry-run"])
+    return make_plan(**{k: v for k, v in params.items() if k != "dry_run"})
+
+
+def test_llama3_8b_at_128k_is_refused_naming_the_layout_that_fits_and_plans_in_it(tmp_path, monkeypatch):
+    """Megatron's Llama 3 8B flags at 131072 tokens with document masking: on one p4d node (8 x A100 40 GB)
+    the plan refuses the preset's layout with the arithmetic and names the context parallel that fits;
+    Megatron's --context-parallel-size 8 with FSDP and activation checkpointing plans on one p5 node
+    (8 x H100 80 GB), its mesh and the ring's traffic in the plan's rows."""
+    from flows.plan.artifact import plan_rows
+    from flows.plan.params import ParameterError
+
+    with pytest.raises(ParameterError) as e:
+        _plan([*LLAMA3_8B_128K, "--cluster", "p4d-8gpu", "--cluster-set", "nodes=1"], tmp_path, monkeypatch)
+    (line,) = [m for m in e.value.errors if m.startswith("training:")]
+    assert "but 40 GiB per device (accelerator a100-40gb)" in line and "context_parallel=" in line, line
+    fits = dict(kv.split("=") for kv in line.split("this layout would fit: ")[1].split(" (the fields")[0].split(", "))
+    assert int(fits["context_parallel"]) > 1, line
+    plan = _plan([*LLAMA3_8B_128K, "--cluster", "p4d-8gpu", "--cluster-set", "nodes=1",
+                  *(f"--set={k}={v}" for k, v in fits.items())], tmp_path, monkeypatch)
+    assert plan.config.context_parallel == int(fits["context_parallel"])
+
+    plan = _plan([*LLAMA3_8B_128K, "--context-parallel-size", "8", "--cluster", "p5-8gpu", "--cluster-set", "nodes=1",
+                  "--set", "data_parallel_mode=fsdp", "--set", "activation_checkpointing=true"], tmp_path, monkeypatch)
+    assert (plan.config.context_parallel, plan.config.seq_length, plan.config.reset_attention_mask) == (8, 131072, True)
+    rows = {r["item"]: r["value"] for r in plan_rows(plan, "a new run")}
+    assert rows["parallel"].startswith("pp 1 x dp 1 (fsdp) x tp 1 x cp 8 (each rank 16384 tokens of a sequence; "
+                                       "the ring passes "), rows["parallel"]
+    assert "attention work space" in rows["memory per rank"]

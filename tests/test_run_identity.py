@@ -121,10 +121,11 @@ def test_every_config_field_either_defines_the_run_or_may_change_and_the_readme_
     from flows.plan.build import FLOW_DECIDED
     from gpt.config import ARCHITECTURE, Config  # the architecture is the preset's: a run is named after it
 
-    classified = {*identity.DEFINING, *identity.SCHEDULE, *identity.START, *identity.MAY_CHANGE, *FLOW_DECIDED,
+    classified = {*identity.DEFINING, *identity.SCHEDULE, *identity.START, *identity.PACKING, *identity.MAY_CHANGE, *FLOW_DECIDED,
                   *ARCHITECTURE, "precompile_iters", "compile_cache_dir"}
     assert {f.name for f in dataclasses.fields(Config)} - classified == set()
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     table = readme[readme.index("| define the run"):readme.index("The list lives in `flows/plan/identity.py`")]
-    for name in (*identity.DEFINING, *identity.START, *(n for n in identity.MAY_CHANGE if n != "cluster.*")):
+    for name in (*identity.DEFINING, *identity.START, *identity.PACKING,
+                 *(n for n in identity.MAY_CHANGE if n != "cluster.*")):
         assert f"`{name}`" in table, name

@@ -10,6 +10,7 @@ from prefect.artifacts import create_table_artifact
 from gpt.config import Config, model_name
 from gpt.export import SHARD_BYTES, ExportError, export_bytes, export_precision, family
 from gpt.memory import GIB, rank_memory
+from gpt.parallel.context import ring_bytes
 from gpt.parallel.pipeline import bubble_fraction
 from tasks.cluster.config import ClusterConfig
 
@@ -19,8 +20,11 @@ if TYPE_CHECKING:
 
 def parallel_layout(c: Config, world_size: int) -> str:
     """The mesh, and with pipeline stages their schedule and its idle share."""
-    dp = world_size // (c.tensor_parallel * c.pipeline_parallel)
+    dp = world_size // (c.tensor_parallel * c.pipeline_parallel * c.context_parallel)
     mesh = f"pp {c.pipeline_parallel} x dp {dp} ({c.data_parallel_mode}) x tp {c.tensor_parallel}"
+    if c.context_parallel > 1:
+        mesh += (f" x cp {c.context_parallel} (each rank {c.seq_length // c.context_parallel} tokens of a sequence; "
+                 f"the ring passes {ring_bytes(c, world_size) / GIB:,.2f} GiB per rank per step)")
     if c.pipeline_parallel == 1:
         return mesh
     micro = c.global_batch_size // (c.micro_batch_size * dp)

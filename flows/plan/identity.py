@@ -27,11 +27,13 @@ SCHEDULE = ("init_method_std", "lr_warmup_iters", "lr_warmup_samples", "lr_decay
             "lr_wsd_decay_iters", "lr_wsd_decay_samples")
 # Where a new run starts from.
 START = ("init_from", "init_from_optimizer", "init_from_hf")
+# What a token of a packed sample sees (off unless given; given, they define the run).
+PACKING = ("reset_attention_mask", "reset_position_ids")
 # What the data is (credentials are not).
 DATA = ("sources", "prefixes", "weight", "json_keys", "split", "endpoint_url")
 # Fields that may change between legs of one run; the README's table lists both groups.
 MAY_CHANGE = ("train_iters", "train_samples", "micro_batch_size", "tensor_parallel", "data_parallel",
-              "pipeline_parallel", "virtual_pipeline_stages", "pipeline_schedule",
+              "pipeline_parallel", "context_parallel", "virtual_pipeline_stages", "pipeline_schedule",
               "data_parallel_mode", "device", "precision", "fp8_recipe", "fp8_layers", "compile", "compile_scope",
               "activation_checkpointing", "activation_checkpointing_scope", "log_interval", "eval_interval",
               "eval_iters", "save_interval", "keep_last", "async_save", "spike_factor", "spike_window", "nan_steps",
@@ -51,7 +53,7 @@ def run_identity(data: DataParams, tokenizer: TokenizerParams, config: Config,
     keeps its whole architecture, and the preset its other fields came from. A run branched from
     another's checkpoint is that run's identity and the checkpoint it branched from."""
     training = {name: getattr(config, name) for name in DEFINING}
-    training.update({name: given[name] for name in SCHEDULE + START
+    training.update({name: given[name] for name in SCHEDULE + START + PACKING
                      if given.get(name) is not None and given[name] is not False})
     if branch_from:
         training["branch_from"] = branch_from

@@ -30,11 +30,12 @@ def job_config(model: str, training: TrainingParams, where: ClusterConfig | None
         world_size = where.world_size
         fields["device"], fields["precision"] = job_device_and_precision(training, where, errors)
         fields["tensor_parallel"], fields["pipeline_parallel"] = tp, pp = model_parallel(model, fields, where)
-        ranks = (training.data_parallel or 1) * tp * pp
+        cp = fields.get("context_parallel") or 1
+        ranks = (training.data_parallel or 1) * tp * pp * cp
         if training.data_parallel is not None and ranks != world_size:
             errors.append(f"training.data_parallel: {training.data_parallel} x tensor_parallel {tp} x "
-                          f"pipeline_parallel {pp} = {ranks} processes, but the cluster runs {world_size} "
-                          "(nodes x tasks_per_node); change one of them")
+                          f"pipeline_parallel {pp} x context_parallel {cp} = {ranks} processes, but the cluster "
+                          f"runs {world_size} (nodes x tasks_per_node); change one of them")
         if fields["device"] == "neuron":  # graphs come from neuron_parallel_compile; torch-neuronx has no torch.compile
             fields["compile"] = False
     try:

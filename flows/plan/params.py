@@ -136,8 +136,10 @@ class TrainingParams(_Params):
     pipeline_parallel: int | None = Field(None, ge=1, le=1024, description="Pipeline stages (pp); empty: 1 (or the "
                                           "preset's published layout); the schedule and virtual stages go in "
                                           "overrides: pipeline_schedule, virtual_pipeline_stages")
+    context_parallel: int | None = Field(None, ge=1, le=1024, description="Ranks splitting every sequence (cp), "
+                                         "attention around a ring of them; empty: 1")
     data_parallel: int | None = Field(None, ge=1, le=2**20, description="Data-parallel size (dp); empty: the "
-                                                                       "cluster's tasks divided by tp x pp. Must match.")
+                                                                       "cluster's tasks divided by tp x pp x cp. Must match.")
     data_parallel_mode: Literal[tuple(sorted(CHOICES["data_parallel_mode"]))] = "ddp"  # type: ignore[valid-type]
     device: Literal[CHOICES["device"]] = Field(  # type: ignore[valid-type]
         "auto", description="auto: what the cluster preset runs on (its device)")

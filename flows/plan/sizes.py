@@ -61,8 +61,8 @@ def memory_problem(config: Config, cluster: ClusterConfig) -> str | None:
     fix = (f"this layout would fit: {layout}" if layout else
            "lower micro_batch_size or seq_length, raise tensor_parallel, or choose a cluster with more devices")
     return (f"each rank needs an estimated {need.arithmetic()}, but {limit[1]}; {fix} "
-            f"(the fields micro_batch_size, tensor_parallel, pipeline_parallel, data_parallel_mode, "
-            f"activation_checkpointing)")
+            f"(the fields micro_batch_size, tensor_parallel, pipeline_parallel, context_parallel, "
+            f"data_parallel_mode, activation_checkpointing)")
 
 
 def written_bytes(config: Config) -> tuple[int, int]:

@@ -22,10 +22,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from gpt.config import Config
 from gpt.model import GPT, Packing, attention_mask
 
 # Scores held at once per tile (query rows x keys x batch x heads), in fp32: 512 MB.
 SCORES_PER_TILE = 2 ** 27
+
+
+def ring_bytes(config: Config, world_size: int) -> int:
+    """Bytes each rank sends to the next in one optimizer step: per layer and micro-batch, its keys and
+    values passed on cp - 1 times in the forward pass (again where activation checkpointing recomputes
+    attention), and in the backward pass cp - 1 times more with their fp32 gradients cp times."""
+    cp, t = config.context_parallel, config.tensor_parallel
+    if cp == 1:
+        return 0
+    element = 4 if config.precision == "fp32" else 2
+    head_dim = config.hidden_size // config.num_attention_heads
+    values = 2 * config.micro_batch_size * (config.seq_length // cp) * (config.num_query_groups // t) * head_dim
+    recomputed = config.activation_checkpointing and config.activation_checkpointing_scope != "mlp"
+    per_layer = values * element * (cp - 1) * (2 + recomputed) + values * 4 * cp
+    dp = world_size // (t * config.pipeline_parallel * cp)
+    return per_layer * config.num_layers * (config.global_batch_size // (config.micro_batch_size * dp))
 
 
 def chunk_places(length: int, cp: int, rank: int) -> torch.Tensor:
