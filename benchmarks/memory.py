@@ -33,6 +33,7 @@ LAYOUTS = [  # (world size, fields)
     (1, {}),
     (1, {"activation_checkpointing": True}),
     (2, {"data_parallel_mode": "fsdp"}),
+    (2, {"data_parallel_mode": "ddp"}),
     (2, {"pipeline_parallel": 2}),
     (2, {"pipeline_parallel": 2, "activation_checkpointing": True}),
     (2, {"context_parallel": 2}),

@@ -29,10 +29,11 @@ class RankMemory:
     loss: int                  # the output layer's gathered weight, gradient and one chunk of logits
     attention: int = 0         # one layer's attention work space: context parallel's ring (keys and values
                                # held and arriving, their gradients, a tile of scores) or a document mask
+    buckets: int = 0           # torch's DDP module: its gradient buckets, a second fp32 copy of the gradients
 
     @property
     def total(self) -> int:
-        return self.model_state + self.unsharded + self.activations + self.loss + self.attention
+        return self.model_state + self.unsharded + self.activations + self.loss + self.attention + self.buckets
 
     def arithmetic(self) -> str:
         gib = lambda n: f"{n / GIB:,.2f}"  # noqa: E731
@@ -41,7 +42,8 @@ class RankMemory:
                 + (f" + gathered whole (one block, embedding and norm) {gib(self.unsharded)}" if self.unsharded else "")
                 + f" + activations {gib(self.activations)} ({self.in_flight:g} micro-batch(es) in flight)"
                 + f" + output layer and loss {gib(self.loss)}"
-                + (f" + attention work space {gib(self.attention)}" if self.attention else ""))
+                + (f" + attention work space {gib(self.attention)}" if self.attention else "")
+                + (f" + DDP's gradient buckets {gib(self.buckets)}" if self.buckets else ""))
 
 
 # Activations kept per layer for one micro-batch, in units of sequence x micro-batch x hidden x 2 bytes
@@ -125,8 +127,11 @@ def rank_memory(config: Config, world_size: int) -> RankMemory:
         # FSDP2 gathers each block's weights (and its gradient before the reduce-scatter) while it runs,
         # and the stage's own layers (embedding, final norm) for the whole step: it does not reshard the root.
         gathered = 8 * (block + extra) if fsdp and dp * cp > 1 else 0
+        # torch's DDP module wraps a whole model without DTensors (gpt.parallel.data.wrap); elsewhere
+        # the replicas average the gradients in place.
+        buckets = 4 * params if not fsdp and dp * cp > 1 and pp == 1 and t == 1 else 0
         return RankMemory(name, params, STATE_BYTES * params // (dp * cp if fsdp else 1), gathered,
-                          activations(in_flight), in_flight, loss, attention_space(config))
+                          activations(in_flight), in_flight, loss, attention_space(config), buckets)
 
     if pp == 1:
         return stage("the only stage", embedding + held.positions + held.final_norm + held.output, 1.0, loss)

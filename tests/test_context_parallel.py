@@ -123,6 +123,21 @@ def test_document_masking_trains_alike_under_context_parallel_and_differs_from_n
     assert _curve(runs["masked-cp2"], "train", "grad_norm") == pytest.approx(_curve(runs["masked"], "train", "grad_norm"), rel=1e-5)
     apart = max(abs(m - p) / p for m, p in zip(_curve(runs["masked"]), _curve(runs["plain"])))
     assert apart > 10 * 1e-5         # ten times the tolerance the equal runs above meet
+    # MFU counts the attention the documents do: each token spans fewer keys than the sequence.
+    spans = [r["attention_span"] for r in read_metrics(runs["masked"])]
+    assert len(spans) == LONG["train_iters"] and all(0 < s < 64 for s in spans)
+    assert "attention_span" not in read_metrics(runs["plain"])[0]
+
+
+def test_masked_attention_counts_the_documents_squares_in_the_flops():
+    from gpt.metrics import attention_span, flops_per_token
+    from gpt.model import param_count
+
+    assert attention_span([np.array([20, 31, 14])], 64) == (20 ** 2 + 31 ** 2 + 13 ** 2) / 64   # 13 inputs in the last
+    assert attention_span([np.array([65])], 64) == 64
+    config = Config.from_dict(LONG)
+    n = param_count(config)
+    assert flops_per_token(config, n) - flops_per_token(config, n, span=128) == 12 * 2 * 32 * (512 - 128)
 
 
 # -- sized before the queue ---------------------------------------------------------------------

@@ -74,13 +74,13 @@ def test_data_order_is_the_same_for_any_rank_count():
     config = Config(mock_data=True, seq_length=8, vocab_size=50, micro_batch_size=2, global_batch_size=8)
     data = MockGPTDataset(64, 8, 50, seed=3)
     single = micro_batches(data, 16, 8, config, ParallelDims(0, 1, 0, None), torch.device("cpu"))
-    one = torch.cat([x for x, _ in single])
+    one = torch.cat([x for x, _, _ in single])
     assert torch.equal(one, torch.from_numpy(np.stack([data[i][:-1] for i in range(16, 24)])))
     ranks = [micro_batches(data, 16, 8, config, ParallelDims(r, 2, r, None), torch.device("cpu")) for r in range(2)]
     # Micro-step m: rank 0 then rank 1, each a contiguous slice.
     two = torch.cat([torch.cat([ranks[0][m][0], ranks[1][m][0]]) for m in range(2)])
     assert torch.equal(one, two)
-    targets = torch.cat([y for _, y in single])
+    targets = torch.cat([y for _, y, _ in single])
     assert torch.equal(targets[:, :-1], one[:, 1:])
     # Same seed, same tokens; another seed, other tokens.
     assert np.array_equal(MockGPTDataset(64, 8, 50, seed=3)[5], data[5])
@@ -96,7 +96,7 @@ def test_non_finite_step_is_skipped_and_fp16_scale_backs_off():
     model = GPT(config)
     optimizer = build_optimizer(model, config, backend)
     tokens = torch.randint(0, 64, (2, 9))
-    batches = [(tokens[:, :-1], tokens[:, 1:])]
+    batches = [(tokens[:, :-1], tokens[:, 1:], None)]
     scaler = LossScaler(enabled=True)
     loss, norm, stepped = train_step(model, optimizer, batches, backend=backend, precision="fp16", clip_grad=1.0, scaler=scaler)
     assert stepped and torch.isfinite(loss) and scaler.scale == 2.0 ** 16

@@ -39,7 +39,7 @@ def test_each_leg_resumes_under_another_layout_with_the_uninterrupted_losses(gpt
         newest = run / "checkpoints" / f"iter_{4 * leg:07d}"
         assert saved_layout(newest) == {"world_size": world_size, "nodes": 1, "device": "cpu", "parts": False,
                                         "tensor_parallel": change.get("tensor_parallel", 1),
-                                        "pipeline_parallel": 1,
+                                        "pipeline_parallel": 1, "context_parallel": 1,
                                         "data_parallel_mode": change.get("data_parallel_mode", "ddp")}
     want, got = _losses(reference), _losses(run)
     assert sorted(got) == list(range(1, ITERS + 1))
