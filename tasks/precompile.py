@@ -33,6 +33,8 @@ MARKER = "precompile.json"
 GRAPH_FIELDS = ("model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "max_position_embeddings", "micro_batch_size", "precision", "fp8_recipe", "fp8_layers", "tensor_parallel",
                 "data_parallel_mode", "activation_checkpointing", "activation_checkpointing_scope", "compile_scope")
+# Fields that change the graphs too, counted when set (a cache filled before them keeps its key).
+GRAPH_FIELDS_WHEN_SET = {"context_parallel": 1, "reset_attention_mask": False, "reset_position_ids": False}
 
 
 class PrecompileManifest(BaseModel):
@@ -49,6 +51,7 @@ class PrecompileManifest(BaseModel):
 
 def cache_key(config: Config, cluster: ClusterConfig) -> str:
     parts: dict[str, Any] = {f: getattr(config, f) for f in GRAPH_FIELDS}
+    parts.update({f: getattr(config, f) for f, unset in GRAPH_FIELDS_WHEN_SET.items() if getattr(config, f) != unset})
     parts.update(padded_vocab_size=config.padded_vocab_size(), nodes=cluster.nodes,
                  tasks_per_node=cluster.tasks_per_node, torch=torch.__version__, device=cluster.job_device)
     name = model_name(config)

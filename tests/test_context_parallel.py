@@ -58,11 +58,13 @@ def test_layouts_with_context_parallel_train_as_one_process(world, layout, one_p
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_a_run_saved_under_context_parallel_resumes_in_one_process(one_process, gpt_launcher, tmp_path):
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tensor_parallel": 2})], ids=["one-process", "tp2"])
+def test_a_run_saved_under_context_parallel_resumes_under_other_layouts(world, layout, one_process, gpt_launcher,
+                                                                        tmp_path):
     run_dir = tmp_path / "run"
     gpt_launcher.run({**LONG, "context_parallel": 2, "train_iters": 5, "lr_decay_iters": 10,
                       "run_dir": str(run_dir)}, world_size=2)
-    out = gpt_launcher.run({**LONG, "run_dir": str(run_dir)}, world_size=1)
+    out = gpt_launcher.run({**LONG, **layout, "run_dir": str(run_dir)}, world_size=world)
     assert "at iteration 5" in out
     assert _curve(run_dir) == pytest.approx(_curve(one_process), rel=1e-5)
 
