@@ -121,6 +121,18 @@ def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+def curve(run_dir: str | Path, kind: str = "train", key: str = "lm_loss") -> list[float]:
+    """One figure of every record of a kind: the losses, by default."""
+    return [r[key] for r in read_metrics(run_dir, kind)]
+
+
+def trained_alone(tmp_path_factory, config: dict) -> Path:
+    """The run folder of ``config`` trained by one process: what a parallel layout is held against."""
+    run_dir = tmp_path_factory.mktemp("one-process") / "run"
+    GPTLauncher(run_dir.parent).run({**config, "run_dir": str(run_dir)})
+    return run_dir
+
+
 @pytest.fixture
 def gpt_launcher(tmp_path: Path) -> GPTLauncher:
     return GPTLauncher(tmp_path)

@@ -12,7 +12,7 @@ from gpt.data import IndexedDatasetWriter
 from gpt.export import find_checkpoint, load_checkpoint
 from gpt.model import GPT, Packing
 from tasks.index import build_indices
-from tests.fixtures_gpt import SMALL, read_metrics
+from tests.fixtures_gpt import SMALL, curve, read_metrics, trained_alone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,20 +21,13 @@ LONG = {**SMALL, "model": "tiny-llama", "num_layers": 2, "num_query_groups": 2, 
         "seq_length": 512, "train_iters": 10, "lr_warmup_iters": 2, "eval_interval": 5, "save_interval": 5}
 
 
-def _curve(run_dir, kind="train", key="lm_loss") -> list[float]:
-    return [r[key] for r in read_metrics(run_dir, kind)]
-
-
 def _weights(run_dir) -> dict[str, torch.Tensor]:
     return load_checkpoint(*find_checkpoint(run_dir)).state_dict()
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    from tests.fixtures_gpt import GPTLauncher
-    run_dir = tmp_path_factory.mktemp("cp") / "run"
-    GPTLauncher(run_dir.parent).run({**LONG, "run_dir": str(run_dir)})
-    return run_dir
+    return trained_alone(tmp_path_factory, LONG)
 
 
 @pytest.mark.parametrize("world, layout", [
@@ -49,9 +42,9 @@ def test_layouts_with_context_parallel_train_as_one_process(world, layout, one_p
     run_dir = tmp_path / "run"
     out = gpt_launcher.run({**LONG, **layout, "run_dir": str(run_dir)}, world_size=world)
     assert json.loads(out.strip().splitlines()[-1])["status"] == "completed"
-    assert len(_curve(run_dir)) == LONG["train_iters"]
+    assert len(curve(run_dir)) == LONG["train_iters"]
     for kind, key in (("train", "lm_loss"), ("train", "grad_norm"), ("valid", "valid_loss")):
-        assert _curve(run_dir, kind, key) == pytest.approx(_curve(one_process, kind, key), rel=1e-5), key
+        assert curve(run_dir, kind, key) == pytest.approx(curve(one_process, kind, key), rel=1e-5), key
     ours, theirs = _weights(run_dir), _weights(one_process)
     assert ours.keys() == theirs.keys()
     for key in ours:
@@ -66,7 +59,7 @@ def test_a_run_saved_under_context_parallel_resumes_under_other_layouts(world, l
                       "run_dir": str(run_dir)}, world_size=2)
     out = gpt_launcher.run({**LONG, **layout, "run_dir": str(run_dir)}, world_size=world)
     assert "at iteration 5" in out
-    assert _curve(run_dir) == pytest.approx(_curve(one_process), rel=1e-5)
+    assert curve(run_dir) == pytest.approx(curve(one_process), rel=1e-5)
 
 
 # -- document masking -------------------------------------------------------------------------
@@ -121,9 +114,9 @@ def test_document_masking_trains_alike_under_context_parallel_and_differs_from_n
     for name, config, world in (("plain", base, 1), ("masked", masked, 1), ("masked-cp2", {**masked, "context_parallel": 2}, 2)):
         runs[name] = tmp_path / name
         gpt_launcher.run({**config, "run_dir": str(runs[name])}, world_size=world)
-    assert _curve(runs["masked-cp2"]) == pytest.approx(_curve(runs["masked"]), rel=1e-5)
-    assert _curve(runs["masked-cp2"], "train", "grad_norm") == pytest.approx(_curve(runs["masked"], "train", "grad_norm"), rel=1e-5)
-    apart = max(abs(m - p) / p for m, p in zip(_curve(runs["masked"]), _curve(runs["plain"])))
+    assert curve(runs["masked-cp2"]) == pytest.approx(curve(runs["masked"]), rel=1e-5)
+    assert curve(runs["masked-cp2"], "train", "grad_norm") == pytest.approx(curve(runs["masked"], "train", "grad_norm"), rel=1e-5)
+    apart = max(abs(m - p) / p for m, p in zip(curve(runs["masked"]), curve(runs["plain"])))
     assert apart > 10 * 1e-5         # ten times the tolerance the equal runs above meet
     # MFU counts the attention the documents do: each token spans fewer keys than the sequence.
     spans = [r["attention_span"] for r in read_metrics(runs["masked"])]

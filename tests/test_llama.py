@@ -11,7 +11,7 @@ import torch
 from gpt.config import Config, ConfigError
 from gpt.export import config_from_hf, hf_config, load_hf, to_hf_state_dict
 from gpt.model import GPT, KVCache, fuse_qkv, split_qkv
-from tests.fixtures_gpt import SMALL, read_metrics
+from tests.fixtures_gpt import SMALL, curve, trained_alone
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,16 +140,9 @@ def test_memory_estimate_and_flops_follow_the_block():
 LLAMA = {**SMALL, "model": "tiny-llama", "num_layers": 4, "num_query_groups": 2, "ffn_hidden_size": 64}
 
 
-def _curve(run_dir, kind="train", key="lm_loss") -> list[float]:
-    return [r[key] for r in read_metrics(run_dir, kind)]
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    from tests.fixtures_gpt import GPTLauncher
-    run_dir = tmp_path_factory.mktemp("llama") / "run"
-    GPTLauncher(run_dir.parent).run({**LLAMA, "run_dir": str(run_dir)})
-    return run_dir
+    return trained_alone(tmp_path_factory, LLAMA)
 
 
 @pytest.mark.timeout(300)
@@ -165,9 +158,9 @@ def test_layouts_train_as_one_process(world, layout, one_process, gpt_launcher, 
     validation losses of one process."""
     run_dir = tmp_path / "run"
     gpt_launcher.run({**LLAMA, **layout, "run_dir": str(run_dir)}, world_size=world)
-    assert len(_curve(run_dir)) == LLAMA["train_iters"]
+    assert len(curve(run_dir)) == LLAMA["train_iters"]
     for kind, key in (("train", "lm_loss"), ("train", "grad_norm"), ("valid", "valid_loss")):
-        assert _curve(run_dir, kind, key) == pytest.approx(_curve(one_process, kind, key), rel=1e-4), key
+        assert curve(run_dir, kind, key) == pytest.approx(curve(one_process, kind, key), rel=1e-4), key
 
 
 @pytest.mark.timeout(300)
@@ -178,7 +171,7 @@ def test_the_explicit_tensor_parallel_of_xla_devices_trains_as_one_process(one_p
     run_dir = tmp_path / "run"
     gpt_launcher.run({**LLAMA, "device": "neuron", "tensor_parallel": 2, "run_dir": str(run_dir)}, 2, prelude=EXPLICIT)
     for kind, key in (("train", "lm_loss"), ("train", "grad_norm"), ("valid", "valid_loss")):
-        assert _curve(run_dir, kind, key) == pytest.approx(_curve(one_process, kind, key), rel=1e-5), key
+        assert curve(run_dir, kind, key) == pytest.approx(curve(one_process, kind, key), rel=1e-5), key
 
 
 @pytest.mark.timeout(300)
@@ -193,7 +186,7 @@ def test_a_run_resumes_under_other_layouts_and_exports_as_one_process(one_proces
                                 "run_dir": str(run_dir)}, world_size=world)
         if leg > 1:
             assert "at iteration 4" in out, out[-2000:]
-    assert _curve(run_dir) == pytest.approx(_curve(one_process), rel=1e-4)
+    assert curve(run_dir) == pytest.approx(curve(one_process), rel=1e-4)
     ours, theirs = (load_checkpoint(*find_checkpoint(d)).state_dict() for d in (run_dir, one_process))
     assert ours.keys() == theirs.keys() and not torch.equal(ours["wte.weight"], ours["lm_head.weight"])
     for key in ours:

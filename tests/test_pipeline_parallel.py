@@ -9,23 +9,16 @@ from gpt.checkpoint import saved_layout
 from gpt.config import Config, ConfigError
 from gpt.export import find_checkpoint, load_checkpoint
 from gpt.parallel.pipeline import bubble_fraction, stage_layers, stages_of_rank
-from tests.fixtures_gpt import SMALL, read_metrics
+from tests.fixtures_gpt import SMALL, curve, read_metrics, trained_alone
 
 # 8 layers, 4 micro-batches of 2 per step on one data-parallel rank (2 on each of two).
 RUN = {**SMALL, "num_layers": 8}
 pytestmark = pytest.mark.timeout(300)
 
 
-def _curve(run_dir, kind="train", key="lm_loss") -> list[float]:
-    return [r[key] for r in read_metrics(run_dir, kind)]
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    from tests.fixtures_gpt import GPTLauncher
-    run_dir = tmp_path_factory.mktemp("one") / "run"
-    GPTLauncher(run_dir.parent).run({**RUN, "run_dir": str(run_dir)})
-    return run_dir
+    return trained_alone(tmp_path_factory, RUN)
 
 
 @pytest.mark.parametrize("world, layout", [
@@ -40,9 +33,9 @@ def one_process(tmp_path_factory):
 def test_pipeline_layouts_train_as_one_process(world, layout, one_process, gpt_launcher, tmp_path):
     run_dir = tmp_path / "run"
     gpt_launcher.run({**RUN, **layout, "run_dir": str(run_dir)}, world_size=world)
-    assert len(_curve(run_dir)) == RUN["train_iters"]
+    assert len(curve(run_dir)) == RUN["train_iters"]
     for kind, key in (("train", "lm_loss"), ("train", "grad_norm"), ("valid", "valid_loss")):
-        assert _curve(run_dir, kind, key) == pytest.approx(_curve(one_process, kind, key), rel=1e-4), key
+        assert curve(run_dir, kind, key) == pytest.approx(curve(one_process, kind, key), rel=1e-4), key
 
 
 @pytest.mark.timeout(400)
@@ -59,7 +52,7 @@ def test_a_run_resumes_under_other_pipeline_sizes_and_exports_as_one_process(gpt
             assert f"at iteration {4 * (leg - 1)}" in out, out[-2000:]
         assert saved_layout(run_dir / "checkpoints" / f"iter_{4 * leg:07d}")["pipeline_parallel"] == \
             change.get("pipeline_parallel", 1)
-    assert _curve(run_dir) == pytest.approx(_curve(reference), rel=1e-4)
+    assert curve(run_dir) == pytest.approx(curve(reference), rel=1e-4)
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, iters + 1))
     ours, theirs = (load_checkpoint(*find_checkpoint(d)).state_dict() for d in (run_dir, reference))
     assert ours.keys() == theirs.keys()
