@@ -9,7 +9,8 @@ output layer tied to the token embedding, biases) and Llama's with the Config's 
 Parallelism, activation checkpointing and compilation are applied from outside (gpt.parallel).
 This file holds the math, and only what lets a layout apply itself to it: a weight's initial value
 by name (each rank keeps its part), a hook to put a split output layer back together
-(``whole_output``), and blocks keyed by their global number, so that a pipeline stage is a GPT
+(``whole_output``), attention as a hook (``attend``: context parallel's ring goes there) over a
+batch's ``Packing`` (the tokens' places, positions and documents), and blocks keyed by their global number, so that a pipeline stage is a GPT
 holding some of them, whose embedding, or final norm and output layer, may be absent (None).
 """
 from __future__ import annotations
