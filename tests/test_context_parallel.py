@@ -178,3 +178,25 @@ def test_llama3_8b_at_128k_is_refused_naming_the_layout_that_fits_and_plans_in_i
     assert rows["parallel"].startswith("pp 1 x dp 1 (fsdp) x tp 1 x cp 8 (each rank 16384 tokens of a sequence; "
                                        "the ring passes "), rows["parallel"]
     assert "attention work space" in rows["memory per rank"]
+
+
+def test_a_phase_whose_longer_sequence_the_ring_cannot_split_is_refused_at_plan_time(tmp_path):
+    from flows.plan.build import make_plan
+    from flows.plan.params import (
+        ClusterParams,
+        DataParams,
+        OutputParams,
+        ParameterError,
+        PhaseParams,
+        TokenizerParams,
+        TrainingParams,
+    )
+
+    with pytest.raises(ParameterError) as e:
+        make_plan(model="tiny-llama", data=DataParams(), tokenizer=TokenizerParams(),
+                  training=TrainingParams(context_parallel=2, train_iters=20,
+                                          overrides={"max_position_embeddings": 512}),
+                  cluster=ClusterParams(preset="local", overrides={"tasks_per_node": 2}),
+                  output=OutputParams(root=str(tmp_path)), phases=[PhaseParams(start=10, seq_length=130)])
+    assert e.value.errors == ["phases[0].seq_length: context_parallel=2 gives each rank one chunk from each end of a "
+                              "sequence: seq_length=130 must be a multiple of 2 x 2 = 4"]

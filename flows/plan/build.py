@@ -211,7 +211,10 @@ def check_memory(config: Config, phases: tuple[PhaseParams, ...], cluster: Clust
     for i, phase in enumerate(phases):
         longer = run_phases.phase_config(config, run_phases.Phase(phase.start, seq_length=phase.seq_length),
                                          config.total_iters)
-        problem = memory_problem(longer, cluster) if phase.seq_length and not problems else None
+        if not phase.seq_length or problems:
+            continue
+        found = [message for _, message in dataclasses.replace(longer, mock_data=True).problems(cluster.world_size)]
+        problem = found[0] if found else memory_problem(longer, cluster)
         if problem:
             problems.append(f"phases[{i}].seq_length: {problem}")
 
