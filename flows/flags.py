@@ -38,6 +38,7 @@ ALIASES: dict[str, str] = {
     "--set": "training.overrides",
     "--cluster": "cluster.preset", "--cluster-set": "cluster.overrides",
     "--root": "output.root", "--run-name": "output.run_name", "--output-uri": "output.uri",
+    "--tensorboard-dir": "output.tensorboard_dir",
     "--output-endpoint-url": "output.endpoint_url", "--tracker": "output.trackers",
     "--budget-node-hours": "budget.node_hours", "--budget-cost": "budget.cost",
     "--eval-task": "evaluation.tasks", "--eval-task-files": "evaluation.task_files",

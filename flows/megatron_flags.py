@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from gpt.config import ARCHITECTURE, Config, ConfigError, nearest_preset
 from gpt.config.overrides import split_assignment
-from gpt.config.presets import PRESETS
+from gpt.config.presets import GPT3_BLOCK, PRESETS
 
 # Megatron flag -> this command's flag taking the same value.
 SAME_VALUE = {
@@ -57,7 +57,6 @@ FIELD_SWITCHES = {
 # Megatron flags whose job something else does here.
 DECIDED_HERE = {
     "--distributed-backend": "the cluster preset's device decides it (NCCL on GPUs, gloo on CPUs)",
-    "--tensorboard-dir": "every run writes <run>/tensorboard",
     "--data-cache-path": "the index stage keeps the sample order beside the data (--root)",
     "--exit-duration-in-mins": "the cluster preset's time limit ends a job, which saves and requeues",
 }
@@ -84,7 +83,7 @@ def is_megatron(argv: list[str]) -> bool:
     """Whether the command line uses any flag that only Megatron-LM spells this way."""
     ours = set(SAME_VALUE.values())
     return any(_name(a) in (*SAME_VALUE, *CONFIG_FIELD, *SWITCHES, *FIELD_SWITCHES, *DECIDED_HERE, *IMPLEMENTATION,
-                            "--save", "--load", "--data-path",
+                            "--save", "--load", "--data-path", "--rampup-batch-size",
                             "--tokenizer-type", "--lr-warmup-fraction") and _name(a) not in ours
                for a in argv)
 
@@ -139,6 +138,8 @@ def translate(argv: list[str]) -> Translated:
                                     + " or ".join(f"{k} ({v})" for k, v in TOKENIZER_TYPES.items()))
         elif flag == "--lr-warmup-fraction":
             warmup_fraction = next(iter(_one(flag, values, problems)), None)
+        elif flag == "--rampup-batch-size":
+            fields.update(_rampup(values, problems))
         elif flag in ("--save", "--load"):
             folders.update((flag, value) for value in _one(flag, values, problems))
         else:
@@ -211,6 +212,9 @@ def preset_of_shape(fields: dict[str, str]) -> str:
             continue
         if all(getattr(shaped, n) == getattr(preset, n) for n in ARCHITECTURE):
             matches.append(name)
+    if len(matches) > 1:        # the block's flags left out are Megatron's defaults: GPT-3's block
+        matches = [name for name in matches if all(getattr(Config(model=name, mock_data=True), field) == value
+                                                   for field, value in GPT3_BLOCK.items() if field not in given)] or matches
     if len(matches) == 1:
         return matches[0]
     shape = ", ".join(f"{k}={v}" for k, v in given.items())
@@ -239,6 +243,15 @@ def _warmup_from_fraction(fraction: str, fields: dict[str, str], out: list[str],
     problems.append("--lr-warmup-fraction: give --lr-decay-iters or --train-iters (or their samples) with it, of "
                     "which it is a fraction")
     return {}
+
+
+def _rampup(values: list[str], problems: list[str]) -> dict[str, str]:
+    """--rampup-batch-size START INCREMENT SAMPLES as the rampup_batch_size field."""
+    if len(values) != 3 or any(not v.isdigit() for v in values):
+        problems.append(f"--rampup-batch-size {' '.join(values)}: expected three whole numbers: the first global "
+                        "batch, the increment, and the samples over which the batch grows")
+        return {}
+    return {"rampup_batch_size": f"[{', '.join(values)}]"}
 
 
 def _data_path(values: list[str], problems: list[str]) -> list[str]:

@@ -82,18 +82,18 @@ class MetricsWriter:
     naming the file and what to do, as does a run folder that cannot be written.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, resume_iteration: int = 0) -> None:
+    def __init__(self, run_dir: str, enabled: bool, resume_iteration: int = 0,
+                 tensorboard_copy: str | None = None) -> None:
         self.enabled = enabled
         self._file = None
         self._tb = None
         self._path = Path(run_dir) / "metrics.jsonl"
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
             with writing(self._path, [run_dir]):
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 truncate_after(self._path, resume_iteration)
                 self._file = open(self._path, "ab", buffering=0)
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._tb = _Events([str(Path(run_dir) / "tensorboard"), *([tensorboard_copy] if tensorboard_copy else [])])
 
     def train(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -145,6 +145,24 @@ class MetricsWriter:
         if self.enabled:
             self._file.close()
             self._tb.close()
+
+
+class _Events:
+    """TensorBoard's event files in each of ``folders``: the run folder's, and a copy where the run
+    says (Megatron's --tensorboard-dir)."""
+
+    def __init__(self, folders: list[str]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writers = [SummaryWriter(folder) for folder in folders]
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        for writer in self.writers:
+            writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
 
 
 _ITERATION = re.compile(rb'\{"kind": "[a-z]+", "iteration": (\d+)[,}]')
@@ -209,6 +227,7 @@ class StepLog:
         self.held: list[HeldStep] = []
         self.clock = time.time()
         self.first_iter_s: float | None = None
+        self.first_tokens = 0
         self.timed_tokens, self.timed_s = 0, 0.0
         self.interval: list[dict[str, Any]] = []
         self.last: dict[str, Any] | None = None
@@ -222,15 +241,16 @@ class StepLog:
         """Read the held iterations, write their records; returns them."""
         values = self.backend.read([v for step in self.held for v in step.values])
         now = time.time()
-        count, tokens = len(self.held), self.config.global_batch_size * self.config.seq_length
+        count = len(self.held)
         elapsed = (now - self.clock) / count
+        held_tokens = [self.config.batch_of(step.iteration) * self.config.seq_length for step in self.held]
         first = self.first_iter_s is None
         if first:
-            self.first_iter_s = now - self.start
+            self.first_iter_s, self.first_tokens = now - self.start, sum(held_tokens)
         else:
-            self.timed_tokens, self.timed_s = self.timed_tokens + count * tokens, self.timed_s + now - self.clock
+            self.timed_tokens, self.timed_s = self.timed_tokens + sum(held_tokens), self.timed_s + now - self.clock
         records = []
-        for i, step in enumerate(self.held):
+        for i, (step, tokens) in enumerate(zip(self.held, held_tokens)):
             loss, norm, stepped, scale = values[4 * i:4 * i + 4]
             records.append({"iteration": step.iteration, "consumed_samples": step.consumed_samples, "lm_loss": loss,
                             "lr": step.lr, "grad_norm": norm, "loss_scale": scale, "elapsed_ms": 1000 * elapsed,
@@ -260,11 +280,12 @@ class StepLog:
         """Megatron's line for the iterations since the last one: mean loss of the finite ones."""
         finite = [r["lm_loss"] for r in self.interval if not r["nan"]]
         ms = sum(r["elapsed_ms"] for r in self.interval) / len(self.interval)
-        tokens_per_s = self.config.global_batch_size * self.config.seq_length / (ms / 1000)
+        tokens_per_s = (sum(r["tokens_per_s"] * r["elapsed_ms"] for r in self.interval)   # tokens / time
+                        / sum(r["elapsed_ms"] for r in self.interval))
         last = self.interval[-1]
         self.log(train_line(iteration=last["iteration"], total=self.config.total_iters,
                             consumed=last["consumed_samples"], elapsed_ms=ms, lr=last["lr"],
-                            batch=self.config.global_batch_size, loss=sum(finite) / max(1, len(finite)),
+                            batch=self.config.batch_of(last["iteration"]), loss=sum(finite) / max(1, len(finite)),
                             loss_scale=last["loss_scale"], grad_norm=last["grad_norm"],
                             skipped=sum(r["skipped"] for r in self.interval), nan=sum(r["nan"] for r in self.interval),
                             tokens_per_s=tokens_per_s, mfu_value=self.mfu(tokens_per_s, self._span())), flush=True)
@@ -287,5 +308,4 @@ class StepLog:
         """Over the timed iterations (all but the first), else the first alone."""
         if self.timed_s:
             return self.timed_tokens / self.timed_s
-        tokens = self.config.global_batch_size * self.config.seq_length
-        return tokens / self.first_iter_s if self.first_iter_s else None
+        return self.first_tokens / self.first_iter_s if self.first_iter_s else None

@@ -19,12 +19,12 @@ def lr_at(config: Config, iteration: int) -> float:
     """Learning rate of the ``iteration``-th optimizer step (1-based).
 
     Scheduled by iterations, or by the samples consumed once this step is done
-    (``iteration x global_batch_size``) when the run is given in samples.
+    (``iteration x global_batch_size``, fewer during a batch-size ramp-up) when the run is given in samples.
     """
     if config.train_iters is not None:
         x, warmup, decay, wsd = iteration, config.lr_warmup_iters, config.lr_decay_iters, config.lr_wsd_decay_iters
     else:
-        x, warmup, decay, wsd = (iteration * config.global_batch_size, config.lr_warmup_samples,
+        x, warmup, decay, wsd = (config.samples_after(iteration), config.lr_warmup_samples,
                                  config.lr_decay_samples, config.lr_wsd_decay_samples)
     if warmup > 0 and x <= warmup:
         return config.lr * x / warmup

@@ -297,7 +297,8 @@ def _start_from(run: Run) -> MetricsWriter:
     if run.env.is_main and not config.precompile:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "config.json")
-    metrics = MetricsWriter(str(run_dir), run.env.is_main and not config.precompile, run.state["iteration"])
+    metrics = MetricsWriter(str(run_dir), run.env.is_main and not config.precompile, run.state["iteration"],
+                            config.tensorboard_dir)
     if latest is not None:
         log(f"resumed from {latest} at iteration {run.state['iteration']}", flush=True)
     return metrics
@@ -310,7 +311,7 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
     config, env, state = run.config, run.env, run.state
     end_iter = (min(config.total_iters, state["iteration"] + config.precompile_iters) if config.precompile
                 else config.total_iters)
-    first_iter, g = state["iteration"] + 1, config.global_batch_size
+    first_iter = state["iteration"] + 1
     steps = StepLog(config, run.backend, metrics, env.world_size, start, run.log, run.device)
     valid_loss = None
     with StopSignal() as stop:
@@ -321,6 +322,7 @@ def _train(run: Run, metrics: MetricsWriter, start: float) -> tuple[str, float |
                 group["lr"] = lr
             heartbeat.enter("data", it)
             drawn = state["consumed_samples"] - config.data_offset      # this index's samples before the batch
+            g = config.batch_size_at(state["consumed_samples"])          # smaller during a batch-size ramp-up
             batches = micro_batches(run.data[0], drawn, g, config, env, run.device)
             loss, norm, stepped = train_step(run.model, run.optimizer, batches, backend=run.backend,
                                              precision=config.precision, clip_grad=config.clip_grad,

@@ -34,6 +34,16 @@ def parallel_layout(c: Config, world_size: int) -> str:
             f"step, bubble {bubble:.1%}")
 
 
+def ramp_words(c: Config) -> str:
+    """The batch-size ramp-up, in words: its steps and where it ends."""
+    if c.ramp is None:
+        return ""
+    start, increment, samples = c.ramp
+    steps = next((i for i in range(1, c.total_iters + 1) if c.batch_of(i) == c.global_batch_size), c.total_iters)
+    return (f", ramped up from {start} by {increment} over the first {samples:,} samples (iterations 1-{steps - 1}, "
+            f"{c.samples_after(steps - 1):,} samples)")
+
+
 def data_stages(k: ClusterConfig) -> str:
     """Where sync and tokenize run."""
     if not k.data_jobs:
@@ -72,7 +82,7 @@ def phase_rows(plan: Plan) -> list[tuple[str, str]]:
         named = [f"{p.weight:g} {p.prefix}" for p in phase.prefixes] if phase else []
         named += [f"{phase.weight:g} {', '.join(phase.sources)} (tokenized)"] if phase and phase.sources else []
         blend = ", ".join(named) or ("the run's data" if n == 1 else "the blend of the phase before")
-        samples = (end - start) * c.global_batch_size
+        samples = c.samples_after(end) - c.samples_after(start)
         here = "; this leg starts here" if start <= done < end else ("; trained" if done >= end else "")
         rows.append((f"phase {n}", f"iterations {start + 1}-{end}: {blend}; sequence {seq}; learning rate "
                                    f"{phase.lr if phase else 'schedule'}; {samples:,} samples, {samples * seq:,} tokens{here}"))
@@ -91,12 +101,13 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
               else "; as the operator's preset says")
     called = model_name(c)
     rows = [("model", called if called == c.model else f"{called} (the other fields from preset {c.model})"),
-            ("run folder", str(plan.run_dir)), ("cluster", where),
+            ("run folder", str(plan.run_dir) + (f"; TensorBoard's events also in {c.tensorboard_dir}"
+                                                if c.tensorboard_dir else "")), ("cluster", where),
             *([("container", k.container.describe())] if k.container else []),
             ("device", f"{c.device} (from the cluster preset)"), ("precision", c.precision),
             ("parallel", parallel_layout(c, plan.world_size)), ("memory per rank", rank_memory(c, plan.world_size).arithmetic()),
             ("device memory", plan.device_memory),
-            ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}, sequence {c.seq_length}"),
+            ("batch", f"micro {c.micro_batch_size}, global {c.global_batch_size}{ramp_words(c)}, sequence {c.seq_length}"),
             ("vocabulary", plan.vocabulary),
             ("schedule", f"{c.train_iters} iterations" if c.train_iters else f"{c.train_samples:,} samples"),
             *phase_rows(plan),

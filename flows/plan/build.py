@@ -27,7 +27,7 @@ from flows.plan.inputs import DataPlan, check_inputs, container_reads
 from flows.plan.job import FLOW_DECIDED, config_fields, job_config
 from flows.plan.layout import Layout
 from flows.plan.outlook import Outlook, cannot_load, check_phases, outlook
-from flows.plan.output import OutputPlan, check_upload, output_plan, output_root, run_name
+from flows.plan.output import OutputPlan, check_upload, output_plan, output_root, run_name, tensorboard_copy
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
@@ -177,14 +177,15 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     config = dataclasses.replace(config, vocab_size=vocab_size or config.vocab_size)      # the memory check's
     identity = run_identity.run_identity(data, tokenizer, config, config_fields(training), training.branch_from)
     run_dir = layout.run(run_name(output, f"{identity['model']}-{run_identity.run_key(identity)}", problems))
-    config = dataclasses.replace(config, run_dir=str(run_dir),
+    config = dataclasses.replace(config, run_dir=str(run_dir), tensorboard_dir=tensorboard_copy(output, boundary, problems),
                                  init_from=start_from(training, layout, boundary, config, problems))
     check_start(config, boundary, root, problems)
     branch = branch_point(training, layout, boundary, identity, config, problems)
     planned = check_phases(list(phases or ()), data, training, config, run_dir, root, boundary, problems, branch)
     if where.container is not None:
         problems += where.container.problems(container_reads(reads, config.init_from, config.init_from_hf),
-                                             {"output.root": root})
+                                             {"output.root": root, **({"output.tensorboard_dir": config.tensorboard_dir}
+                                                                      if config.tensorboard_dir else {})})
     check_memory(config, planned, where, problems)
     resuming = Checkpointer(run_dir / "checkpoints", 1, 0).latest() is not None
     problem = None if any(e.startswith("output.root:") for e in problems) else disk_problem(config, root, resuming)

@@ -72,8 +72,8 @@ class Estimate:
 
 def estimate(config: Config, cluster: ClusterConfig, start_iteration: int, history: list[dict[str, Any]]) -> Estimate:
     """The estimate for training ``config`` on ``cluster`` from ``start_iteration`` to its end."""
-    iterations = max(0, config.total_iters - start_iteration)
-    tokens = iterations * config.global_batch_size * config.seq_length
+    done = min(start_iteration, config.total_iters)
+    tokens = (config.samples_after(config.total_iters) - config.samples_after(done)) * config.seq_length
     per_token = flops_per_token(config, param_count(config))
     achieved, source = device_flops(config, cluster, history)
     return Estimate(tokens=tokens, flops=tokens * per_token,

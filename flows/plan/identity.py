@@ -21,10 +21,10 @@ RECORD = "run.json"
 # Config fields that decide the model trained: architecture, data order, optimizer, LR schedule.
 DEFINING = ("seq_length", "max_position_embeddings", "global_batch_size", "seed", "lr", "min_lr",
             "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
-# The init's spread and the schedule's warmup and decay follow the preset and the run's length
-# unless given; given, they define the run.
+# The init's spread, the schedule's warmup and decay and the batch's ramp-up follow the preset and
+# the run's length unless given; given, they define the run.
 SCHEDULE = ("init_method_std", "lr_warmup_iters", "lr_warmup_samples", "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_style",
-            "lr_wsd_decay_iters", "lr_wsd_decay_samples")
+            "lr_wsd_decay_iters", "lr_wsd_decay_samples", "rampup_batch_size")
 # Where a new run starts from.
 START = ("init_from", "init_from_optimizer", "init_from_hf")
 # What a token of a packed sample sees (off unless given; given, they define the run).

@@ -15,7 +15,7 @@ from tasks.cluster.config import FLOAT8_GPUS, ClusterConfig
 # Config fields the flow decides itself: paths on shared storage, how the job is run, and the
 # vocabulary's size (the tokenizer's, known once the data stages ran); the model is a parameter.
 FLOW_DECIDED = frozenset({"model", "run_dir", "data_index", "data_offset", "compile_cache_dir", "precompile", "mock_data",
-                          "vocab_size", "init_from"})
+                          "vocab_size", "init_from", "tensorboard_dir"})
 # Training fields the cluster the job is submitted to decides (their "auto"), never the machine that plans.
 FROM_CLUSTER = frozenset({"device", "precision"})
 

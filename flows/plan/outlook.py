@@ -122,6 +122,10 @@ def check_phases(phases: list[PhaseParams], data: DataParams, training: Training
     if phases and (config.train_samples is not None or training.train_samples is not None):
         problems.append("phases: phases start at iterations; set training.train_iters instead of train_samples")
         return ()
+    if phases and config.ramp is not None:
+        problems.append("phases: a phase counts its samples from whole global batches; train without "
+                        "rampup_batch_size, or without phases")
+        return ()
     resolved: list[PhaseParams] = []
     for i, phase in enumerate(phases):
         start = phase.start

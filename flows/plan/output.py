@@ -45,6 +45,16 @@ def output_root(output: OutputParams, boundary: Boundary, problems: Problems) ->
     return root
 
 
+def tensorboard_copy(output: OutputParams, boundary: Boundary, problems: Problems) -> str | None:
+    """The folder TensorBoard's events are written to besides the run folder, resolved, inside the
+    output roots the operator allows (the ranks write there)."""
+    if output.tensorboard_dir is None:
+        return None
+    folder = Path(output.tensorboard_dir).expanduser().resolve()
+    refused("output.tensorboard_dir", boundary.output_root(folder), problems)
+    return str(folder)
+
+
 def check_upload(output: OutputParams, boundary: Boundary, problems: Problems) -> None:
     if output.uri is not None and not is_s3(output.uri):
         problems.append(f"output.uri: {output.uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX or leave it empty")

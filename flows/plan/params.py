@@ -241,6 +241,9 @@ class OutputParams(_Params):
     run_name: str | None = Field(None, description="Run folder name (empty: model and a hash of the "
                                                     "parameters, so the same parameters resume the same run)")
     uri: str | None = Field(None, description="s3://bucket/prefix to upload the run folder to after training")
+    tensorboard_dir: str | None = Field(None, description="Folder every node sees where TensorBoard's events are "
+                                                          "written too, as they are written (Megatron's "
+                                                          "--tensorboard-dir); the run folder keeps its own")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint for `uri`")
     profile: str | None = Field(None, description="AWS profile for `uri` (empty: data.profile, so sync and "
                                                   "upload use the same credentials)")

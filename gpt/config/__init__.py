@@ -18,6 +18,7 @@ from typing import Any
 
 from gpt.config.checks import SCHEDULE_ITERS, SCHEDULE_SAMPLES, Checked, ConfigError, field_kind
 from gpt.config.presets import GPT3_BLOCK, PRESETS
+from gpt.config.ramp import batch_size_at, iterations_for, samples_after
 from gpt.tokenizer import GPT2_VOCAB_SIZE
 
 # What a model is: its size and its block. Weights fit a model only of the same shape.
@@ -117,6 +118,8 @@ class ScheduleSection:
     global_batch_size: int | None = None
     train_iters: int | None = None             # exactly one of these two; the lr_* schedule
     train_samples: int | None = None           # fields count in the same unit
+    rampup_batch_size: list[int] | None = None  # [start, increment, samples]: the global batch grows from
+                                               # start by increment over the first samples (Megatron's)
     lr: float | None = None
     min_lr: float | None = None
     lr_warmup_iters: int | None = None
@@ -164,6 +167,7 @@ class RunSection:
     init_method_std: float | None = None       # initial weights N(0, std), output layers std / sqrt(2 x
                                                # layers); the preset's, else 0.02 (GPT-2's, Megatron's)
     run_dir: str = "runs/default"              # config.json, metrics.jsonl, tensorboard/, checkpoints/
+    tensorboard_dir: str | None = None         # TensorBoard's events written here too (Megatron's --tensorboard-dir)
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 10
@@ -329,14 +333,32 @@ class Config(Checked, RunSection, ParallelSection, ScheduleSection, DataSection,
     def total_iters(self) -> int:
         if self.train_iters is not None:
             return self.train_iters
-        return self.train_samples // self.global_batch_size
+        return iterations_for(self.train_samples, self.ramp, self.global_batch_size)
+
+    @property
+    def ramp(self) -> tuple[int, int, int] | None:
+        """rampup_batch_size as (start, increment, samples), or None."""
+        return None if self.rampup_batch_size is None else tuple(self.rampup_batch_size)
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts once ``consumed_samples`` are trained."""
+        return self.global_batch_size if self.ramp is None else batch_size_at(consumed_samples, self.ramp,
+                                                                                self.global_batch_size)
+
+    def samples_after(self, iterations: int) -> int:
+        """Samples consumed once ``iterations`` steps are done (fewer per step during a ramp-up)."""
+        return samples_after(iterations, self.ramp, self.global_batch_size)
+
+    def batch_of(self, iteration: int) -> int:
+        """The global batch of step ``iteration`` (1-based)."""
+        return self.samples_after(iteration) - self.samples_after(iteration - 1)
 
     def num_samples(self) -> dict[str, int]:
         """Samples each split must provide, by Megatron's formula."""
         g = self.global_batch_size
         iters = self.total_iters
         eval_runs = iters // self.eval_interval + 1
-        train = (self.train_samples if self.train_samples is not None else iters * g) - self.data_offset
+        train = (self.train_samples if self.train_samples is not None else self.samples_after(iters)) - self.data_offset
         return {"train": train, "valid": eval_runs * self.eval_iters * g, "test": self.eval_iters * g}
 
     # -- validation --------------------------------------------------------------------------

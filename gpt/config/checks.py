@@ -42,7 +42,9 @@ class ConfigError(ValueError):
 
 
 def field_kind(f: dataclasses.Field) -> type | None:
-    """bool, int or float: the kind of value a field holds, when it is one of those."""
+    """bool, int or float: the kind of value a field holds, when it is one of those (not a list of them)."""
+    if "list" in str(f.type):
+        return None
     return next((k for k in (bool, int, float) if k.__name__ in str(f.type)), None)
 
 
@@ -101,8 +103,36 @@ class Checked:
             found.append(("seq_length", f"seq_length={self.seq_length} is longer than max_position_embeddings="
                          f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"))
         found += self._schedule_problems()
+        found += self._ramp_problems(dp)
         found += self._other_problems(dp)
         return found
+
+    def _ramp_problems(self, dp: int) -> list[Problem]:
+        """rampup_batch_size: three positive whole numbers, steps that reach global_batch_size, and
+        every batch of the ramp a whole number of micro-batches on each data-parallel rank."""
+        ramp = self.rampup_batch_size
+        if ramp is None:
+            return []
+        name, shape = "rampup_batch_size", "[start, increment, samples] (Megatron's --rampup-batch-size)"
+        if (not isinstance(ramp, (list, tuple)) or len(ramp) != 3
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ramp)):
+            return [(name, f"{name}={ramp!r}: expected three positive whole numbers {shape}")]
+        start, increment, _ = ramp
+        unit, pp = self.micro_batch_size * dp, self.pipeline_parallel
+        if start > self.global_batch_size or (self.global_batch_size - start) % increment:
+            return [(name, f"{name}={list(ramp)}: the batch grows from {start} by {increment} to global_batch_size="
+                           f"{self.global_batch_size}; choose a start and an increment that reach it")]
+        if start % unit or increment % unit:
+            return [(name, f"{name}={list(ramp)}: every batch of the ramp must split into micro_batch_size="
+                           f"{self.micro_batch_size} x data-parallel size {dp}: make start and increment multiples "
+                           f"of {unit}")]
+        if self.device == "neuron":
+            return [(name, f"{name} is not available on device='neuron': each batch size of the ramp is another "
+                           "compiled graph (neuron_parallel_compile extracts one step's); train without it there")]
+        if pp > 1 and start // unit < pp:
+            return [(name, f"{name}={list(ramp)}: the first batch gives {start // unit} micro-batch(es), which cannot "
+                           f"fill pipeline_parallel={pp} stages; start at {unit * pp} or more")]
+        return []
 
     def _block_problems(self) -> list[Problem]:
         found: list[Problem] = []

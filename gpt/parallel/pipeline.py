@@ -13,6 +13,8 @@ shards each stage; as DDP, the gradients are averaged after the schedule
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -54,15 +56,22 @@ def bubble_fraction(schedule: str, pp: int, virtual: int, micro_batches: int) ->
 
 @dataclass
 class Pipeline:
-    """This rank's stages and the schedule that runs them over a step's micro-batches."""
+    """This rank's stages and the schedules that run them over a step's micro-batches, one per count
+    of micro-batches (a batch-size ramp-up changes the count)."""
 
     model: GPT                              # this rank's layers, under their global names
-    schedule: object
+    new_schedule: Callable[[int], object]   # a schedule for this many micro-batches
     size: int
     pp_group: dist.ProcessGroup
     tied: nn.Parameter | None               # this rank's embedding (first stage) or its copy (last)
     tied_group: dist.ProcessGroup | None    # the first and last stage of this data/tensor-parallel slot
     loss_scale: torch.Tensor | None = None  # fp16: the loss function scales by it
+    schedules: dict[int, object] = dataclasses.field(default_factory=dict)
+
+    def schedule(self, micro_batches: int) -> object:
+        if micro_batches not in self.schedules:
+            self.schedules[micro_batches] = self.new_schedule(micro_batches)
+        return self.schedules[micro_batches]
 
     @property
     def is_last(self) -> bool:
@@ -73,14 +82,14 @@ class Pipeline:
         stage (zero elsewhere). Gradients are left as the mean over the micro-batches, summed over the
         tied embedding's two copies (FSDP has reduced them over the data-parallel ranks)."""
         self.loss_scale = scale
-        total = self._run(batches, partial(self.schedule.step, return_outputs=False))
+        total = self._run(batches, partial(self.schedule(len(batches)).step, return_outputs=False))
         self._sum_tied_gradients()
         return total
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         self.loss_scale = None
-        return self._run(batches, self.schedule.eval)
+        return self._run(batches, self.schedule(len(batches)).eval)
 
     def _run(self, batches, run) -> torch.Tensor:
         x = torch.cat([b[0] for b in batches])
@@ -136,12 +145,11 @@ def build_pipeline(config: Config, env: ParallelDims, device: torch.device) -> P
     parts = materialise(model, views, config, env, device)
     pp_group = env.mesh["pp"].get_group()
     pipe_stages = [pipelining.PipelineStage(part, s, stages, device, group=pp_group) for part, s in zip(parts, held)]
-    n = config.global_batch_size // (config.micro_batch_size * env.dp_size)
-    pipeline = Pipeline(model, None, pp, pp_group, _tied(model), _tied_group(env) if tied(config) else None)
     kind = getattr(pipelining.schedules, SCHEDULES[config.pipeline_schedule])
     single = config.pipeline_schedule in SINGLE_STAGE_SCHEDULES
-    pipeline.schedule = kind(pipe_stages[0] if single else pipe_stages, n_microbatches=n, loss_fn=pipeline.loss,
-                             scale_grads=True)
+    pipeline = Pipeline(model, lambda n: kind(pipe_stages[0] if single else pipe_stages, n_microbatches=n,
+                                              loss_fn=pipeline.loss, scale_grads=True),
+                        pp, pp_group, _tied(model), _tied_group(env) if tied(config) else None)
     return pipeline
 
 

@@ -185,9 +185,9 @@ def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Confi
     when no checkpoint before the spike is kept."""
     done = rollbacks(run_dir)
     train = GPTDataset.from_index(config.data_index, "train")
-    g = config.global_batch_size
     positions = [i % len(train) for it in spike.iterations
-                 for i in range((it - 1) * g - config.data_offset, it * g - config.data_offset)]
+                 for i in range(config.samples_after(it - 1) - config.data_offset,
+                                config.samples_after(it) - config.data_offset)]
     named = [{"sample": train.position(i), "prefix": prefix, "documents": docs}
              for i in positions for prefix, docs in [train.documents(i)]]
     spike = dataclasses.replace(spike, samples=[n["sample"] for n in named], documents=named,
@@ -195,7 +195,7 @@ def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Confi
     if len(done) >= config.max_rollbacks:
         raise TooManyRollbacks(f"{spike.line()}, after {len(done)} rollback(s) (max_rollbacks {config.max_rollbacks}): "
                                f"not rolled back again. {_named(spike, run_dir, done)}", spike)
-    before, first = min(spike.iterations) - 1, config.data_offset // g     # a rollback stays in its phase
+    before, first = min(spike.iterations) - 1, config.data_offset // config.global_batch_size  # in its phase
     complete = [iteration_of(p) for p in Checkpointer(run_dir / "checkpoints", 1, 0).complete()]
     kept = next((it for it in complete if first <= it <= before), 0 if first == 0 else None)
     if kept is None or (kept == 0 and complete):

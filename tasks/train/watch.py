@@ -145,7 +145,7 @@ class TrainingWatch:
         if r["iteration"] % c.log_interval == 0 or r["iteration"] == total:
             self.log.info("%s", train_line(
                 iteration=r["iteration"], total=total, consumed=r["consumed_samples"], elapsed_ms=r["elapsed_ms"],
-                lr=r["lr"], batch=c.global_batch_size, loss=r["lm_loss"], loss_scale=r["loss_scale"],
+                lr=r["lr"], batch=c.batch_of(r["iteration"]), loss=r["lm_loss"], loss_scale=r["loss_scale"],
                 grad_norm=r["grad_norm"], skipped=r["skipped"], nan=r["nan"], tokens_per_s=r["tokens_per_s"],
                 mfu_value=r["mfu"]))
         spike = None if c.mock_data else self.spikes.add(r)
