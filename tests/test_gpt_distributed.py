@@ -59,3 +59,17 @@ def test_log_line_metrics_and_events(reference):
     assert [r["iteration"] for r in read_metrics(run_dir, "valid")] == [4, 8]
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert '"status": "completed"' in out
+
+
+def test_tensorboard_dir_gets_the_events_the_run_folder_gets(gpt_launcher, tmp_path):
+    """Megatron's --tensorboard-dir: rank 0 writes TensorBoard's events there too, the same scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, copy = tmp_path / "run", tmp_path / "tb"
+    gpt_launcher.run({**SMALL, "run_dir": str(run_dir), "tensorboard_dir": str(copy)}, world_size=2)
+    losses = []
+    for folder in (run_dir / "tensorboard", copy):
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        losses.append([(e.step, e.value) for e in events.Scalars("train/lm_loss")])
+    assert len(losses[0]) == SMALL["train_iters"] and losses[0] == losses[1]
