@@ -187,7 +187,7 @@ def phase_blend(phase: PhaseParams, before: list[tuple[float, str]], dataset: Da
     """A phase's blend of local prefixes: its prefixes (synced from S3 where they are there) and its
     sources synced and tokenized with the run's tokenizer (the run's own sources, named as the run
     names them, are the run's tokenized data); or the blend of the phase before when it names none."""
-    if not phase.prefixes and not phase.sources:
+    if phase.keeps_blend:
         return before
     blend = [(p.weight, fetch_prefix(p.prefix, plan.data.remote, plan.layout, stages, plan.cluster,
                                      f"sync-phase-{number}-prefix-{i}")) for i, p in enumerate(phase.prefixes)]
@@ -215,8 +215,8 @@ def phase_index(phase: Phase, number: int, plan: Plan, config: Config, stages: S
     for weight, prefix in phase.blend:
         per_iteration = weight / total * config.global_batch_size * config.seq_length
         needed = per_iteration * (config.total_iters - phase.start)
-        going_on, documents = run_phases.tokens_left(prefix, plan.data.split, config.seq_length, leave_out,
-                                                     plan.layout.index())
+        going_on, documents = run_phases.tokens_left(prefix, plan.data.split, config.seq_length, config.seed,
+                                                     leave_out, plan.layout.index())
         if going_on >= needed:
             continue
         if documents <= 1:

@@ -324,10 +324,10 @@ def write_left_out(path: Path, documents: dict[str, np.ndarray], continued: dict
         np.savez(f, prefixes=np.array(list(documents), dtype=str), **arrays)
 
 
-def _continue(continued: Continued | None, fingerprint: list, split: str, seq_length: int, seed: int,
-              num_samples: int, out_dir: Path) -> tuple[IndexedPart, int] | None:
-    """A prefix's part that goes on with the order an earlier phase drew from, where that order is
-    of these tokens, split, sequence length and seed and holds ``num_samples`` more; else None."""
+def _going_on(continued: Continued | None, fingerprint: list, split: str, seq_length: int, seed: int,
+              out_dir: Path) -> tuple[IndexedPart, int] | None:
+    """A prefix's part that goes on with the order an earlier phase drew from, and the samples that
+    order has left, where it is of these tokens, split, sequence length and seed; else None."""
     if continued is None:
         return None
     before = json.loads(continued.order["description"])
@@ -335,7 +335,15 @@ def _continue(continued: Continued | None, fingerprint: list, split: str, seq_le
     if not same or not all(whole(out_dir / continued.order[k]) for k in ("document_index", "sample_index", "shuffle_index")):
         return None
     left = len(np.load(out_dir / continued.order["shuffle_index"], mmap_mode="r")) - continued.first
-    return (IndexedPart(**continued.order, first=continued.first), left) if left >= num_samples else None
+    return IndexedPart(**continued.order, first=continued.first), left
+
+
+def samples_going_on(prefix: str, leave_out: str, split: str, seq_length: int, seed: int, out_dir: Path) -> int:
+    """The samples of a prefix's earlier order (the one ``leave_out`` records a phase drew from) that
+    a phase with these settings goes on with: 0 where the index stage would order its documents anew."""
+    continued = read_continued(leave_out).get(os.path.abspath(prefix))
+    going = _going_on(continued, _fingerprint(MMapIndexedDataset(prefix)), split, seq_length, seed, out_dir)
+    return going[1] if going else 0
 
 
 def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str = "969,30,1", seq_length: int,
@@ -374,8 +382,8 @@ def build_indices(data_path: list[tuple[float, str]] | list[str], *, split: str 
         for d, fingerprint, b, w in zip(datasets, fingerprints, bounds, weights):
             part_samples = inputs.part_samples(target, w)
             prefix = os.path.abspath(d.prefix)
-            entry, n = (name == "train" and _continue(continued.get(prefix), fingerprint, split, seq_length, seed,
-                                                      part_samples, out)) or \
+            going = _going_on(continued.get(prefix), fingerprint, split, seq_length, seed, out) if name == "train" else None
+            entry, n = (going if going and going[1] >= part_samples else None) or \
                 _build_part(d, fingerprint, (b[s], b[s + 1]), name, split, part_samples, seq_length, seed, out,
                             consumed.get(prefix) if name == "train" else None)
             parts.append(entry)

@@ -167,7 +167,7 @@ def _legs(data: DataParams, phases: list[PhaseParams], config: Config) -> list[t
     starts = [0, *(p.start for p in phases)]
     legs, seq = [(0, starts[1], blend, config.seq_length)], config.seq_length
     for phase, end in zip(phases, [*starts[2:], config.total_iters]):
-        if phase.prefixes or phase.sources:
+        if not phase.keeps_blend:
             blend = [(p.weight, local_path(p.prefix)) for p in phase.prefixes if not is_s3(p.prefix)]
         seq = phase.seq_length or seq
         legs.append((phase.start, end, blend, seq))

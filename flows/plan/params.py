@@ -188,6 +188,11 @@ class PhaseParams(_Params):
                                 "warmup); or decay: the decay of a warmup-stable-decay schedule (Megatron's WSD, "
                                 "shaped by lr_wsd_decay_style) from its start to its end")
 
+    @property
+    def keeps_blend(self) -> bool:
+        """A phase that names no data trains on the blend of the phase before."""
+        return not self.prefixes and not self.sources
+
 
 class EvalSet(_Params):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="The set's name in results, e.g. wikitext")

@@ -36,7 +36,15 @@ from gpt.files import write_json
 from gpt.metrics import truncate_after
 from tasks.common.digest import Digest
 from tasks.common.records import Count, read_record
-from tasks.index import Continued, parse_split, read_continued, read_left_out, split_bounds, write_left_out
+from tasks.index import (
+    Continued,
+    parse_split,
+    read_continued,
+    read_left_out,
+    samples_going_on,
+    split_bounds,
+    write_left_out,
+)
 from tasks.trackers import Item
 from tasks.train.spikes import SKIPPED, rollbacks, skipped_samples, skipping
 
@@ -221,9 +229,9 @@ def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, A
                              "index": config.data_index, "order": [0, 0], "skipped": [], "prefixes": {}}
     if config.mock_data or not config.data_index or samples == 0:
         return _append(run_dir, done, entry)
-    train = GPTDataset.from_index(config.data_index, "train")
+    train, split = GPTDataset.from_index(config.data_index, "train"), DataIndex.read(config.data_index).splits["train"]
     positions = train.position(samples - 1) + 1
-    skipped = [p for p in DataIndex.read(config.data_index).splits["train"].skipped if p < positions]
+    skipped = [p for p in split.skipped if p < positions]
     kept = np.ones(positions, dtype=bool)
     kept[skipped] = False
     iteration_of_position = np.full(positions, -1, dtype=np.int64)
@@ -231,7 +239,7 @@ def close(run_dir: Path, number: int, config: Config, start: int) -> dict[str, A
     marks = np.unique(np.linspace(start + 1, config.total_iters, min(CURVE_POINTS, config.total_iters - start))
                       .round().astype(np.int64))
     documents, continued = {}, {}
-    orders = {p.prefix: p for p in DataIndex.read(config.data_index).splits["train"].datasets}
+    orders = {p.prefix: p for p in split.datasets}
     for prefix, (docs, mine) in consumed(train, positions).items():
         trained = iteration_of_position[mine]
         trained = trained[trained >= 0]
@@ -256,21 +264,18 @@ def _append(run_dir: Path, done: list[dict[str, Any]], entry: dict[str, Any]) ->
     return entry
 
 
-def tokens_left(prefix: str, split: str, seq_length: int, leave_out: str | None, index_dir: Path) -> tuple[int, int]:
+def tokens_left(prefix: str, split: str, seq_length: int, seed: int, leave_out: str | None,
+                index_dir: Path) -> tuple[int, int]:
     """What a prefix's train split still holds for a phase at ``seq_length`` after the phases
-    ``leave_out`` records: the tokens of the order an earlier phase goes on with (0 without one, or
-    at another sequence length), and the tokens of the documents none drew from."""
+    ``leave_out`` records: the tokens of the order an earlier phase goes on with (0 where the index
+    stage orders the documents anew: tasks.index.samples_going_on), and the tokens of the documents
+    none drew from."""
     data = MMapIndexedDataset(prefix)
     first, last = split_bounds(parse_split(split), len(data))[:2]
-    key = os.path.abspath(prefix)
-    drawn = read_left_out(leave_out).get(key, np.empty(0, np.int64)) if leave_out else np.empty(0, np.int64)
+    drawn = read_left_out(leave_out).get(os.path.abspath(prefix), np.empty(0, np.int64)) if leave_out else np.empty(0, np.int64)
     documents = int(np.asarray(data.sizes)[np.setdiff1d(np.arange(first, last), drawn)].sum(dtype=np.int64))
-    continued = read_continued(leave_out).get(key) if leave_out else None
-    if continued is None or json.loads(continued.order["description"])["seq_length"] != seq_length \
-            or not (index_dir / continued.order["shuffle_index"]).is_file():
-        return 0, documents
-    order = np.load(index_dir / continued.order["shuffle_index"], mmap_mode="r")
-    return (len(order) - continued.first) * seq_length, documents
+    going_on = samples_going_on(prefix, leave_out, split, seq_length, seed, index_dir) if leave_out else 0
+    return going_on * seq_length, documents
 
 
 def tokens_by_source(entries: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
