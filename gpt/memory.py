@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gpt.config import Config
 from gpt.config.overrides import parse_overrides
 from gpt.model import parameters
-from gpt.parallel.context import SCORES_PER_TILE
+from gpt.parallel.context import SCORES_PER_TILE, held_keys
 
 GIB = 1 << 30
 STATE_BYTES = 16               # per parameter: fp32 weight, gradient and AdamW's two moments
@@ -70,12 +70,12 @@ def attention_space(config: Config) -> int:
     the fp32 output and query gradient, and a tile of fp32 scores with its probabilities and their
     gradient (gpt.parallel.context); with document masking and no ring, the mask of each sample."""
     t, cp, b, s = config.tensor_parallel, config.context_parallel, config.micro_batch_size, config.seq_length
-    heads, groups = config.num_attention_heads // t, config.num_query_groups // t
+    heads = config.num_attention_heads // t
     head_dim, element = config.hidden_size // config.num_attention_heads, 4 if config.precision == "fp32" else 2
     if cp == 1:
         return b * s * s if config.reset_attention_mask else 0
     local = b * (s // cp)
-    keys = 2 * local * groups * head_dim
+    keys = held_keys(config)
     tile = min(SCORES_PER_TILE, b * heads * (s // cp) * (s // (2 * cp)))
     return keys * (2 * element + 2 * 4) + 2 * local * heads * head_dim * 4 + 3 * tile * 4
 

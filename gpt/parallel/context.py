@@ -29,6 +29,14 @@ from gpt.model import GPT, Packing, attention_mask
 SCORES_PER_TILE = 2 ** 27
 
 
+def held_keys(config: Config) -> int:
+    """Elements of the keys and values a rank holds for one layer and micro-batch: the block it passes
+    around the ring (its share of every sequence, its tensor-parallel share of the key/value groups)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    return (2 * config.micro_batch_size * (config.seq_length // config.context_parallel)
+            * (config.num_query_groups // config.tensor_parallel) * head_dim)
+
+
 def ring_bytes(config: Config, world_size: int) -> int:
     """Bytes each rank sends to the next in one optimizer step: per layer and micro-batch, its keys and
     values passed on cp - 1 times in the forward pass (again where activation checkpointing recomputes
@@ -37,8 +45,7 @@ def ring_bytes(config: Config, world_size: int) -> int:
     if cp == 1:
         return 0
     element = 4 if config.precision == "fp32" else 2
-    head_dim = config.hidden_size // config.num_attention_heads
-    values = 2 * config.micro_batch_size * (config.seq_length // cp) * (config.num_query_groups // t) * head_dim
+    values = held_keys(config)
     recomputed = config.activation_checkpointing and config.activation_checkpointing_scope != "mlp"
     per_layer = values * element * (cp - 1) * (2 + recomputed) + values * 4 * cp
     dp = world_size // (t * config.pipeline_parallel * cp)
