@@ -93,7 +93,7 @@ class MetricsWriter:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 truncate_after(self._path, resume_iteration)
                 self._file = open(self._path, "ab", buffering=0)
-            self._tb = _Events([str(Path(run_dir) / "tensorboard"), *([tensorboard_copy] if tensorboard_copy else [])])
+                self._tb = _Events([str(Path(run_dir) / "tensorboard"), *([tensorboard_copy] if tensorboard_copy else [])])
 
     def train(self, record: dict[str, Any]) -> None:
         if not self.enabled:
