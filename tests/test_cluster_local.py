@@ -4,11 +4,16 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from pathlib import Path
 
+import pytest
+
 from gpt.config import Config
+from tasks.cluster import jobs
 from tasks.cluster.config import load_cluster
 from tasks.cluster.jobs import submit
+from tasks.cluster.processes import command_line, process_state, process_tree
 from tasks.train.stage import train
 
 
@@ -38,3 +43,37 @@ def test_the_local_executors_ranks_share_the_cores_unless_told(tmp_path: Path, m
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     inherited, _, _ = submit(threads, load_cluster("local", tasks_per_node=2), run_dir=tmp_path / "d", job_name="threads")
     assert (told, inherited) == ("3", "5")
+
+
+def test_a_cancelled_local_job_that_ignores_sigterm_is_killed_after_the_kill_wait(tmp_path: Path, monkeypatch) -> None:
+    """As SLURM after its KillWait: a rank that has not yet set its own SIGTERM handler (submitit
+    ignores SIGTERM until then) does not outlive the process that cancelled its job."""
+    monkeypatch.setattr(jobs, "LOCAL_KILL_WAIT_S", 2.0)
+    started = tmp_path / "started"
+
+    def stop_once_started() -> None:
+        if started.exists():
+            raise RuntimeError("the follower stops")
+
+    with pytest.raises(RuntimeError, match="the follower stops"):
+        submit(functools.partial(_sleep_after_marking, started, 600), load_cluster("local"),
+               run_dir=tmp_path / "run", job_name="sleeper", on_poll=stop_once_started)
+    (job,) = json.loads((tmp_path / "run" / "jobs.json").read_text())
+    assert job["final"] == "CANCELLED"
+    assert not [pid for pid in process_tree(int(job["job_id"])) if process_state(pid) not in (None, "Z")]
+    assert not _processes_with(str(tmp_path / "run" / "jobs")), "a process of the cancelled job is left"
+
+
+def _sleep_after_marking(path: Path, seconds: float) -> None:
+    path.touch()
+    time.sleep(seconds)
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and text.encode() in command_line(int(entry.name)) \
+                and process_state(int(entry.name)) not in (None, "Z"):
+            found.append(int(entry.name))
+    return found

@@ -36,6 +36,13 @@ def _servers(home: Path, marks: tuple[str, ...] = SERVER_MARKS) -> dict[int, int
     return found
 
 
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return f"{pid} (gone)"
+
+
 def _start_flow(tmp_path: Path, *args: str, iters: str = "2") -> tuple[subprocess.Popen, Path, Path]:
     home, log = tmp_path / "prefect-home", tmp_path / "flow.log"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -102,7 +109,10 @@ def test_ctrl_c_during_training_cancels_the_job_and_answers_one_line(tmp_path):
         assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
         assert text.rstrip().endswith("pretrain interrupted (Ctrl-C): its jobs were cancelled; the same command "
                                       "resumes it from its last checkpoint"), text[-1000:]
-        wait_until(lambda: not _servers(home, marks=()), 30, "the job and the server to end")
+        try:
+            wait_until(lambda: not _servers(home, marks=()), 30, "the job and the server to end")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {[_command(pid) for pid in _servers(home, marks=())]}") from None
     finally:
         _cleanup(flow, home)
 

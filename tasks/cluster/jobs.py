@@ -42,6 +42,7 @@ JOBS_FOLDER = "jobs"     # <run_dir>/jobs/: the jobs' scripts, logs and results
 POLL_S = 2.0
 CANCEL_CHECK_S = 5.0
 CANCEL_WAIT_S = 120.0    # for a cancelled hung job to end
+LOCAL_KILL_WAIT_S = 30.0  # SLURM's KillWait for local jobs: what SIGTERM leaves running is then killed
 # Pending reasons that no amount of waiting resolves: fail at once with SLURM's words.
 PENDING_FOREVER = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
                    "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
@@ -95,8 +96,23 @@ def _cancel_active() -> None:
     with _ACTIVE_LOCK:
         jobs = list(_ACTIVE.values())
         _ACTIVE.clear()
+    cancel_jobs(jobs)
+
+
+def cancel_jobs(jobs: list["RunningJob"]) -> None:
+    """SIGTERM to every job (scancel); a local job's processes that are still there LOCAL_KILL_WAIT_S
+    later are killed, as SLURM does after its KillWait (a rank still starting ignores SIGTERM)."""
+    left = {pid: command_line(pid) for job in jobs if job.kind == "local" for pid in process_tree(int(job.job_id))}
     for job in jobs:
         job.cancel()
+    deadline = time.monotonic() + LOCAL_KILL_WAIT_S
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = {pid: line for pid, line in left.items() if process_state(pid) not in (None, "Z")
+                and command_line(pid) == line}
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 atexit.register(_cancel_active)
@@ -236,8 +252,7 @@ def submit_array(fns: list[Callable[[], R]], cluster: ClusterConfig, *, run_dir:
                 except JobError as e:
                     outcomes.append(e)
         finally:
-            for task in running[len(outcomes) + 1:]:
-                task.cancel()
+            cancel_jobs(running[len(outcomes) + 1:])
         return outcomes
 
 
@@ -317,7 +332,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             _ACTIVE.pop(job_id, None)
         if not finished:
             run_logger().warning("cancelling job %s", job_id)
-            running.cancel()
+            cancel_jobs([running])
             record.state(job_id, "CANCELLED", "cancelled by the submitting process", nodes)
 
 
