@@ -1,5 +1,5 @@
-"""Serve the deployments from one long-running process: `pretrain/gpt3`, `evaluate/checkpoint` and
-`benchmark/nightly`.
+"""Serve the deployments from one long-running process: `pretrain/gpt3`, `evaluate/checkpoint`,
+`benchmark/nightly` and `burn-in/quarantine`.
 
     prefect server start                     # or PREFECT_API_URL pointing at a server
     python deployments/serve.py              # runs flow runs as subprocesses of this process
@@ -20,6 +20,7 @@ from prefect.schedules import Cron
 
 from deployments import evaluations
 from flows.benchmark import benchmark
+from flows.burn_in import burn_in
 from flows.evaluate import evaluate
 from flows.heartbeats import HEARTBEAT_S, ensure_automation
 from flows.pretrain import pretrain
@@ -41,6 +42,10 @@ def deployments(cron: str = NIGHTLY_CRON, timezone: str = "UTC", history: str = 
             name="nightly", schedules=[Cron(cron, timezone=timezone)], tags=["benchmark"],
             parameters={"history": history},
             description="Nightly benchmarks of every stage; history, regressions and trends as artifacts.",
+        ),
+        burn_in.to_deployment(
+            name="quarantine", tags=["burn-in"],
+            description="A health job on each node a cluster's quarantine keeps out; those that pass are let back in.",
         ),
     ]
 

@@ -129,11 +129,13 @@ def set_rng_state(blob: bytes) -> None:
 
 
 def writer_id() -> str:
-    """A name for this job's saves, the same on every rank: the SLURM job and its restart, or the
+    """A name for this job's saves, the same on every rank: the SLURM job and its restart (and
+    its step, after the first, where the job restarts its ranks inside its allocation), or the
     local executor's job."""
     env = os.environ
     if "SLURM_JOB_ID" in env:
-        return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_RESTART_COUNT', '0')}"
+        step = env.get("SLURM_STEP_ID", "0")
+        return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_RESTART_COUNT', '0')}" + (f".{step}" if step != "0" else "")
     return env.get("SUBMITIT_LOCAL_JOB_ID") or env.get("MASTER_PORT") or str(os.getpid())
 
 

@@ -259,6 +259,8 @@ def test_served_nightly_benchmark_carries_its_schedule(served):
     assert list(schema["properties"]) == ["model", "data", "tokenizer", "training", "cluster", "output", "budget",
                                           "evaluation", "phases", "dry_run"]
     assert served.server.api("/deployments/name/evaluate/checkpoint")["entrypoint"].endswith("evaluate")
+    burn_in = served.server.api("/deployments/name/burn-in/quarantine")
+    assert list(burn_in["parameter_openapi_schema"]["properties"]) == ["cluster", "iterations"]
 
 
 def test_bad_parameters_are_rejected_before_a_run_is_created(served):
@@ -285,7 +287,7 @@ def test_prefect_yaml_deploys_to_a_process_pool_and_setup_makes_the_evaluation_a
         assert result.returncode == 0, result.stdout + result.stderr
         deployments = server.api("/deployments/filter", {"work_pools": {"name": {"any_": ["gpt"]}}})
         by_name = {d["name"]: d for d in deployments}
-        assert set(by_name) == {"gpt3", "checkpoint", "nightly"}
+        assert set(by_name) == {"gpt3", "checkpoint", "nightly", "quarantine"}
         assert [s["schedule"]["cron"] for s in by_name["nightly"]["schedules"]] == ["0 2 * * *"]
         step = by_name["gpt3"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
         assert step["directory"] == str(ROOT)

@@ -175,7 +175,7 @@ def test_a_slow_rank_is_named_as_a_straggler_and_a_normal_run_has_none(tmp_path,
                      hang_timeout_s=None)
     records = [r for r in _records(result.run_dir) if r["kind"] == "ranks"]
     watch = Stragglers()
-    found = [line for r in records for line in watch.add(r)]
+    found = [line for r in records for _, line in watch.add(r)]
     assert len(records[0]["busy_ms"]) == 2 and found, records
     named = re.match(r"straggler: rank 1 on node \S+ is busy .* for (\d+) iterations \(to iteration (\d+)\)", found[0])
     # the first interval holds an iteration before the delay starts: it counts when it is already 1.5x slower
@@ -189,7 +189,7 @@ def test_a_slow_rank_is_named_as_a_straggler_and_a_normal_run_has_none(tmp_path,
                         num_layers=4, hidden_size=128, seq_length=128), load_cluster("local", tasks_per_node=2))
     records = [r for r in _records(result.run_dir) if r["kind"] == "ranks"]
     watch = Stragglers()
-    assert len(records) == 10 and [line for r in records for line in watch.add(r)] == []
+    assert len(records) == 10 and [line for r in records for _, line in watch.add(r)] == []
     ratios = [max(r["busy_ms"]) / min(r["busy_ms"]) for r in records]
     assert max(ratios) < 2 * STRAGGLER_FACTOR
 

@@ -152,7 +152,8 @@ def test_the_tasks_of_a_job_array_get_no_credentials(slurm_cluster: dict, tmp_pa
 # What each operator-only field could have been set to by a run, had the form reached it.
 FORM_ATTEMPTS = {"name": "p5", "executor": "local", "device": "cuda", "accelerator": "h200", "device_memory_gib": 100000,
                  "setup": ["touch /tmp/pwned"], "container": {"runtime": "pyxis", "image": "evil"},
-                 "price_per_node_hour": 0.01, "currency": "EUR"}
+                 "price_per_node_hour": 0.01, "currency": "EUR", "quarantine": "/tmp/nobody.json",
+                 "burn_in_checks": ["touch /tmp/pwned"]}
 
 
 def test_what_the_devices_are_what_runs_on_the_nodes_and_a_node_hours_price_are_the_operators_alone(tmp_path):

@@ -95,7 +95,9 @@ def plan_rows(plan: Plan, outlook: str, warnings: list[str] = (),
     will happen (flows.plan.outlook), what the data stages found worth a warning, and what the run will
     take (flows.plan.estimate)."""
     c, k = plan.config, plan.cluster
-    where = f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "") + ")"
+    where = (f"{k.name} ({k.kind}, {k.nodes} x {k.tasks_per_node} tasks" + (f", {k.accelerator}" if k.accelerator else "")
+             + (f", {k.spare_nodes} spare node(s) to restart on" if k.spare_nodes else "")
+             + (f", excluding {k.exclude}" if k.exclude else "") + ")")
     set_by_run = ", ".join(f"{name}={value}" for name, value in sorted(plan.cluster_set.items()))
     where += (f"; the run set {set_by_run}, the rest is the operator's preset" if set_by_run
               else "; as the operator's preset says")

@@ -47,6 +47,7 @@ from gpt.config import Config
 from gpt.config.presets import PRESETS
 from gpt.tokenizer import Tokenizer
 from tasks.cluster.config import ClusterConfig, load_cluster
+from tasks.cluster.quarantine import Quarantine
 from tasks.cluster.record import JobRecord
 from tasks.common.records import DamagedRecord
 from tasks.index import IndexManifest
@@ -162,11 +163,7 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
     reads = check_inputs(data, tokenizer, root, boundary, problems)
     check_upload(output, boundary, problems)
 
-    where = None
-    try:
-        where = load_cluster(cluster.preset, dirs=boundary.presets, **cluster.overrides)
-    except (ValueError, OSError) as e:
-        problems.append(f"cluster: {e}")
+    where = cluster_of(cluster, boundary, problems)
     layout = Layout(root)
     config = job_config(model, training, where, problems) if model in PRESETS else None
     if config is None or where is None:
@@ -202,6 +199,19 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
                 output=output_plan(output, root, run_dir, data.profile), evaluation=evaluated, budget=capped,
                 vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here), cluster_preset=cluster.preset, cluster_set=dict(cluster.overrides),
                 phases=planned, branch_from=branch)
+
+
+def cluster_of(cluster: ClusterParams, boundary: Boundary, problems: Problems) -> ClusterConfig | None:
+    """The operator's preset with the run's fields set, and the nodes the operator's quarantine keeps
+    out excluded (each said, with why, as a warning of the plan)."""
+    try:
+        where = load_cluster(cluster.preset, dirs=boundary.presets, **cluster.overrides)
+        where, kept_out = quarantine.kept_out(where) if (quarantine := Quarantine.of(where)) else (where, [])
+    except (ValueError, OSError) as e:
+        problems.append(f"cluster: {e}")
+        return None
+    problems.warnings += [f"cluster: {line}" for line in kept_out]
+    return where
 
 
 def check_memory(config: Config, phases: tuple[PhaseParams, ...], cluster: ClusterConfig, problems: Problems) -> None:

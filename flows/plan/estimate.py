@@ -38,6 +38,8 @@ class Estimate:
     nodes: int
     price_per_node_hour: float | None
     currency: str
+    spare_nodes: int = 0             # allocated too, idle until a restart needs one
+
 
     @property
     def hours(self) -> float | None:
@@ -47,7 +49,7 @@ class Estimate:
 
     @property
     def node_hours(self) -> float | None:
-        return None if self.hours is None else self.hours * self.nodes
+        return None if self.hours is None else self.hours * (self.nodes + self.spare_nodes)
 
     @property
     def cost(self) -> float | None:
@@ -62,7 +64,9 @@ class Estimate:
                  if self.tokens_per_s_per_device else f"unknown ({self.source})")]
         if self.hours is not None:
             rows.append(("time to train", f"{human_duration(3600 * self.hours)} on {_count(self.devices, 'device')} "
-                                          f"({_count(self.nodes, 'node')}), scaling assumed perfect"))
+                                          f"({_count(self.nodes, 'node')}"
+                                          f"{f' and {self.spare_nodes} spare' if self.spare_nodes else ''}), "
+                                          "scaling assumed perfect"))
             rows.append(("node-hours", _figure(self.node_hours)))
         if self.cost is not None:
             rows.append(("cost", f"{self.cost:,.2f} {self.currency} at {self.price_per_node_hour:,.2f} "
@@ -78,7 +82,7 @@ def estimate(config: Config, cluster: ClusterConfig, start_iteration: int, histo
     achieved, source = device_flops(config, cluster, history)
     return Estimate(tokens=tokens, flops=tokens * per_token,
                     tokens_per_s_per_device=achieved / per_token if achieved else None, source=source,
-                    devices=cluster.world_size, nodes=cluster.nodes,
+                    devices=cluster.world_size, nodes=cluster.nodes, spare_nodes=cluster.spare_nodes,
                     price_per_node_hour=cluster.price_per_node_hour, currency=cluster.currency)
 
 

@@ -40,6 +40,7 @@ from pydantic import (
 
 from gpt.config.overrides import split_assignment
 from tasks.cluster.container import Container
+from tasks.cluster.spares import step_loop
 from tasks.common.secrets import SECRET_NAME
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"        # the reviewed presets shipped with this package
@@ -118,6 +119,14 @@ class ClusterConfig(BaseModel):
     container: Container | None = None
     signal_delay_s: int = Field(120, ge=10, description="USR2 this long before the time limit")
     max_requeues: int = Field(3, ge=0, description="requeues after time limit / preemption")
+    # Nodes allocated beyond `nodes`: a hung rank's node is left out and the ranks start again on
+    # a spare inside the same job, without the queue (tasks/cluster/spares.py).
+    spare_nodes: int = Field(0, ge=0, le=10_000)
+    # The operator's list of nodes kept out of every job on this cluster, with why (tasks/cluster/
+    # quarantine.py), and the commands the burn-in flow runs on such a node besides a short training
+    # job (a vendor's health check: `dcgmi diag -r 2`); a node that passes is let back in.
+    quarantine: str | None = None
+    burn_in_checks: list[str] = Field(default_factory=list)
     # What one node costs an hour, for the plan's cost estimate and a run's budget (flows/plan/estimate.py).
     price_per_node_hour: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
     currency: str = Field("USD", pattern=r"^[A-Z]{3}$")
@@ -170,11 +179,18 @@ class ClusterConfig(BaseModel):
             _no_control(item, info.field_name)
         return v
 
-    @field_validator("setup")
+    @field_validator("setup", "burn_in_checks")
     @classmethod
-    def _setup(cls, v: list[str]) -> list[str]:
+    def _setup(cls, v: list[str], info: Any) -> list[str]:
         for line in v:
-            _no_control(line, "setup")
+            _no_control(line, info.field_name)
+        return v
+
+    @field_validator("quarantine")
+    @classmethod
+    def _quarantine(cls, v: str | None) -> str | None:
+        if v is not None and not Path(_no_control(v, "quarantine")).is_absolute():
+            raise ValueError(f"quarantine={v!r} must be an absolute path (a file every flow run on this cluster reads)")
         return v
 
     @field_validator("env")
@@ -208,6 +224,12 @@ class ClusterConfig(BaseModel):
                              "them in this machine's environment (use executor: slurm)")
         if self.nodes > 1 and self.kind == "local":
             raise ValueError(f"nodes={self.nodes} needs SLURM: the local executor runs on one machine")
+        if self.spare_nodes and self.kind == "local":
+            raise ValueError(f"spare_nodes={self.spare_nodes} needs SLURM: the local executor has this machine only, "
+                             "with no node to leave out (set spare_nodes: 0)")
+        if self.spare_nodes and self.device == "neuron":
+            raise ValueError(f"spare_nodes={self.spare_nodes}: restarts inside the allocation are not built for "
+                             "Trainium's launcher (one torchrun per node); set spare_nodes: 0")
         return self
 
     @property
@@ -240,6 +262,7 @@ class ClusterConfig(BaseModel):
         job's GPUs, node list or node features."""
         return self.model_copy(update={
             "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "gres": None, "device": "cpu", "exclusive": False,
+            "spare_nodes": 0,
             "nodelist": None, "constraint": None, "partition": self.data_partition or self.partition,
             **self._without_gpu_options(),
             "cpus_per_task": self.data_cpus_per_task or self.cpus_per_task, "mem": self.data_mem or self.mem})
@@ -250,6 +273,7 @@ class ClusterConfig(BaseModel):
         device = "cpu" if self.job_device == "neuron" else self.job_device
         return self.model_copy(update={
             "nodes": 1, "tasks_per_node": 1, "gpus_per_node": min(self.gpus_per_node, 1), "device": device,
+            "spare_nodes": 0,
             "gres": None, "exclusive": False, "nodelist": None, "partition": self.eval_partition or self.partition,
             **self._without_gpu_options()})
 
@@ -311,7 +335,9 @@ class ClusterConfig(BaseModel):
 
         python = python or shlex.quote(sys.executable)
         command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
-        return _make_sbatch_string(command=command, folder=folder, **self.slurm_parameters(job_name))
+        script = _make_sbatch_string(command=command, folder=folder, **self.slurm_parameters(job_name))
+        return step_loop(script, self.nodes, self.tasks_per_node, self.spare_nodes, Path(folder)) \
+            if self.spare_nodes else script
 
 
 # ---------------------------------------------------------------- what flow parameters may change
@@ -367,7 +393,7 @@ ENV_VARIABLES: dict[str, re.Pattern[str]] = {
 FORM_FIELDS = frozenset({
     "partition", "account", "qos", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem", "time_limit",
     "exclusive", "nodelist", "exclude", "constraint", "gres", "sbatch_extra", "srun_extra", "env",
-    "signal_delay_s", "max_requeues", "data_jobs", "data_partition", "data_cpus_per_task", "data_mem",
+    "signal_delay_s", "max_requeues", "spare_nodes", "data_jobs", "data_partition", "data_cpus_per_task", "data_mem",
     "data_array_tasks", "eval_partition"})
 
 

@@ -12,12 +12,24 @@ from submitit.core.utils import DelayedSubmission, JobPaths
 from submitit.slurm.slurm import SlurmJob
 
 from tasks.cluster.config import ClusterConfig
+from tasks.cluster.spares import step_loop
 from tasks.common.secrets import credential_variables
 
 
 class SlurmExecutor(submitit.SlurmExecutor):
     """submitit's SLURM executor with sbatch started without the submitter's credentials: sbatch
-    exports its environment to every rank and SLURM keeps a copy of it with the job."""
+    exports its environment to every rank and SLURM keeps a copy of it with the job. With
+    ``spare_nodes``, its ranks run as the loop of steps that restarts them inside the allocation
+    (tasks.cluster.spares)."""
+
+    spare_nodes = 0
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        script = super()._make_submission_file_text(command, uid)
+        if not self.spare_nodes:
+            return script
+        return step_loop(script, self.parameters["nodes"], self.parameters["ntasks_per_node"], self.spare_nodes,
+                         self.folder)
 
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
         unset = [arg for name in credential_variables() for arg in ("-u", name)]
@@ -51,6 +63,7 @@ def executor(cluster: ClusterConfig, folder: Path, job_name: str, python: str | 
     if cluster.kind == "slurm":
         ex = SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues, python=python)
         ex.update_parameters(**cluster.slurm_parameters(job_name))
+        ex.spare_nodes = cluster.spare_nodes
         return ex
     ex = submitit.LocalExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     credentials = credential_variables()

@@ -87,13 +87,21 @@ class HangWatch:
         self.longest_slow = 0.0
         self.failed: tuple[float, dict[str, Any]] | None = None   # (seen at, heartbeat) of a rank that failed
         self.read_at: float | None = None               # when the heartbeats were last read
+        self.ended: tuple[int, ...] | None = None       # the start this follower ended (restarted in the allocation)
 
     def beats(self) -> list[dict[str, Any]]:
         """This job's heartbeats, of its newest start only (a requeued SLURM job writes
-        ``<id>.<restart>``; a rank of an earlier start may have left a file)."""
+        ``<id>.<restart>``, a step restarted in its allocation ``<id>.<restart>.<step>``; a rank of an
+        earlier start may have left a file), and none of a start the follower ended."""
         ours = [b for b in heartbeat.read(self.run_dir) if str(b.get("job", "")).split(".")[0] == self.job_id]
-        newest = max((_start(b) for b in ours), default=0)
-        return [b for b in ours if _start(b) == newest]
+        newest = max((_start(b) for b in ours), default=())
+        return [b for b in ours if _start(b) == newest and (self.ended is None or newest > self.ended)]
+
+    def restarted(self) -> None:
+        """The ranks were started again inside the job: watched afresh, as a job that starts."""
+        self.ended = max((_start(b) for b in self.beats()), default=())
+        self.progress_at, self.failed, self.read_at, self.step_s = None, None, None, None
+        self.seen = {}
 
     def check(self, state: str) -> Hang | None:
         now = self.clock()
@@ -178,8 +186,8 @@ class Stragglers:
     def __init__(self) -> None:
         self.slow: dict[int, tuple[int, int]] = {}    # rank -> (iterations, records) slow in a row
 
-    def add(self, record: dict[str, Any]) -> list[str]:
-        """Take one ``ranks`` record; returns a line per straggler."""
+    def add(self, record: dict[str, Any]) -> list[tuple[str, str]]:
+        """Take one ``ranks`` record; returns (node, line) per straggler."""
         busy, median, covered = record["busy_ms"], _median(record["busy_ms"]), record["iterations"]
         lines = []
         for rank, ms in enumerate(busy):
@@ -189,17 +197,17 @@ class Stragglers:
             iterations, records = self.slow.get(rank, (0, 0))
             self.slow[rank] = (iterations + covered, records + 1)
             if self.slow[rank][0] >= STRAGGLER_ITERATIONS and self.slow[rank][1] >= STRAGGLER_RECORDS:
-                lines.append(f"straggler: rank {rank} on node {record['nodes'][rank]} is busy {ms:.0f} ms per "
+                lines.append((record["nodes"][rank], f"straggler: rank {rank} on node {record['nodes'][rank]} is busy {ms:.0f} ms per "
                              f"iteration, {ms / max(median, 1e-6):.1f}x the median of the ranks ({median:.0f} ms), "
                              f"slower than {STRAGGLER_FACTOR}x for {self.slow[rank][0]} iterations (to iteration "
-                             f"{record['iteration']})")
+                             f"{record['iteration']})"))
         return lines
 
 
-def _start(beat: dict[str, Any]) -> int:
-    """Which start of its job a heartbeat is from (SLURM's restart count; 0 elsewhere)."""
-    job = str(beat.get("job", ""))
-    return int(job.split(".")[1]) if "." in job and job.split(".")[1].isdigit() else 0
+def _start(beat: dict[str, Any]) -> tuple[int, ...]:
+    """Which start of its job a heartbeat is from: SLURM's restart count, then the step of a job
+    restarted inside its allocation (nothing elsewhere)."""
+    return tuple(int(part) for part in str(beat.get("job", "")).split(".")[1:] if part.isdigit())
 
 
 def _median(values: list[float]) -> float:

@@ -33,6 +33,7 @@ from tasks.cluster.processes import command_line, process_state, process_tree
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import TERMINAL, requeued, run_command, scancel, slurm_state
+from tasks.cluster.spares import ask_restart, kill_steps, spares_left
 from tasks.cluster.stacks import save_stacks
 from tasks.common.run_context import flow_run_cancelled, flow_run_id, run_logger
 
@@ -206,11 +207,14 @@ def _job_folder(run_dir: Path) -> Iterator[JobRecord]:
 
 def submit(fn: Callable[[], R], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
            python: str | None = None, on_poll: Callable[[], None] | None = None,
-           watch: Callable[[str], HangWatch] | None = None) -> tuple[R, str, str]:
+           watch: Callable[[str], HangWatch] | None = None,
+           restart: Callable[[Hang], None] | None = None) -> tuple[R, str, str]:
     """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
     ``on_poll`` runs each time the job's state is checked (every POLL_S) and once at the end.
     ``watch(job_id)`` gives the job's HangWatch: a job that stops advancing has every rank's stack
-    saved, is cancelled, and raises JobHung.
+    saved, is cancelled, and raises JobHung; one with a spare node left (``spare_nodes``) is
+    restarted inside its allocation instead, without the node at fault, once ``restart(hang)``
+    (which may raise to stop it) has taken note.
 
     The run folder is owned for the whole time (RunOwner). A job of the same name that an earlier
     run submitted and that still runs (the process that followed it died) is followed again
@@ -225,7 +229,7 @@ def submit(fn: Callable[[], R], cluster: ClusterConfig, *, run_dir: Path, job_na
         else:
             running = _submit(fn, cluster, run_dir=run_dir, job_name=job_name, python=python, record=record)
         return _follow(running, cluster, run_dir=run_dir, record=record, on_poll=on_poll or (lambda: None),
-                       watch=watch(running.job_id) if watch is not None else None)
+                       watch=watch(running.job_id) if watch is not None else None, restart=restart)
 
 
 def submit_array(fns: list[Callable[[], R]], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
@@ -279,7 +283,8 @@ def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterCon
 
 
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
-            on_poll: Callable[[], None], watch: HangWatch | None = None) -> tuple[Any, str, str]:
+            on_poll: Callable[[], None], watch: HangWatch | None = None,
+            restart: Callable[[Hang], None] | None = None) -> tuple[Any, str, str]:
     """Follow the job to its end: its state recorded as it changes, ``on_poll`` at every poll, its
     ranks watched; returns (rank 0's result, job id, nodelist). A job this leaves before its end
     (an error, the flow run cancelled, this process exiting) is cancelled."""
@@ -302,7 +307,7 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             state, reason, nodes = info
             try:
                 _polled(running, on_poll, record, nodes)
-                _ranks_checked(running, watch, state, cluster, run_dir, record, nodes)
+                _ranks_checked(running, watch, state, cluster, run_dir, record, nodes, restart)
             except (StopJob, JobError):
                 finished = True         # stopped, and recorded so, by the check that raised
                 raise
@@ -360,14 +365,23 @@ def _polled(running: RunningJob, on_poll: Callable[[], None], record: JobRecord,
 
 
 def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, cluster: ClusterConfig, run_dir: Path,
-                   record: JobRecord, nodes: str) -> None:
-    """A hung job has its stacks saved and is stopped (JobHung); a rank that failed while the others
-    run on stops them (JobError)."""
+                   record: JobRecord, nodes: str, restart: Callable[[Hang], None] | None) -> None:
+    """A hung job has its stacks saved and is restarted inside its allocation where it can be,
+    else stopped (JobHung); a rank that failed while the others run on stops them (JobError)."""
     if watch is None:
         return
     hang = watch.check(state)
     if hang is not None:
-        raise JobHung(_stop_hung(running, hang, run_dir, record, nodes))
+        hang = _stacks_saved(running, hang, run_dir)
+        if restart is not None and spares_left(run_dir / JOBS_FOLDER, running.job_id, cluster.spare_nodes) > 0:
+            try:
+                restart(hang)
+            except BaseException:
+                _stopped(running, hang, record, nodes)
+                raise
+            _restarted(running, hang, watch, run_dir, record, nodes)
+            return
+        raise JobHung(_stopped(running, hang, record, nodes))
     failed = watch.abandoned()
     if failed is not None:
         why = f"rank {failed['rank']} failed, the others stopped"
@@ -377,14 +391,34 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
         raise JobError(failure_report(run_dir / JOBS_FOLDER, running.job_id, cluster.world_size, "FAILED", why))
 
 
-def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord, nodes: str) -> Hang:
+def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, run_dir: Path, record: JobRecord,
+               nodes: str) -> None:
+    """The job's hung step killed and the next started by its batch script, without the node at
+    fault: the same job, on its spare node, from the newest checkpoint."""
+    ask_restart(run_dir / JOBS_FOLDER, running.job_id, hang.node)
+    kill_steps(running.job_id)
+    watch.restarted()
+    without = f"without node {hang.node}" if hang.node else "on the same nodes (no node is at fault)"
+    record.state(running.job_id, "RESTARTING", f"{hang.line()}; restarting in the allocation {without}", nodes)
+    run_logger().warning("job %s: restarting its ranks in the allocation %s, from the newest checkpoint",
+                         running.job_id, without)
+
+
+def _stopped(running: RunningJob, hang: Hang, record: JobRecord, nodes: str) -> Hang:
+    """The hung job killed (its ranks no longer answer SIGTERM), and recorded so."""
+    _kill(running, nodes)
+    record.state(running.job_id, "HUNG", hang.line(), nodes)
+    return hang
+
+
+def _stacks_saved(running: RunningJob, hang: Hang, run_dir: Path) -> Hang:
     """Every rank's Python stack and the heartbeats into ``<run>/jobs/<job>/hang-<time>/`` with a
-    report, then the job cancelled (its ranks no longer answer SIGTERM: killed)."""
+    report."""
     folder = run_dir / JOBS_FOLDER / running.job_id / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
     hang = dataclasses.replace(hang, folder=str(folder))
     logger = run_logger()
-    logger.warning("%s: saving every rank's stack, then cancelling it", hang.line())
+    logger.warning("%s: saving every rank's stack", hang.line())
     how = save_stacks(lambda pids: running.signal_ranks(heartbeat.STACK_SIGNAL, pids), hang.ranks, run_dir, folder,
                       running.job_id if running.kind == "slurm" else None)
     for rank, taken in sorted(how.items()):
@@ -392,8 +426,6 @@ def _stop_hung(running: RunningJob, hang: Hang, run_dir: Path, record: JobRecord
             logger.warning("rank %d gave no stack of its own (stopped, or stuck in native code): %s", rank,
                            "read from outside by py-spy" if taken == "py-spy" else taken)
     write_json(folder / "report.json", {**hang.to_dict(), "stacks": {str(r): t for r, t in sorted(how.items())}})
-    _kill(running, nodes)
-    record.state(running.job_id, "HUNG", hang.line(), nodes)
     return hang
 
 

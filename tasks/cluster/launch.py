@@ -19,12 +19,20 @@ from tasks.cluster.slurm import slurm_state
 from tasks.common.secrets import hide_in_logs
 
 # The port a job's ranks meet on, from its id: a requeued job keeps its id, so each restart moves
-# to another port (STRIDE, a prime, apart) instead of the old one's TIME_WAIT.
-PORT_BASE, PORT_SPAN, PORT_STRIDE = 15000, 15000, 7919
+# to another port (STRIDE, a prime, apart) instead of the old one's TIME_WAIT; so does each step of
+# a job restarted inside its allocation (STEP_STRIDE, another prime).
+PORT_BASE, PORT_SPAN, PORT_STRIDE, STEP_STRIDE = 15000, 15000, 7919, 1013
 
 
-def rendezvous_port(job_id: int, restarts: int) -> int:
-    return PORT_BASE + (job_id + restarts * PORT_STRIDE) % PORT_SPAN
+def rendezvous_port(job_id: int, restarts: int, step: int = 0) -> int:
+    return PORT_BASE + (job_id + restarts * PORT_STRIDE + step * STEP_STRIDE) % PORT_SPAN
+
+
+def step_as_job(env: dict[str, str]) -> None:
+    """A step on some of its job's nodes (a job with spare nodes) is, to its ranks, the job: its
+    first node hosts the rendezvous and its node count divides the tasks per node."""
+    if "SLURM_STEP_NODELIST" in env and "SLURM_STEP_NUM_NODES" in env:
+        env["SLURM_JOB_NODELIST"], env["SLURM_JOB_NUM_NODES"] = env["SLURM_STEP_NODELIST"], env["SLURM_STEP_NUM_NODES"]
 
 # What each of torchrun's processes runs: SLURM's rank variables made theirs, so that submitit's
 # task (and its result file) is per rank, then the command that followed.
@@ -99,7 +107,9 @@ class DistributedTask(submitit.helpers.Checkpointable):
 
         if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
             os.environ["MASTER_PORT"] = str(rendezvous_port(int(os.environ["SLURM_JOB_ID"]),
-                                                            int(os.environ.get("SLURM_RESTART_COUNT", "0"))))
+                                                            int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+                                                            int(os.environ.get("SLURM_STEP_ID", "0"))))
+        step_as_job(os.environ)
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         requeue = signal.getsignal(signal.SIGUSR2)
         summary = gpt.train.main(Config.from_dict(self.config))

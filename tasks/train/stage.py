@@ -20,6 +20,7 @@ from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import Hang
 from tasks.cluster.jobs import JobError, JobHung, submit
 from tasks.cluster.launch import DistributedTask, job_launch
+from tasks.cluster.quarantine import Quarantine
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import usable_nodes
@@ -167,7 +168,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
         try:
             summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
                                             job_name=f"train-{model_name(config)}", python=python,
-                                            on_poll=watch.on_poll, watch=watch.hangs)
+                                            on_poll=watch.on_poll, watch=watch.hangs,
+                                            restart=lambda hang: watch.restarting(counted(hang, hangs, run_dir,
+                                                                                          watch.quarantine)))
             if not stopped_without_requeue(summary, cluster, run_dir, job_id) or resubmitted >= cluster.max_requeues:
                 break
             resubmitted += 1
@@ -188,9 +191,20 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
 
 
 def after_hang(hang: Hang, hangs: list[Hang], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
-    """Reported; the cluster the job is submitted to again, without the node that hung. The same
-    hang twice, or MAX_HANGS hangs, end the stage: resubmitting again would loop."""
+    """Reported; the cluster the job is submitted to again, without the node that hung."""
+    counted(hang, hangs, run_dir, Quarantine.of(cluster))
+    cluster, where = without_node(cluster, hang.node)
+    run_logger().warning("resubmitting the job to resume from the newest checkpoint%s", where)
+    return cluster
+
+
+def counted(hang: Hang, hangs: list[Hang], run_dir: Path, quarantine: Quarantine | None) -> Hang:
+    """A hang reported, its node quarantined where the operator keeps a quarantine, and the hang
+    added to the stage's: the same hang twice, or MAX_HANGS hangs, end the stage (HungTwice), as
+    starting the job again would loop."""
     events.report(hang.incident(), run_dir.name)
+    if hang.node and quarantine is not None:
+        quarantine.add(hang.node, "hang", hang.line(), run=run_dir.name, job=hang.job_id, evidence=hang.folder)
     if any(h.iteration == hang.iteration for h in hangs):
         raise HungTwice(f"{hang.line()}. It hung at iteration {hang.iteration} before as well: not "
                         "resubmitted again; see the stacks, fix what holds it, and run again") from None
@@ -199,9 +213,7 @@ def after_hang(hang: Hang, hangs: list[Hang], cluster: ClusterConfig, run_dir: P
                         f"{', '.join(str(h.iteration) for h in [*hangs, hang])}): not resubmitted again; "
                         "see the stacks in each job's folder") from None
     hangs.append(hang)
-    cluster, where = without_node(cluster, hang.node)
-    run_logger().warning("resubmitting the job to resume from the newest checkpoint%s", where)
-    return cluster
+    return hang
 
 
 def after_spike(found: Spike, config: Config, run_dir: Path, watch: TrainingWatch) -> Config:

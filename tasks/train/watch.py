@@ -15,7 +15,8 @@ from gpt.files import NotReplaceable
 from gpt.metrics import saved_line, train_line, valid_line
 from tasks import events
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.hang import HangWatch, Stragglers
+from tasks.cluster.hang import Hang, HangWatch, Stragglers
+from tasks.cluster.quarantine import Quarantine
 from tasks.common.progress import Progress, human_duration
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, pins, tracker_items, unevaluated
@@ -65,7 +66,7 @@ def eta_and_cost(iterations_left: int, step_ms: float, elapsed_s: float, cluster
     cluster preset has a price."""
     text = f"ETA {human_duration(iterations_left * step_ms / 1000)}"
     if cluster.price_per_node_hour is not None:
-        spent = elapsed_s / 3600 * cluster.nodes * cluster.price_per_node_hour
+        spent = elapsed_s / 3600 * (cluster.nodes + cluster.spare_nodes) * cluster.price_per_node_hour
         text += f", {spent:,.2f} {cluster.currency} so far"
     return text
 
@@ -83,6 +84,9 @@ class TrainingWatch:
         self.stragglers = Stragglers()
         self.notes = {"eta": "", "stragglers": "", "save": ""}
         self.first_record: float | None = None      # when this stage saw the job train (the cost clock starts)
+        self.hang_watch: HangWatch | None = None
+        self.quarantine, self.quarantined = Quarantine.of(cluster), set()     # nodes this run put there
+        self.restart: tuple[float, Hang] | None = None   # the hang whose job restarts in its allocation
         newest = newest_intact(run_dir / "checkpoints")[0]
         self.announced = iteration_of(newest) if newest else 0   # the newest save a checkpoint event was sent for
         self.spikes = SpikeWatch(config, since=self.announced)
@@ -103,7 +107,13 @@ class TrainingWatch:
 
     def hangs(self, job_id: str) -> HangWatch:
         """The watch over the ranks' heartbeats of the job ``job_id``."""
-        return HangWatch(self.run_dir, job_id, self.cluster.world_size, self.config.hang_timeout_s)
+        self.hang_watch = HangWatch(self.run_dir, job_id, self.cluster.world_size, self.config.hang_timeout_s)
+        return self.hang_watch
+
+    def restarting(self, hang: Hang) -> None:
+        """The job restarts its ranks inside its allocation after ``hang``: its first iteration past
+        where it was says where, and how long it took."""
+        self.restart = (time.monotonic(), hang)
 
     def rewind(self, iteration: int, config: Config) -> None:
         """The run went back to ``iteration`` (a rollback), to go on with ``config``: its records and
@@ -121,9 +131,14 @@ class TrainingWatch:
         self.log.info("%s", valid_line(r["iteration"], r["valid_loss"]))
 
     def _ranks(self, r: dict[str, Any]) -> None:
-        self.notes["stragglers"] = "; ".join(self.stragglers.add(r))
+        named = self.stragglers.add(r)
+        self.notes["stragglers"] = "; ".join(line for _, line in named)
         if self.notes["stragglers"]:
             self.log.warning("%s", self.notes["stragglers"])
+        for node, line in named:
+            if self.quarantine is not None and node not in self.quarantined:
+                self.quarantined.add(node)
+                self.quarantine.add(node, "straggler", line, run=self.run_dir.name, evidence=str(self.records.path))
 
     def _save(self, r: dict[str, Any]) -> None:
         line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
@@ -135,6 +150,8 @@ class TrainingWatch:
 
     def _train(self, r: dict[str, Any]) -> None:
         c, total = self.config, self.config.total_iters
+        if self.restart is not None:
+            self._restarted(r["iteration"])
         if self.first_record is None:
             self.first_record = time.monotonic()
         self.notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - self.first_record,
@@ -151,6 +168,20 @@ class TrainingWatch:
         spike = None if c.mock_data else self.spikes.add(r)
         if spike is not None:
             raise SpikeFound(spike)
+
+    def _restarted(self, iteration: int) -> None:
+        """Said once the restarted ranks train past where the hung ones were."""
+        (at, hang), self.restart = self.restart, None
+        nodes = sorted({b["node"] for b in self.hang_watch.beats()}) if self.hang_watch is not None else []
+        back_s = time.monotonic() - at
+        line = (f"restarted in the allocation{f' without node {hang.node}' if hang.node else ''}, on "
+                f"{','.join(nodes) or 'its nodes'}: training again at iteration {iteration}, {back_s:.0f} s after "
+                f"the hang was found ({hang.stalled_s:.0f} s to find it)")
+        events.report(events.Incident("gpt.training.restarted", "training-restart", line,
+                                      {"job_id": hang.job_id, "node": hang.node, "nodes": nodes, "iteration": iteration,
+                                       "back_s": round(back_s, 1), "found_s": round(hang.stalled_s, 1)},
+                                      f"restarted in the allocation at iteration {iteration}", f"**{line}**\n"),
+                      self.run_dir.name)
 
     def _to_evaluate(self, iteration: int) -> bool:
         """Whether the run evaluates this save: then it is pinned for its evaluation first."""
