@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
@@ -53,19 +55,25 @@ def burn_in(cluster: str, iterations: int = 20) -> dict:
         iterations: Training iterations of each node's health job.
     """
     where, quarantine = quarantined_cluster(cluster)
-    nodes = sorted(quarantine.nodes())
+    started, nodes = time.time(), sorted(quarantine.nodes())
     folder = quarantine.path.parent / "burn-in"
     healthy = sorted((usable_nodes(where.partition) or set()) - set(nodes))
     reference = node_health(healthy[0], where, folder, iterations) if nodes and healthy else None
-    found = [node_health(node, where, folder, iterations).compared(reference) for node in nodes]
-    for health in found:
-        if health.problems:
-            quarantine.add(health.node, "burn-in", "; ".join(health.problems), evidence=str(folder))
-        else:
-            quarantine.release(health.node)
+    found = [settled(node_health(node, where, folder, iterations).compared(reference), quarantine, started, folder)
+             for node in nodes]
     _show(found, reference)
     return {"released": [h.node for h in found if not h.problems],
             "kept": {h.node: list(h.problems) for h in found if h.problems}}
+
+
+def settled(health: Health, quarantine: Quarantine, started: float, folder: Path) -> Health:
+    """The node's burn-in written to the quarantine: kept out with what it showed, or let back in
+    unless a run kept it out again meanwhile."""
+    if health.problems:
+        quarantine.add(health.node, "burn-in", "; ".join(health.problems), evidence=str(folder))
+    elif not quarantine.release(health.node, before=started):
+        return Health(health.node, ("a run kept it out again while its burn-in ran",), health.ms_per_iteration)
+    return health
 
 
 def _show(found: list[Health], reference: Health | None) -> None:

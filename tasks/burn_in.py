@@ -75,7 +75,7 @@ def node_health(node: str, cluster: ClusterConfig, folder: Path, iterations: int
                                     lr_warmup_iters=1, hang_timeout_s=HANG_TIMEOUT_S, run_dir=str(run_dir / "train"))
         submit(DistributedTask(config.to_dict()), on_node, run_dir=run_dir / "train", job_name=f"burn-in-{node}",
                watch=lambda job: HangWatch(run_dir / "train", job, on_node.world_size, HANG_TIMEOUT_S))
-    except JobError as e:
+    except (JobError, ValueError) as e:       # ValueError: SLURM refused the job (ClusterError)
         return Health(node, (f"its health job failed: {str(e).splitlines()[0]}",), None)
     return Health(node, tuple(problems), _ms_per_iteration(run_dir / "train" / "metrics.jsonl"))
 

@@ -74,10 +74,15 @@ def job_config(config: Config) -> Config:
     return dataclasses.replace(config, precompile=True, run_dir=str(Path(config.run_dir) / "precompile"))
 
 
+def without_spares(cluster: ClusterConfig) -> ClusterConfig:
+    """The compile job's nodes: a hang there is not restarted in the allocation, so no spare."""
+    return cluster.model_copy(update={"spare_nodes": 0})
+
+
 def sbatch_script(config: Config, cluster: ClusterConfig) -> str:
     """The batch script the compile job would be submitted with (nothing is submitted)."""
     work = Path(job_config(config).run_dir)
-    launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=True)
+    launch, python = job_launch(without_spares(cluster), config.compile_cache_dir, compile_graphs=True)
     return launch.sbatch_script(work / JOBS_FOLDER, job_name=f"precompile-{model_name(config)}", python=python)
 
 
@@ -103,7 +108,7 @@ def _compile(job: Config, cluster: ClusterConfig, cache_dir: Path) -> Precompile
     logger.info("compile cache miss: compiling %s for %d x %d %s tasks into %s",
                 job.model, cluster.nodes, cluster.tasks_per_node, cluster.job_device, cache_dir)
     started = time.time()
-    launch, python = job_launch(cluster, str(cache_dir), compile_graphs=True)
+    launch, python = job_launch(without_spares(cluster), str(cache_dir), compile_graphs=True)
     summary, job_id, nodes = submit(DistributedTask(job.to_dict()), launch, run_dir=Path(job.run_dir),
                                     job_name=f"precompile-{job.model}", python=python)
     if summary.get("status") != "completed":

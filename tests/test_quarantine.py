@@ -4,6 +4,7 @@ lets it back in once it is healthy (flows/burn_in.py)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ def test_a_quarantined_node_is_excluded_and_a_nodelist_that_names_it_keeps_it(tm
     pinned, lines = kept.kept_out(load_cluster("slurm-local", nodelist="node4"))
     assert pinned.exclude == "node3" and lines[1].endswith("(the cluster's nodelist names it: it stays in this run)")
     assert kept.release("node3") and not kept.release("node3") and sorted(kept.nodes()) == ["node4"]
+    assert not kept.release("node4", before=0.0) and kept.release("node4", before=time.time() + 1)
 
 
 def test_a_damaged_quarantine_file_is_one_line_naming_it(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, t
     assert (report["rank"], report["phase"], report["iteration"]) == (1, "sync", 7) and faulty in slurm_cluster["nodes"]
     (job,) = job_records(run_dir)                                    # one job: no resubmission, no requeue
     assert job["final"] == "COMPLETED"
-    assert [s["state"] for s in job["states"]] == ["PENDING", "RUNNING", "RESTARTING", "COMPLETED"][-len(job["states"]):]
+    assert [s["state"] for s in job["states"]][-4:] == ["RUNNING", "RESTARTING", "RUNNING", "COMPLETED"]
     assert left_out(run_dir / "jobs", job["job_id"]) == [faulty]
     spare = next(n for n in slurm_cluster["nodes"] if n != faulty)
     restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
@@ -65,6 +65,13 @@ def test_the_loop_starts_a_step_for_each_restart_asked_and_leaves_the_named_node
     assert done.returncode == 7 and len(steps) == 3, (done.stdout, done.stderr)
     assert "--exclude" not in steps[0] and "--exclude=node1 " in steps[1] and "--exclude=node1 " in steps[2]
     assert left_out(folder, "42") == ["node1", NONE]
+    # A step that succeeded ends the job, asked or not; a new start of the job (a requeue) begins
+    # with no restarts: its allocation has its spares again.
+    (tmp_path / "steps").unlink()
+    done = subprocess.run(["bash", "-c", fake.replace("return 7", "return 0") + body],
+                          env={"SLURM_JOB_ID": "42", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and len((tmp_path / "steps").read_text().splitlines()) == 1
+    assert left_out(folder, "42") == ["node1"]
 
 
 def test_each_node_left_out_takes_a_spare_and_a_restart_without_one_takes_none(tmp_path: Path) -> None:

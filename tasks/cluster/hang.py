@@ -93,13 +93,17 @@ class HangWatch:
         """This job's heartbeats, of its newest start only (a requeued SLURM job writes
         ``<id>.<restart>``, a step restarted in its allocation ``<id>.<restart>.<step>``; a rank of an
         earlier start may have left a file), and none of a start the follower ended."""
-        ours = [b for b in heartbeat.read(self.run_dir) if str(b.get("job", "")).split(".")[0] == self.job_id]
+        ours = self._ours()
         newest = max((_start(b) for b in ours), default=())
         return [b for b in ours if _start(b) == newest and (self.ended is None or newest > self.ended)]
 
+    def _ours(self) -> list[dict[str, Any]]:
+        """Every heartbeat of this job, of any start."""
+        return [b for b in heartbeat.read(self.run_dir) if str(b.get("job", "")).split(".")[0] == self.job_id]
+
     def restarted(self) -> None:
         """The ranks were started again inside the job: watched afresh, as a job that starts."""
-        self.ended = max((_start(b) for b in self.beats()), default=())
+        self.ended = max([self.ended or (), *(_start(b) for b in self._ours())])
         self.progress_at, self.failed, self.read_at, self.step_s = None, None, None, None
         self.seen = {}
 

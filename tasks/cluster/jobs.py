@@ -307,7 +307,8 @@ def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, recor
             state, reason, nodes = info
             try:
                 _polled(running, on_poll, record, nodes)
-                _ranks_checked(running, watch, state, cluster, run_dir, record, nodes, restart)
+                if _ranks_checked(running, watch, state, cluster, run_dir, record, nodes, restart):
+                    last = None         # the new step's RUNNING is recorded at the next poll
             except (StopJob, JobError):
                 finished = True         # stopped, and recorded so, by the check that raised
                 raise
@@ -365,11 +366,11 @@ def _polled(running: RunningJob, on_poll: Callable[[], None], record: JobRecord,
 
 
 def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, cluster: ClusterConfig, run_dir: Path,
-                   record: JobRecord, nodes: str, restart: Callable[[Hang], None] | None) -> None:
-    """A hung job has its stacks saved and is restarted inside its allocation where it can be,
-    else stopped (JobHung); a rank that failed while the others run on stops them (JobError)."""
+                   record: JobRecord, nodes: str, restart: Callable[[Hang], None] | None) -> bool:
+    """A hung job has its stacks saved and is restarted inside its allocation where it can be
+    (True), else stopped (JobHung); a rank that failed while the others run on stops them (JobError)."""
     if watch is None:
-        return
+        return False
     hang = watch.check(state)
     if hang is not None:
         hang = _stacks_saved(running, hang, run_dir)
@@ -379,8 +380,8 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
             except BaseException:
                 _stopped(running, hang, record, nodes)
                 raise
-            _restarted(running, hang, watch, run_dir, record, nodes)
-            return
+            if _restarted(running, hang, watch, run_dir, record, nodes):
+                return True
         raise JobHung(_stopped(running, hang, record, nodes))
     failed = watch.abandoned()
     if failed is not None:
@@ -389,19 +390,24 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
         _kill(running, nodes)
         record.state(running.job_id, "FAILED", why, nodes)
         raise JobError(failure_report(run_dir / JOBS_FOLDER, running.job_id, cluster.world_size, "FAILED", why))
+    return False
 
 
 def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, run_dir: Path, record: JobRecord,
-               nodes: str) -> None:
+               nodes: str) -> bool:
     """The job's hung step killed and the next started by its batch script, without the node at
-    fault: the same job, on its spare node, from the newest checkpoint."""
+    fault: the same job, on its spare node, from the newest checkpoint. False where SLURM would not
+    kill the step (the job is then stopped as a hung job is without spares)."""
     ask_restart(run_dir / JOBS_FOLDER, running.job_id, hang.node)
-    kill_steps(running.job_id)
+    if not kill_steps(running.job_id):
+        run_logger().warning("job %s: its hung step could not be killed alone: stopping the job", running.job_id)
+        return False
     watch.restarted()
     without = f"without node {hang.node}" if hang.node else "on the same nodes (no node is at fault)"
     record.state(running.job_id, "RESTARTING", f"{hang.line()}; restarting in the allocation {without}", nodes)
     run_logger().warning("job %s: restarting its ranks in the allocation %s, from the newest checkpoint",
                          running.job_id, without)
+    return True
 
 
 def _stopped(running: RunningJob, hang: Hang, record: JobRecord, nodes: str) -> Hang:

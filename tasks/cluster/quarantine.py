@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 from gpt.files import write_json
 from tasks.cluster.config import ClusterConfig
+from tasks.cluster.slurm import hostnames
+from tasks.common.run_context import run_logger
 
 VERDICTS = ("hang", "straggler", "burn-in", "operator")
 
@@ -58,9 +60,19 @@ class Quarantine:
             nodes.setdefault(node, []).append({"kind": kind, "line": line, "run": run, "job": job,
                                                "evidence": evidence, "time": time.time()})
 
-    def release(self, node: str) -> bool:
-        """``node`` let back in; whether it was kept out."""
+    def verdict(self, node: str, kind: str, line: str, **where: str) -> None:
+        """A run's verdict added; where the file cannot take it, a warning: training goes on."""
+        try:
+            self.add(node, kind, line, **where)
+        except (OSError, QuarantineError) as e:
+            run_logger().warning("node %s could not be kept out by the quarantine %s: %s", node, self.path, e)
+
+    def release(self, node: str, before: float | None = None) -> bool:
+        """``node`` let back in, unless a verdict came at or after ``before`` (a burn-in's start);
+        whether it was let back in."""
         with self._locked() as nodes:
+            if before is not None and any(v["time"] >= before for v in nodes.get(node, [])):
+                return False
             return nodes.pop(node, None) is not None
 
     def kept_out(self, cluster: ClusterConfig) -> tuple[ClusterConfig, list[str]]:
@@ -69,11 +81,11 @@ class Quarantine:
         nodes = self.nodes()
         if not nodes:
             return cluster, []
-        pinned = set(_hosts(cluster.nodelist))
+        pinned = set(hostnames(cluster.nodelist))
         lines = [f"node {node} is kept out by the quarantine {self.path}: {why(verdicts[-1])}"
                  + (" (the cluster's nodelist names it: it stays in this run)" if node in pinned else "")
                  for node, verdicts in sorted(nodes.items())]
-        excluded = sorted(set(_hosts(cluster.exclude)) | (set(nodes) - pinned))
+        excluded = sorted(set(hostnames(cluster.exclude)) | (set(nodes) - pinned))
         return cluster.model_copy(update={"exclude": ",".join(excluded) or None}), lines
 
     @contextlib.contextmanager
@@ -92,8 +104,3 @@ def why(verdict: dict[str, Any]) -> str:
                                         f"job {verdict['job']}" if verdict.get("job") else "",
                                         verdict.get("evidence", "")) if part)
     return f"{verdict['kind']}: {verdict['line']}" + (f" ({where})" if where else "")
-
-
-def _hosts(hostlist: str | None) -> list[str]:
-    """The plain names of a hostlist (a bracketed range stays one entry: it is compared as written)."""
-    return [h for h in (hostlist or "").split(",") if h]

@@ -60,3 +60,17 @@ def requeued(job_id: str) -> bool:
     """A preempted job may come back (PreemptMode=REQUEUE): is it queued or running again?"""
     info = slurm_state(job_id)
     return info is not None and info[0] not in TERMINAL
+
+
+def hostnames(hostlist: str | None) -> list[str]:
+    """The node names of a SLURM hostlist (``node[1-3,7],gpu2``): scontrol expands the bracketed
+    ones; where it cannot, the hostlist stays one entry, compared as written."""
+    if not hostlist:
+        return []
+    if "[" not in hostlist:
+        return hostlist.split(",")
+    try:
+        r = run_command(["scontrol", "show", "hostnames", hostlist])
+    except (OSError, subprocess.SubprocessError):
+        return [hostlist]
+    return r.stdout.split() if r.returncode == 0 and r.stdout.strip() else [hostlist]

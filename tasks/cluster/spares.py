@@ -3,11 +3,12 @@ steps, and the process that follows it starts a new step without the node at fau
 sending the job back through the queue.
 
 The batch script allocates ``nodes + spare_nodes`` nodes and runs ``srun`` on ``nodes`` of them.
-When its step ends, it looks at ``<jobs>/<job id>_restarts``: a line the follower appended there
+When a step fails, it looks at ``<jobs>/<job id>_restarts``: a line the follower appended there
 for this step (the node to leave out, or ``-`` for none) starts the next step on the nodes that
-are left, which resumes from the newest checkpoint as any start does; no line ends the job with
-the step's status. The follower writes the line before it kills the step, so the loop always
-finds it.
+are left, which resumes from the newest checkpoint as any start does; no line, or a step that
+succeeded, ends the job with the step's status. The follower writes the line before it kills the
+step, so the loop always finds it. The file holds one allocation's restarts: the batch script
+empties it when it starts (again, after a requeue, on a new allocation with its own spares).
 """
 from __future__ import annotations
 
@@ -43,31 +44,32 @@ def ask_restart(folder: Path, job_id: str, node: str | None) -> None:
         f.write(f"{node or NONE}\n")
 
 
-def kill_steps(job_id: str) -> None:
+def kill_steps(job_id: str) -> bool:
     """SIGKILL to every running step of the job (not its batch script, which starts the next one):
-    a hung rank answers nothing else."""
+    a hung rank answers nothing else. Whether SLURM took it."""
     listed = run_command(["squeue", "--steps", "--noheader", "--format=%i", f"--jobs={job_id}"])
     steps = [s for s in listed.stdout.split() if re.fullmatch(rf"{re.escape(job_id)}\.\d+", s)]
-    if steps:
-        run_command(["scancel", "--signal=KILL", *steps])
+    return listed.returncode == 0 and bool(steps) and run_command(["scancel", "--signal=KILL", *steps]).returncode == 0
 
 
 def step_loop(script: str, nodes: int, tasks_per_node: int, spare_nodes: int, folder: Path) -> str:
     """submitit's batch script with its ``srun`` line run as the restart loop, on ``nodes`` of the
     ``nodes + spare_nodes`` it allocates."""
     lines = script.splitlines()
-    (at,) = [i for i, line in enumerate(lines) if line.startswith("srun ")]
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("srun ") and "submitit.core._submit" in line]
     srun = lines[at].removeprefix("srun ")
     loop = [
+        "set +e +o pipefail",
         f'restarts={shlex.quote(str(folder))}/"${{SLURM_JOB_ID}}_restarts"',
+        ': > "$restarts"',
         "step=0",
         "while true; do",
-        '    excluded=$(grep -v "^-$" "$restarts" 2>/dev/null | sort -u | paste -sd, -)',
+        '    excluded=$(grep -v "^-$" "$restarts" | sort -u | paste -sd, -)',
         '    [ "$step" -eq 0 ] || echo "restart $step in the allocation, without: ${excluded:-no node}"',
         f'    srun --nodes={nodes} --ntasks={nodes * tasks_per_node} ${{excluded:+--exclude=$excluded}} {srun}',
         "    status=$?",
         "    step=$((step + 1))",
-        '    [ "$(wc -l < "$restarts" 2>/dev/null || echo 0)" -ge "$step" ] || exit $status',
+        '    [ "$status" -ne 0 ] && [ "$(wc -l < "$restarts")" -ge "$step" ] || exit $status',
         "done",
     ]
     header = [re.sub(r"^#SBATCH --nodes=\d+$", f"#SBATCH --nodes={nodes + spare_nodes}", line) for line in lines[:at]]

@@ -23,7 +23,7 @@ from tasks.cluster.launch import DistributedTask, job_launch
 from tasks.cluster.quarantine import Quarantine
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_owner import RunOwner
-from tasks.cluster.slurm import usable_nodes
+from tasks.cluster.slurm import hostnames, usable_nodes
 from tasks.common.cache import StageCache
 from tasks.common.progress import Progress
 from tasks.common.retry import worth_retrying
@@ -204,7 +204,7 @@ def counted(hang: Hang, hangs: list[Hang], run_dir: Path, quarantine: Quarantine
     starting the job again would loop."""
     events.report(hang.incident(), run_dir.name)
     if hang.node and quarantine is not None:
-        quarantine.add(hang.node, "hang", hang.line(), run=run_dir.name, job=hang.job_id, evidence=hang.folder)
+        quarantine.verdict(hang.node, "hang", hang.line(), run=run_dir.name, job=hang.job_id, evidence=hang.folder)
     if any(h.iteration == hang.iteration for h in hangs):
         raise HungTwice(f"{hang.line()}. It hung at iteration {hang.iteration} before as well: not "
                         "resubmitted again; see the stacks, fix what holds it, and run again") from None
@@ -251,11 +251,12 @@ def without_node(cluster: ClusterConfig, node: str | None) -> tuple[ClusterConfi
     same cluster, to resume on the nodes there are. And where the job goes, said for the log."""
     if cluster.kind != "slurm" or not node:
         return cluster, ""
-    excluded = {n for n in (cluster.exclude or "").split(",") if n} | {node}
+    excluded = set(hostnames(cluster.exclude)) | {node}
     usable = usable_nodes(cluster.partition)
-    if usable is not None and len(usable - excluded) < cluster.nodes:
+    if usable is not None and len(usable - excluded) < cluster.nodes + cluster.spare_nodes:
         return cluster, (f", on the same nodes, node {node} included: partition {cluster.partition or '(default)'} "
-                         f"has {len(usable - excluded)} usable node(s) besides it and the job needs {cluster.nodes}")
+                         f"has {len(usable - excluded)} usable node(s) besides it and the job needs "
+                         f"{cluster.nodes + cluster.spare_nodes}")
     exclude = ",".join(sorted(excluded))
     return cluster.model_copy(update={"exclude": exclude, "nodelist": None}), f", without node {node}"
 

@@ -138,7 +138,7 @@ class TrainingWatch:
         for node, line in named:
             if self.quarantine is not None and node not in self.quarantined:
                 self.quarantined.add(node)
-                self.quarantine.add(node, "straggler", line, run=self.run_dir.name, evidence=str(self.records.path))
+                self.quarantine.verdict(node, "straggler", line, run=self.run_dir.name, evidence=str(self.records.path))
 
     def _save(self, r: dict[str, Any]) -> None:
         line = saved_line(r["iteration"], r["blocking_s"], r["background_s"])
