@@ -168,9 +168,9 @@ class _Events:
 _ITERATION = re.compile(rb'\{"kind": "[a-z]+", "iteration": (\d+)[,}]')
 
 
-def truncate_after(path: Path, iteration: int) -> None:
+def truncate_after(path: Path, iteration: int, cut_to: Path | None = None) -> None:
     """Drop records past the checkpoint a run resumes from (those iterations run again), and a line
-    cut short when the previous run was killed. The file is cut in place, never replaced, so that
+    cut short when the previous run was killed; ``cut_to`` keeps the whole records dropped. The file is cut in place, never replaced, so that
     nothing that still holds it open writes into an unlinked copy. Only each record's head is read
     (``_write`` puts its iteration there): a month-long run at thousands of ranks writes gigabytes
     of ``ranks`` records, which parsing whole would take minutes at every resume."""
@@ -182,6 +182,11 @@ def truncate_after(path: Path, iteration: int) -> None:
             if not line.endswith(b"\n") or _iteration(line) > iteration:
                 break
             keep += len(line)
+        if cut_to is not None:
+            f.seek(keep)
+            cut = [line for line in f if line.endswith(b"\n")]
+            with open(cut_to, "ab") as out:
+                out.writelines(cut)
     os.truncate(path, keep)
 
 

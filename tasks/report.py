@@ -125,6 +125,8 @@ def summary_rows(summary: dict, rows: list[dict], *, seq_length: int, stages: li
         ("MFU", f"{summary['mfu'] * 100:.2f}%" if summary.get("mfu") is not None else None),
         ("time to first iteration (s)", summary.get("time_to_first_iteration_s")),
         ("training wall time (s)", summary.get("wall_s")),
+        ("goodput (this leg's node-hours in kept iterations)",
+         f"{summary['goodput']:.1%} of {summary['node_hours']:.4g}" if summary.get("node_hours") else None),
         ("job ids", ", ".join(job_ids) if job_ids else "local"),
     ]
     for s in stages:
@@ -191,6 +193,7 @@ def report(*, model: str, run_dir: str, metrics_path: str, summary: dict, seq_le
         "first_loss": next((r["lm_loss"] for r in rows if r.get("lm_loss") is not None), None),
         "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
         "test_perplexity": summary.get("test_perplexity"),
+        "goodput": summary.get("goodput"), "node_hours": summary.get("node_hours"),
         "loss_plot": str(plot_path) if plot_path else None, "tensorboard": tensorboard,
     }
 

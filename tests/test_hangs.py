@@ -113,6 +113,7 @@ def test_a_rank_hung_in_data_loading_is_found_and_the_prefect_run_shows_where(tm
         artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
         (artifact,) = [a for a in artifacts if a.key == "training-hang"]
+        (ledger,) = [a for a in artifacts if a.key == "goodput"]
         events = []
         hangs = EventFilter(event=EventNameFilter(name=["gpt.training.hang"]))
         for _ in range(30):        # events reach the server a moment after they are sent
@@ -127,6 +128,8 @@ def test_a_rank_hung_in_data_loading_is_found_and_the_prefect_run_shows_where(tm
     assert events and events[0].payload["rank"] == 0 and events[0].resource.id == "gpt.run.run"
     assert result.summary["iteration"] == 16 and len(result.job_ids) == 2
     assert [r["iteration"] for r in read_metrics(result.run_dir)] == list(range(1, 17))
+    assert "## Where the node-hours went: run" in ledger.data and "| hang |" in ledger.data
+    assert "data:image/png;base64," in ledger.data
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ import pytest
 
 from tasks.cluster.config import ClusterConfig, load_cluster
 from tasks.cluster.spares import NONE, ask_restart, left_out, spares_left
+from tasks.train.goodput import GOODPUT
 from tests.fixtures_gpt import read_metrics
 from tests.run_folder import job_records
 from tests.test_hangs import HANG_S, _hang_reports, _run
@@ -36,6 +37,9 @@ def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, t
     restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
     assert len(restarted) == 1 and f"without node {faulty}, on {spare}: training again at iteration" in restarted[0]
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
+    (leg,) = json.loads((run_dir / GOODPUT).read_text())["legs"]        # the spare's node-hours counted too
+    assert leg["jobs"][0]["nodes"] == 2 and sum(leg["node_seconds"].values()) == pytest.approx(leg["held_node_seconds"])
+    assert all(leg["node_seconds"][cause] > 0 for cause in ("start", "restart", "hang", "lost", "productive"))
     assert_weights_equal_an_uninterrupted_run(run_dir)
     assert HANG_S <= report["stalled_s"] <= HANG_S + 10
 

@@ -9,7 +9,8 @@ Run folder (written by the train stage and the training job)::
     metrics.jsonl   tensorboard/   checkpoints/     hf/ (the export)   loss.png
     run.json        what defines the run            provenance.json   each start: commit, parameters, versions
     trackers.json   W&B/MLflow run ids, the last iteration each got
-    skipped.json    loss-spike rollbacks and the sample ids left out   rolled-back/<n>/  checkpoints set aside
+    skipped.json    loss-spike rollbacks and the sample ids left out   rolled-back/<n>/  checkpoints and records set aside
+    goodput.json    each leg's node-hours by cause (tasks/train/goodput.py)
     phases.json     the phases after the first, as declared             ledger.json, ledger/  what each phase
                     consumed (its order's positions, samples and tokens per prefix, documents)
 """

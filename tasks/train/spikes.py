@@ -179,7 +179,7 @@ def skipping(config: Config, skipped: list[int]) -> Config:
 def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Config]:
     """Go back to the newest checkpoint before the spike, with its samples left out of the order.
     The order without them is built first (what can fail); then newer checkpoints are moved to
-    ``<run>/rolled-back/<n>/``, the metrics records after the checkpoint cut off, and the rollback
+    ``<run>/rolled-back/<n>/``, the metrics records after the checkpoint cut off (and kept there), and the rollback
     recorded in ``<run>/skipped.json``. Returns the spike with its samples and documents named, and
     the config to resume with. Raises CannotRollBack with the report past ``max_rollbacks``, or
     when no checkpoint before the spike is kept."""
@@ -207,11 +207,11 @@ def roll_back(spike: Spike, config: Config, run_dir: Path) -> tuple[Spike, Confi
     n = len(done) + 1
     while (run_dir / ROLLED_BACK / str(n)).exists():     # a rollback cut short before it was recorded
         n += 1
+    (run_dir / ROLLED_BACK / str(n)).mkdir(parents=True, exist_ok=True)
     for path in sorted((run_dir / "checkpoints").glob("iter_*")):
         if _iteration_or_none(path) is None or _iteration_or_none(path) > kept:
-            (run_dir / ROLLED_BACK / str(n)).mkdir(parents=True, exist_ok=True)
             shutil.move(str(path), run_dir / ROLLED_BACK / str(n) / path.name)
-    truncate_after(run_dir / "metrics.jsonl", kept)
+    truncate_after(run_dir / "metrics.jsonl", kept, cut_to=run_dir / ROLLED_BACK / str(n) / "metrics.jsonl")
     spike = dataclasses.replace(spike, resumed_from=kept)
     write_json(run_dir / SKIPPED, {"rollbacks": [*done, spike.to_dict()]})
     return spike, resumed

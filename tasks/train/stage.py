@@ -29,6 +29,7 @@ from tasks.common.progress import Progress
 from tasks.common.retry import worth_retrying
 from tasks.common.run_context import run_logger
 from tasks.trackers import Trackers
+from tasks.train.goodput import account_leg
 from tasks.train.spikes import CannotRollBack, Spike, SpikeFound, roll_back, skipped_samples, skipping
 from tasks.train.watch import MetricsTail, TrainingWatch
 
@@ -125,11 +126,14 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
                                metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind)
         write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
         tracked = Trackers(trackers, tracker_project, run_dir, config.to_dict())
+        before = set(JobRecord(run_dir).ids())
         try:
             result = _train_owned(config, cluster, run_dir, precompiled, tracked)
         except BaseException:
+            account_leg(run_dir, before)
             tracked.close(finished=False)
             raise
+        result = result.model_copy(update={"summary": {**result.summary, **account_leg(run_dir, before)}})
         tracked.close(finished=True)
         write_json(run_dir / SUMMARY, result.summary)
         return result
