@@ -168,6 +168,20 @@ class _Events:
 _ITERATION = re.compile(rb'\{"kind": "[a-z]+", "iteration": (\d+)[,}]')
 
 
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a torn last line (a run still writing) is ignored."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def truncate_after(path: Path, iteration: int, cut_to: Path | None = None) -> None:
     """Drop records past the checkpoint a run resumes from (those iterations run again), and a line
     cut short when the previous run was killed; ``cut_to`` keeps the whole records dropped. The file is cut in place, never replaced, so that

@@ -5,7 +5,6 @@ hang is found by the same watch as in training), and its time per iteration is w
 STRAGGLER_FACTOR of the reference node's (give or take SLACK_MS)."""
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import time
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt.config import Config
+from gpt.metrics import read_metrics
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import STRAGGLER_FACTOR, HangWatch
 from tasks.cluster.jobs import JobError, submit
@@ -82,6 +82,5 @@ def node_health(node: str, cluster: ClusterConfig, folder: Path, iterations: int
 
 def _ms_per_iteration(metrics: Path) -> float | None:
     """The median time per iteration, past the first two (which compile and warm up)."""
-    times = [r["elapsed_ms"] for r in map(json.loads, metrics.read_text().splitlines())
-             if r["kind"] == "train" and r["iteration"] > 2]
+    times = [r["elapsed_ms"] for r in read_metrics(metrics) if r["kind"] == "train" and r["iteration"] > 2]
     return statistics.median(times) if times else None

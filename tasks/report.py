@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from pathlib import Path
@@ -17,6 +16,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from gpt.files import write_atomic
+from gpt.metrics import read_metrics
 from tasks.common.figures import png_bytes, png_markdown, pyplot
 from tasks.train.phases import tokens_by_source
 
@@ -64,20 +64,6 @@ def _tokenizer(manifest: TokenizeManifest) -> str:
     if getattr(manifest, "tokenizer_file", None):
         return f"tokenizer {manifest.tokenizer_file}"
     return f"vocab {manifest.vocab_file}, merges {manifest.merge_file}"
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The lines of a metrics.jsonl; a torn last line (a run still writing) is ignored."""
-    rows = []
-    p = Path(path)
-    if not p.exists():
-        return rows
-    for line in p.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def _last(rows: list[dict], field: str) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt.files import write_json
+from gpt.metrics import read_metrics
 from tasks.cluster.record import JobRecord
 from tasks.cluster.slurm import hostnames
 from tasks.common.figures import png_bytes, png_markdown, pyplot
@@ -93,8 +94,9 @@ def job_nodes(job: dict[str, Any]) -> int:
 
 def ledger(run_dir: Path, job_ids: list[str]) -> dict[str, Any]:
     """The node-seconds by cause of the jobs ``job_ids`` (one leg of the run), each job's and their sum."""
-    records = [*_records(run_dir / "metrics.jsonl"),
-               *({**r, "rolled_back": True} for p in run_dir.glob(f"{ROLLED_BACK}/*/metrics.jsonl") for r in _records(p))]
+    records = [*read_metrics(run_dir / "metrics.jsonl"), *({**r, "rolled_back": True}
+                                                           for p in run_dir.glob(f"{ROLLED_BACK}/*/metrics.jsonl")
+                                                           for r in read_metrics(p))]
     hangs = [{**json.loads(p.read_text()), "written": p.stat().st_mtime} for p in run_dir.glob("jobs/*/hang-*/report.json")]
     jobs = [j for j in JobRecord(run_dir).jobs if j["job_id"] in job_ids and j["final"] is not None]
     first_train = next((j["job_id"] for j in JobRecord(run_dir).jobs if j["name"].startswith("train")), None)
@@ -161,17 +163,3 @@ def ledger_markdown(run_name: str, leg: dict[str, Any]) -> str:
             f"{len(leg['jobs'])} job(s); goodput (productive iterations) {goodput}\n\n"
             f"| cause | node-hours | share |\n|---|---|---|\n{rows}\n\n"
             f"{png_markdown(png_bytes(figure), 'node-hours by cause')}\n")
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
