@@ -374,14 +374,9 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
     hang = watch.check(state)
     if hang is not None:
         hang = _stacks_saved(running, hang, run_dir)
-        if restart is not None and spares_left(run_dir / JOBS_FOLDER, running.job_id, cluster.spare_nodes) > 0:
-            try:
-                restart(hang)
-            except BaseException:
-                _stopped(running, hang, record, nodes)
-                raise
-            if _restarted(running, hang, watch, run_dir, record, nodes):
-                return True
+        if restart is not None and spares_left(run_dir / JOBS_FOLDER, running.job_id, cluster.spare_nodes) > 0 \
+                and _restarted(running, hang, watch, restart, run_dir, record, nodes):
+            return True
         raise JobHung(_stopped(running, hang, record, nodes))
     failed = watch.abandoned()
     if failed is not None:
@@ -393,15 +388,21 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
     return False
 
 
-def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, run_dir: Path, record: JobRecord,
-               nodes: str) -> bool:
+def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, restart: Callable[[Hang], None], run_dir: Path,
+               record: JobRecord, nodes: str) -> bool:
     """The job's hung step killed and the next started by its batch script, without the node at
-    fault: the same job, on its spare node, from the newest checkpoint. False where SLURM would not
-    kill the step (the job is then stopped as a hung job is without spares)."""
+    fault: the same job, on its spare node, from the newest checkpoint, once ``restart(hang)`` has
+    taken note (where it raises, the job is stopped). False where SLURM would not kill the step (the
+    job is then stopped as a hung job is without spares, and the hang taken note of there)."""
     ask_restart(run_dir / JOBS_FOLDER, running.job_id, hang.node)
     if not kill_steps(running.job_id):
         run_logger().warning("job %s: its hung step could not be killed alone: stopping the job", running.job_id)
         return False
+    try:
+        restart(hang)
+    except BaseException:
+        _stopped(running, hang, record, nodes)
+        raise
     watch.restarted()
     without = f"without node {hang.node}" if hang.node else "on the same nodes (no node is at fault)"
     record.state(running.job_id, "RESTARTING", f"{hang.line()}; restarting in the allocation {without}", nodes)
