@@ -1,14 +1,18 @@
-"""A hung rank on SLURM, two ways back: the job resubmitted without the node (spare_nodes 0), and
-its ranks restarted inside the allocation on a spare node (spare_nodes 1). The same run and fault
-in the same session: rank 1 held before a collective at iteration 7, found by the hang watch.
+"""A fault on SLURM, two ways back: the job resubmitted (spare_nodes 0), and its ranks restarted
+inside the allocation on a spare node (spare_nodes 1). The same run and fault in the same session:
+``--fault hang``, rank 1 held before a collective at iteration 7 and found by the hang watch; or
+``--fault kill``, rank 1 killed there (SIGKILL, as the OOM killer or a failing node kills it), where
+the resubmit is the train task's retry (its delay included) and the restart the follower's answer
+to srun's line.
 
-    python -m benchmarks.restart [--cluster slurm-local] [--repeats 2]
+    python -m benchmarks.restart [--cluster slurm-local] [--repeats 2] [--fault hang|kill]
 
 Needs a SLURM cluster with two nodes (``scripts/local-slurm start`` makes one on this machine).
-For each way: the seconds from the ranks' last progress to the hang being found (the watch's limit),
-from the hang's report written (every rank's stack saved) to the run training again (its first
-iteration recorded after), and the run's wall time. On a cluster whose queue is busy, the resubmit's share grows by the wait in the queue,
-which the restart in the allocation does not pay.
+For each way: the seconds to find the fault (a hang: the watch's limit), from the fault known (a
+hang: its report written, every rank's stack saved; a kill: the rank killed) to the run training
+again (its first iteration recorded after), and the run's wall time. On a cluster whose queue is
+busy, the resubmit's share grows by the wait in the queue, which the restart in the allocation does
+not pay.
 """
 from __future__ import annotations
 
@@ -23,15 +27,17 @@ from typing import Any
 
 from gpt.config import Config
 from tasks.cluster.config import load_cluster
-from tasks.train.stage import train
+from tasks.cluster.jobs import JobError
+from tasks.train.stage import train, train_task
 
 HANG_S = 6.0
 
 
-def once(cluster_name: str, spare_nodes: int, root: Path) -> dict[str, float]:
+def once(cluster_name: str, spare_nodes: int, root: Path, fault: str) -> dict[str, float]:
     """One run with the fault; its timings, from the run folder's records."""
-    run_dir = root / f"spares-{spare_nodes}"
-    os.environ["GPT_FAULT"] = f"rank=1,iteration=7,phase=sync,seconds=900,once={root / f'fired-{spare_nodes}'}"
+    run_dir, fired = root / f"spares-{spare_nodes}", root / f"fired-{spare_nodes}"
+    how = "seconds=900" if fault == "hang" else "kill=1"
+    os.environ["GPT_FAULT"] = f"rank=1,iteration=7,phase=sync,{how},once={fired}"
     config = Config.from_preset("tiny", mock_data=True, precision="fp32", device="cpu", vocab_size=512,
                                 num_layers=2, hidden_size=64, seq_length=64, train_iters=16, save_interval=4,
                                 log_interval=1, eval_interval=1000, eval_iters=1, lr_warmup_iters=2,
@@ -39,24 +45,32 @@ def once(cluster_name: str, spare_nodes: int, root: Path) -> dict[str, float]:
     cluster = load_cluster(cluster_name, nodes=1, tasks_per_node=2, spare_nodes=spare_nodes)
     started = time.time()
     try:
-        train(config, cluster)
+        try:
+            train(config, cluster)
+        except JobError:                    # a killed rank without a spare: the train task's retry
+            time.sleep(train_task.retry_delay_seconds)
+            train(config, cluster)
     finally:
         os.environ.pop("GPT_FAULT", None)
-    (written,) = run_dir.glob("jobs/*/hang-*/report.json")     # once the stacks are saved, before either way acts
-    found, report = written.stat().st_mtime, json.loads(written.read_text())
+    if fault == "hang":
+        (written,) = run_dir.glob("jobs/*/hang-*/report.json")   # once the stacks are saved, before either way acts
+        found, found_s = written.stat().st_mtime, json.loads(written.read_text())["stalled_s"]
+    else:
+        found, found_s = fired.stat().st_mtime, 0.0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     again = min(r["time"] for r in records if r["kind"] == "train" and r["time"] > found)
-    return {"found_s": report["stalled_s"], "back_s": again - found, "wall_s": time.time() - started,
+    return {"found_s": found_s, "back_s": again - found, "wall_s": time.time() - started,
             "jobs": len(json.loads((run_dir / "jobs.json").read_text()))}
 
 
-def run(cluster: str = "slurm-local", repeats: int = 2, workdir: str | None = None) -> dict[str, Any]:
+def run(cluster: str = "slurm-local", repeats: int = 2, workdir: str | None = None, fault: str = "hang") -> dict[str, Any]:
     ways: dict[str, list[dict[str, float]]] = {"resubmit": [], "in_allocation": []}
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-restart-") as tmp:
         for k in range(repeats):           # interleaved, so that drift on the machine hits both alike
             for way, spares in (("resubmit", 0), ("in_allocation", 1)):
-                ways[way].append(once(cluster, spares, Path(tmp) / f"{k}"))
-    out: dict[str, Any] = {"benchmark": "restart", "cluster": cluster, "hang_timeout_s": HANG_S, "repeats": repeats}
+                ways[way].append(once(cluster, spares, Path(tmp) / f"{k}", fault))
+    out: dict[str, Any] = {"benchmark": "restart", "cluster": cluster, "fault": fault, "hang_timeout_s": HANG_S,
+                           "repeats": repeats}
     for way, runs in ways.items():
         out[way] = {key: {"median": round(statistics.median(r[key] for r in runs), 2),
                           "min": round(min(r[key] for r in runs), 2), "max": round(max(r[key] for r in runs), 2)}
@@ -72,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="slurm-local")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="where the runs go (storage every node sees)")
+    parser.add_argument("--fault", choices=("hang", "kill"), default="hang")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.cluster, args.repeats, args.workdir), indent=1))
+    print(json.dumps(run(args.cluster, args.repeats, args.workdir, args.fault), indent=1))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The `benchmark` flow: run a suite of benchmarks, append the figures to a history, flag regressions.
 
 Each benchmark is a module with `run(**params) -> dict` (benchmarks/tokenize.py, index.py, sync.py,
-precompile.py, checkpoint.py and gpt/bench.py). Their numeric results, with the machine's facts and the
+precompile.py, checkpoint.py, ledger.py and gpt/bench.py). Their numeric results, with the machine's facts and the
 parameters, become one JSON line in `<history>/history.jsonl` (a folder or an s3:// prefix). The
 flow run shows a table against the previous and the best run on the same hardware, regressions
 beyond `regression_threshold` flagged, and a trend plot per metric.
@@ -35,8 +35,9 @@ MODULES = {
     "precompile": "benchmarks.precompile",
     "checkpoint": "benchmarks.checkpoint",
     "train": "gpt.bench",
+    "ledger": "benchmarks.ledger",
 }
-BenchmarkName = Literal["tokenize", "index", "sync", "precompile", "checkpoint", "train"]
+BenchmarkName = Literal["tokenize", "index", "sync", "precompile", "checkpoint", "train", "ledger"]
 
 
 class BenchmarkSpec(BaseModel):
@@ -59,6 +60,7 @@ NIGHTLY = [
     BenchmarkSpec(name="checkpoint"),
     BenchmarkSpec(name="train", label="train-tiny", params={"model": "tiny", "steps": 20}),
     BenchmarkSpec(name="train", label="train-gpt3-125m", params={"model": "gpt3-125m", "micro_batch": 4, "steps": 10}),
+    BenchmarkSpec(name="ledger"),
 ]
 # One GPU's training figures (benchmarks/gpu.py's cases), which benchmarks/reference.jsonl holds for
 # the GPUs they were measured on: a GPU node's run is compared against them.

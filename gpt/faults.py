@@ -10,7 +10,8 @@ variable each hook returns at once.
   it fires). A hang or a straggler, exactly where a test wants one. ``phase=write``: rank 0's
   asynchronous checkpoint write of that iteration ends that much later (its folder not yet marked
   complete), while training goes on. ``stop=1``: the rank stops
-  itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL.
+  itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL. ``kill=1``:
+  the rank is killed there (SIGKILL), as the kernel's OOM killer or a failing node kills it.
 - ``sample=X,factor=F``: the loss of the iteration that trains on sample X (its id: its position in
   the train order before any rollback) is multiplied by F on every rank: a loss spike caused by
   the data, which the run rolls back around (tasks/train/spikes.py). With pipeline stages only the
@@ -29,7 +30,7 @@ from gpt.config.overrides import parse_overrides
 
 VARIABLE = "GPT_FAULT"
 FIELDS = {"rank": int, "iteration": int, "phase": str, "seconds": float, "every": int, "node": str, "once": str,
-          "shard": int, "stop": int, "sample": int, "factor": float}
+          "shard": int, "stop": int, "kill": int, "sample": int, "factor": float}
 
 
 class Fault:
@@ -49,6 +50,7 @@ class Fault:
         self.once = fields.get("once")
         self.shard = fields.get("shard")
         self.stop = fields.get("stop") == 1
+        self.kill = fields.get("kill") == 1
         self.sample = fields.get("sample")
         self.factor = fields.get("factor", 1.0)
 
@@ -67,10 +69,10 @@ class Fault:
                 os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return
-        if self.stop:
-            print(f"fault injected: rank {os.environ.get('RANK', '0')} stops in {phase} at iteration {iteration}",
-                  flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.stop or self.kill:
+            print(f"fault injected: rank {os.environ.get('RANK', '0')} {'stops' if self.stop else 'is killed'} in "
+                  f"{phase} at iteration {iteration}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP if self.stop else signal.SIGKILL)
             return
         print(f"fault injected: rank {os.environ.get('RANK', '0')} sleeps {self.seconds:g} s in {phase} at "
               f"iteration {iteration}", flush=True)

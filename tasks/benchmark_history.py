@@ -25,7 +25,7 @@ HISTORY_FILE = "history.jsonl"
 # and the benchmark flow compares a run on the same hardware against them.
 REFERENCE = Path(__file__).resolve().parent.parent / "benchmarks" / "reference.jsonl"
 # Metric name fragments that say which direction is better.
-HIGHER = ("per_s", "mfu", "throughput", "speedup", "mb_s", "gb_s", "tflops", "bandwidth")
+HIGHER = ("per_s", "mfu", "throughput", "speedup", "mb_s", "gb_s", "tflops", "bandwidth", "goodput")
 LOWER_SUFFIX = ("_s", "_ms", "_mb", "_gb", "_gib", "_mib", "_bytes")
 LOWER = ("seconds", "time", "latency", "memory")
 

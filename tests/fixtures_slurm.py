@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -30,6 +30,21 @@ def slurm_cluster() -> dict:
     partition = os.environ.get("LOCAL_SLURM_PARTITION", "debug")
     count = int(os.environ.get("LOCAL_SLURM_NODES", "2"))
     return {"partition": partition, "nodes": [f"node{i}" for i in range(1, count + 1)], "preset": "slurm-local"}
+
+
+@pytest.fixture
+def three_node_cluster(slurm_cluster: dict) -> Iterator[dict]:
+    """The local cluster with a third node, for a test whose job needs a node beside its batch
+    script's and a spare; the session's cluster again afterwards (the SLURM tests run one at a time)."""
+    def start(count: int) -> None:
+        result = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "LOCAL_SLURM_NODES": str(count)})
+        assert result.returncode == 0, f"{SCRIPT} start with {count} nodes failed:\n{result.stdout}\n{result.stderr}"
+    start(3)
+    try:
+        yield {**slurm_cluster, "nodes": ["node1", "node2", "node3"]}
+    finally:
+        start(len(slurm_cluster["nodes"]))
 
 
 def preset_file(folder: Path, name: str, base: str = "slurm-local", **fields: Any) -> str:

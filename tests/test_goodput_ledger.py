@@ -46,3 +46,18 @@ def test_a_job_restarted_in_its_allocation_and_requeued_has_each_wait_in_its_pla
     assert seconds["restart"] == pytest.approx((45 - 40) + (100 - 70) + (105 - 100))
     assert seconds["productive"] == 3 + 1 + 1 and seconds["checkpoint"] == 0.25
     assert set(seconds) == set(CAUSES)
+
+
+@pytest.mark.timeout(300)
+def test_the_nightly_suite_records_a_legs_ledger_with_goodput_flagged_when_it_drops():
+    from benchmarks import ledger
+    from flows.benchmark import NIGHTLY
+    from tasks.benchmark_history import direction, flatten
+
+    assert "ledger" in [spec.name for spec in NIGHTLY]
+    figures = flatten({"ledger": ledger.run(iters=8, save_interval=4)})
+    spent = {name.rsplit(".", 1)[-1]: value for name, value in figures.items() if ".node_s." in name}
+    assert set(spent) == set(CAUSES) and sum(spent.values()) == pytest.approx(figures["ledger.held_node_s"], rel=0.01)
+    assert spent["start"] > 0 and spent["productive"] > 0 and spent["checkpoint"] > 0
+    assert 0 < figures["ledger.goodput"] < 1
+    assert direction("ledger.goodput") == 1 and direction("ledger.held_node_s") == -1

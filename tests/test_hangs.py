@@ -16,7 +16,7 @@ import pytest
 
 from tasks.cluster.config import load_cluster
 from tasks.cluster.hang import STRAGGLER_FACTOR, STRAGGLER_ITERATIONS, Stragglers
-from tasks.train.stage import HungTwice, train
+from tasks.train.stage import FaultedTwice, train
 from tests.fixtures_gpt import read_metrics
 from tests.run_folder import job_records
 from tests.test_cluster_slurm import tiny
@@ -149,7 +149,7 @@ def test_a_long_save_is_not_a_hang_but_a_save_that_never_ends_is(tmp_path, monke
 
 @pytest.mark.timeout(300)
 def test_the_same_hang_twice_stops_the_run_with_its_report(tmp_path, monkeypatch):
-    with pytest.raises(HungTwice, match=r"hung: .* at iteration 6, phase data; rank 1 .* before as well"):
+    with pytest.raises(FaultedTwice, match=r"hung: .* at iteration 6, phase data; rank 1 .* before as well"):
         _run(tmp_path, monkeypatch, "rank=1,iteration=6,phase=data,seconds=900", load_cluster("local", tasks_per_node=2))
     run_dir = tmp_path / "run"
     assert len(_hang_reports(run_dir)) == 2 and [j["final"] for j in job_records(run_dir)] == ["HUNG", "HUNG"]

@@ -96,14 +96,14 @@ def test_every_stage_retries_by_the_one_rule():
     from tasks.common.retry import transient
     from tasks.sync.remote import SyncError, TransientSyncError
     from tasks.tokenize.bpe import TokenizeError
-    from tasks.train.stage import HungTwice
+    from tasks.train.stage import FaultedTwice
 
     conditions = [(path, line) for path in _sources().values() for line in path.read_text().splitlines()
                   if "retry_condition_fn=" in line]
     assert conditions and all("retry_condition_fn=worth_retrying" in line for _, line in conditions), conditions
     again = [JobError("job failed"), TransientSyncError("reset"), ConnectionResetError("reset")]
     never = [TokenizeError("bad line"), SyncError("access denied"), WriteError("disk full"), RunBusy("busy"),
-             FlowRunCancelled("cancelled"), HungTwice("hung twice"), RuntimeError("a bug")]
+             FlowRunCancelled("cancelled"), FaultedTwice("hung twice"), RuntimeError("a bug")]
     assert [transient(e) for e in again] == [True] * 3 and [transient(e) for e in never] == [False] * 7
 
 

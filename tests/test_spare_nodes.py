@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tasks.cluster.config import ClusterConfig, load_cluster
-from tasks.cluster.spares import NONE, ask_restart, left_out, spares_left
+from tasks.cluster.quarantine import Quarantine
+from tasks.cluster.spares import NONE, RankLost, ask_restart, end_steps, left_out, spares_left, unanswered
 from tasks.train.goodput import GOODPUT
 from tests.fixtures_gpt import read_metrics
 from tests.run_folder import job_records
@@ -44,9 +47,72 @@ def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, t
     assert HANG_S <= report["stalled_s"] <= HANG_S + 10
 
 
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_rank_killed_by_its_node_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, tmp_path, monkeypatch,
+                                                                            caplog, operator_preset):
+    caplog.set_level("WARNING")
+    quarantine = tmp_path / "ops" / "quarantine.json"
+    cluster = load_cluster(operator_preset(slurm_cluster["preset"], quarantine=str(quarantine)), nodes=1,
+                           tasks_per_node=2, spare_nodes=1)
+    result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=7,phase=sync,kill=1,once={tmp_path / 'fired'}", cluster)
+    run_dir = Path(result.run_dir)
+    assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
+    assert _hang_reports(run_dir) == []                                # no hang: srun said which node
+    (job,) = job_records(run_dir)
+    assert [s["state"] for s in job["states"]][-4:] == ["RUNNING", "RESTARTING", "RUNNING", "COMPLETED"]
+    restarting = next(s for s in job["states"] if s["state"] == "RESTARTING")
+    assert "rank 1 was killed on node" in restarting["reason"] and "after iteration 6 (srun: error: " in restarting["reason"]
+    (faulty,) = left_out(run_dir / "jobs", job["job_id"])
+    spare = next(n for n in slurm_cluster["nodes"] if n != faulty)
+    restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
+    assert len(restarted) == 1 and f"without node {faulty}, on {spare}: " in restarted[0]
+    assert f"after rank 1 was killed on {faulty}" in restarted[0]
+    (verdict,) = Quarantine(quarantine).nodes()[faulty]                # kept out of later runs, with srun's words
+    assert verdict["kind"] == "rank lost" and verdict["evidence"].endswith(f"{job['job_id']}_0_log.err")
+    assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
+    (leg,) = json.loads((run_dir / GOODPUT).read_text())["legs"]
+    assert leg["node_seconds"]["lost"] > 0 and leg["node_seconds"]["restart"] > 0 and leg["node_seconds"]["hang"] == 0
+    assert_weights_equal_an_uninterrupted_run(run_dir)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_node_set_down_leaves_the_allocation_and_its_ranks_restart_on_the_spare(three_node_cluster, tmp_path,
+                                                                                  monkeypatch, caplog):
+    """Three nodes: the batch script's (which must stay up: SLURM ends a job whose batch node fails),
+    the node the test sets down while rank 1 trains on it, and the spare."""
+    caplog.set_level("WARNING")
+    cluster = load_cluster(three_node_cluster["preset"], nodes=2, tasks_per_node=1, spare_nodes=1)
+    fired = tmp_path / "fired"
+    fault = f"rank=1,iteration=7,phase=sync,seconds=120,node=node2,once={fired}"
+    threading.Thread(target=_set_down_once, args=(fired, "node2"), daemon=True).start()
+    result, _ = _run(tmp_path, monkeypatch, fault, cluster, hang_timeout_s=60)
+    run_dir = Path(result.run_dir)
+    assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
+    assert _hang_reports(run_dir) == []
+    (job,) = job_records(run_dir)
+    assert left_out(run_dir / "jobs", job["job_id"]) == ["node2"]
+    restarting = next(s for s in job["states"] if s["state"] == "RESTARTING")
+    assert "node node2 failed after iteration 6 (srun: error: Node failure on node2)" in restarting["reason"]
+    restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
+    assert len(restarted) == 1 and "without node node2, on node1,node3: " in restarted[0], restarted
+    assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
+    assert_weights_equal_an_uninterrupted_run(run_dir)
+
+
+def _set_down_once(fired: Path, node: str) -> None:
+    """``node`` set DOWN by the operator once the fault holds the rank there."""
+    deadline = time.monotonic() + 300
+    while not fired.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=set down by a test"], check=True,
+                   timeout=30)
+
+
 def test_the_batch_script_allocates_the_spares_and_runs_its_ranks_as_a_loop_of_steps(tmp_path: Path) -> None:
     script = load_cluster("slurm-local", nodes=2, tasks_per_node=4, spare_nodes=2).sbatch_script(tmp_path / "jobs")
-    assert "#SBATCH --nodes=4\n" in script and "#SBATCH --ntasks-per-node=4\n" in script
+    assert "#SBATCH --nodes=4\n#SBATCH --no-kill\n" in script and "#SBATCH --ntasks-per-node=4\n" in script
     (srun,) = [line.strip() for line in script.splitlines() if line.strip().startswith("srun ")]
     assert srun.startswith("srun --nodes=2 --ntasks=8 ${excluded:+--exclude=$excluded} ")
     assert f'restarts={tmp_path / "jobs"}/"${{SLURM_JOB_ID}}_restarts"' in script
@@ -54,28 +120,60 @@ def test_the_batch_script_allocates_the_spares_and_runs_its_ranks_as_a_loop_of_s
     assert "#SBATCH --nodes=2\n" in plain and "while true" not in plain
 
 
-def test_the_loop_starts_a_step_for_each_restart_asked_and_leaves_the_named_nodes_out(tmp_path: Path) -> None:
-    """The batch script's loop, run by bash with `srun` standing in as a function that records its
-    arguments and asks for the next restart the way the follower does."""
+def _loop(tmp_path: Path, srun: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """The batch script's loop, run by bash with ``srun`` standing in as a function (``$n``: the step,
+    from 1) that answers each step the way the follower does; the loop's exit and each srun's arguments."""
     folder = tmp_path / "jobs"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     script = load_cluster("slurm-local", nodes=1, tasks_per_node=2, spare_nodes=2).sbatch_script(folder)
-    body = script[script.index("# command"):]
-    fake = (f'srun() {{ echo "$*" >> {tmp_path}/steps; n=$(wc -l < {tmp_path}/steps); '
-            f'[ "$n" = 1 ] && echo node1 >> "$restarts"; [ "$n" = 2 ] && echo - >> "$restarts"; return 7; }}\n')
-    done = subprocess.run(["bash", "-c", fake + body], env={"SLURM_JOB_ID": "42", "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=30)
-    steps = (tmp_path / "steps").read_text().splitlines()
-    assert done.returncode == 7 and len(steps) == 3, (done.stdout, done.stderr)
-    assert "--exclude" not in steps[0] and "--exclude=node1 " in steps[1] and "--exclude=node1 " in steps[2]
-    assert left_out(folder, "42") == ["node1", NONE]
-    # A step that succeeded ends the job, asked or not; a new start of the job (a requeue) begins
-    # with no restarts: its allocation has its spares again.
-    (tmp_path / "steps").unlink()
-    done = subprocess.run(["bash", "-c", fake.replace("return 7", "return 0") + body],
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    fake = f'srun() {{ echo "$*" >> {calls}; n=$(wc -l < {calls}); {srun}; }}\n'
+    done = subprocess.run(["bash", "-c", fake + script[script.index("# command"):]],
                           env={"SLURM_JOB_ID": "42", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0 and len((tmp_path / "steps").read_text().splitlines()) == 1
-    assert left_out(folder, "42") == ["node1"]
+    return done, calls.read_text().splitlines()
+
+
+def test_the_loop_starts_a_step_for_each_restart_asked_and_leaves_the_named_nodes_out(tmp_path: Path) -> None:
+    # Step 1 hangs (the follower asks before it kills it), step 2 loses a rank (srun says so; the
+    # follower answers after), step 3 loses a node (srun says 0) and the follower ends the job.
+    done, calls = _loop(tmp_path, '[ "$n" = 1 ] && { echo node1 >> "$restarts"; return 137; }; '
+                                  '[ "$n" = 2 ] && { echo "srun: error: node2: task 1: Killed" >&2; echo - >> "$restarts"; return 9; }; '
+                                  'echo "srun: error: Node failure on node3" >&2; echo end >> "$restarts"; return 0')
+    assert done.returncode == 1 and len(calls) == 3, (done.stdout, done.stderr)
+    assert "--exclude" not in calls[0] and "--exclude=node1 " in calls[1] and "--exclude=node1 " in calls[2]
+    assert left_out(tmp_path / "jobs", "42") == ["node1", NONE]
+    assert (tmp_path / "jobs" / "42_steps").read_text().splitlines() == [
+        "137 ", "9 srun: error: node2: task 1: Killed", "0 srun: error: Node failure on node3"]
+    assert "srun: error: node2: task 1: Killed" in done.stderr        # srun's own lines still in the job's log
+    # A step that succeeded ends the job without asking; a new start of the job (a requeue) begins
+    # with no restarts: its allocation has its spares again.
+    done, calls = _loop(tmp_path, 'return 0')
+    assert done.returncode == 0 and len(calls) == 1 and left_out(tmp_path / "jobs", "42") == []
+    assert (tmp_path / "jobs" / "42_steps").read_text() == ""
+
+
+@pytest.mark.parametrize(("line", "lost"), [
+    ("srun: error: node1: task 1: Killed", ("node1", 1)),
+    ("srun: error: node7: tasks 4-7: Bus error", ("node7", None)),
+    ("srun: error: Node failure on node2", ("node2", None)),
+    ("srun: error: node1: task 0: Exited with exit code 1", None),     # the rank's own error: not the node's
+    ("", None),
+])
+def test_a_step_that_ended_by_itself_is_the_nodes_fault_when_a_signal_or_a_failure_took_its_rank(line, lost):
+    found = RankLost.of("42", line)
+    assert (found and (found.node, found.rank)) == lost or found is lost
+    if found is not None:
+        assert found.node in found.line() and line in found.line()
+
+
+def test_the_follower_answers_each_step_that_failed_once(tmp_path: Path) -> None:
+    (tmp_path / "42_steps").write_text("137 \n9 srun: error: node2: task 1: Killed\n")
+    ask_restart(tmp_path, "42", "node1")                                 # step 1: a hang, answered before
+    assert unanswered(tmp_path, "42") == "srun: error: node2: task 1: Killed"
+    end_steps(tmp_path, "42")
+    assert unanswered(tmp_path, "42") is None and left_out(tmp_path, "42") == ["node1"]
+    assert spares_left(tmp_path, "42", 2) == 1
 
 
 def test_each_node_left_out_takes_a_spare_and_a_restart_without_one_takes_none(tmp_path: Path) -> None:

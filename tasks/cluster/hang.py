@@ -58,6 +58,9 @@ class Hang:
                 f"at iteration {self.iteration}, phase {self.phase}; {who}"
                 + (f"; stacks and report in {self.folder}" if self.folder else ""))
 
+    def noticed(self) -> str:
+        return f"the hang was found ({self.stalled_s:.0f} s to find it)"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -33,7 +33,7 @@ from tasks.cluster.processes import command_line, process_state, process_tree
 from tasks.cluster.record import JobRecord
 from tasks.cluster.run_owner import RunOwner
 from tasks.cluster.slurm import TERMINAL, requeued, run_command, scancel, slurm_state
-from tasks.cluster.spares import ask_restart, kill_steps, spares_left
+from tasks.cluster.spares import RankLost, ask_restart, end_steps, kill_steps, spares_left, unanswered
 from tasks.cluster.stacks import save_stacks
 from tasks.common.run_context import flow_run_cancelled, flow_run_id, run_logger
 
@@ -87,6 +87,8 @@ class JobHung(JobError):
         super().__init__(hang.line())
         self.hang = hang
 
+
+Fault = Hang | RankLost     # what restarts a job inside its allocation
 
 _ACTIVE: dict[str, "RunningJob"] = {}
 _ACTIVE_LOCK = threading.Lock()
@@ -208,13 +210,14 @@ def _job_folder(run_dir: Path) -> Iterator[JobRecord]:
 def submit(fn: Callable[[], R], cluster: ClusterConfig, *, run_dir: Path, job_name: str,
            python: str | None = None, on_poll: Callable[[], None] | None = None,
            watch: Callable[[str], HangWatch] | None = None,
-           restart: Callable[[Hang], None] | None = None) -> tuple[R, str, str]:
+           restart: Callable[[Fault], Fault] | None = None) -> tuple[R, str, str]:
     """Submit fn as one job, follow it to the end, return (rank 0's result, job id, nodelist).
     ``on_poll`` runs each time the job's state is checked (every POLL_S) and once at the end.
     ``watch(job_id)`` gives the job's HangWatch: a job that stops advancing has every rank's stack
     saved, is cancelled, and raises JobHung; one with a spare node left (``spare_nodes``) is
     restarted inside its allocation instead, without the node at fault, once ``restart(hang)``
-    (which may raise to stop it) has taken note.
+    (which may raise to stop it) has taken note and returned the fault as noted; and so is one whose
+    rank a node killed or lost (``restart(RankLost)``).
 
     The run folder is owned for the whole time (RunOwner). A job of the same name that an earlier
     run submitted and that still runs (the process that followed it died) is followed again
@@ -284,7 +287,7 @@ def _submit(fn: Callable[[], Any] | list[Callable[[], Any]], cluster: ClusterCon
 
 def _follow(running: RunningJob, cluster: ClusterConfig, *, run_dir: Path, record: JobRecord,
             on_poll: Callable[[], None], watch: HangWatch | None = None,
-            restart: Callable[[Hang], None] | None = None) -> tuple[Any, str, str]:
+            restart: Callable[[Fault], Fault] | None = None) -> tuple[Any, str, str]:
     """Follow the job to its end: its state recorded as it changes, ``on_poll`` at every poll, its
     ranks watched; returns (rank 0's result, job id, nodelist). A job this leaves before its end
     (an error, the flow run cancelled, this process exiting) is cancelled."""
@@ -366,11 +369,14 @@ def _polled(running: RunningJob, on_poll: Callable[[], None], record: JobRecord,
 
 
 def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, cluster: ClusterConfig, run_dir: Path,
-                   record: JobRecord, nodes: str, restart: Callable[[Hang], None] | None) -> bool:
+                   record: JobRecord, nodes: str, restart: Callable[[Fault], Fault] | None) -> bool:
     """A hung job has its stacks saved and is restarted inside its allocation where it can be
-    (True), else stopped (JobHung); a rank that failed while the others run on stops them (JobError)."""
+    (True), else stopped (JobHung); a rank that failed while the others run on stops them (JobError).
+    A job with spare nodes whose step ended by itself is restarted where its node was at fault."""
     if watch is None:
         return False
+    if cluster.spare_nodes and (why := unanswered(run_dir / JOBS_FOLDER, running.job_id)) is not None:
+        return _step_ended(running, RankLost.of(running.job_id, why), watch, cluster, run_dir, record, nodes, restart)
     hang = watch.check(state)
     if hang is not None:
         hang = _stacks_saved(running, hang, run_dir)
@@ -388,7 +394,31 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
     return False
 
 
-def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, restart: Callable[[Hang], None], run_dir: Path,
+def _step_ended(running: RunningJob, lost: RankLost | None, watch: HangWatch, cluster: ClusterConfig, run_dir: Path,
+                record: JobRecord, nodes: str, restart: Callable[[Fault], Fault] | None) -> bool:
+    """The answer to a step that failed by itself: restarted without the node that lost its rank, once
+    ``restart(lost)`` has taken note (True); else the job ends with the step, to be retried as any
+    failed job is."""
+    folder = run_dir / JOBS_FOLDER
+    if lost is None or restart is None or spares_left(folder, running.job_id, cluster.spare_nodes) <= 0:
+        end_steps(folder, running.job_id)
+        return False
+    try:
+        lost = restart(lost)
+    except BaseException:
+        end_steps(folder, running.job_id)
+        record.state(running.job_id, "FAILED", lost.line(), nodes)
+        raise
+    ask_restart(folder, running.job_id, lost.node)
+    watch.restarted()
+    record.state(running.job_id, "RESTARTING", f"{lost.line()}; restarting in the allocation without node {lost.node}",
+                 nodes)
+    run_logger().warning("job %s: %s; restarting its ranks in the allocation without node %s, from the newest "
+                         "checkpoint", running.job_id, lost.noticed(), lost.node)
+    return True
+
+
+def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, restart: Callable[[Fault], Fault], run_dir: Path,
                record: JobRecord, nodes: str) -> bool:
     """The job's hung step killed and the next started by its batch script, without the node at
     fault: the same job, on its spare node, from the newest checkpoint, once ``restart(hang)`` has
@@ -399,7 +429,7 @@ def _restarted(running: RunningJob, hang: Hang, watch: HangWatch, restart: Calla
         run_logger().warning("job %s: its hung step could not be killed alone: stopping the job", running.job_id)
         return False
     try:
-        restart(hang)
+        hang = restart(hang)
     except BaseException:
         _stopped(running, hang, record, nodes)
         raise

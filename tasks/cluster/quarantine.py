@@ -22,7 +22,7 @@ from tasks.cluster.config import ClusterConfig
 from tasks.cluster.slurm import hostnames
 from tasks.common.run_context import run_logger
 
-VERDICTS = ("hang", "straggler", "burn-in", "operator")
+VERDICTS = ("hang", "rank lost", "straggler", "burn-in", "operator")
 
 
 class QuarantineError(ValueError):

@@ -18,7 +18,7 @@ from gpt.files import write_json
 from tasks import events
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import Hang
-from tasks.cluster.jobs import JobError, JobHung, submit
+from tasks.cluster.jobs import JOBS_FOLDER, Fault, JobError, JobHung, submit
 from tasks.cluster.launch import DistributedTask, job_launch
 from tasks.cluster.quarantine import Quarantine
 from tasks.cluster.record import JobRecord
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from tasks.precompile import PrecompileManifest
 
 SUMMARY = "summary.json"      # the last completed job's summary: what a run trained to its length reports
-MAX_HANGS = 3                 # hangs of one train stage before it gives up, at any iterations
+MAX_FAULTS = 3     # hangs and lost ranks of one train stage before it gives up, at any iterations
 
 
 class TrainResult(BaseModel):
@@ -165,7 +165,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
     """The job submitted and followed until it completes; submitted again to resume after a hang
     (without the node that hung), a loss spike (rolled back), or a stop that did not requeue."""
     watch = TrainingWatch(config, cluster, run_dir, tracked)
-    hangs: list[Hang] = []
+    faults: list[Fault] = []
     resubmitted = 0
     while True:
         launch, python = job_launch(cluster, config.compile_cache_dir, compile_graphs=False)
@@ -173,8 +173,8 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
             summary, job_id, nodes = submit(DistributedTask(config.to_dict()), launch, run_dir=run_dir,
                                             job_name=f"train-{model_name(config)}", python=python,
                                             on_poll=watch.on_poll, watch=watch.hangs,
-                                            restart=lambda hang: watch.restarting(counted(hang, hangs, run_dir,
-                                                                                          watch.quarantine)))
+                                            restart=lambda fault: watch.restarting(counted(watch.placed(fault), faults,
+                                                                                           run_dir, watch.quarantine)))
             if not stopped_without_requeue(summary, cluster, run_dir, job_id) or resubmitted >= cluster.max_requeues:
                 break
             resubmitted += 1
@@ -182,7 +182,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                                  "submitting it again to resume (%d of max_requeues %d)", job_id, resubmitted,
                                  cluster.max_requeues)
         except JobHung as e:
-            cluster = after_hang(e.hang, hangs, cluster, run_dir)
+            cluster = after_hang(e.hang, faults, cluster, run_dir)
         except SpikeFound as e:
             config = after_spike(e.spike, config, run_dir, watch)
     if summary.get("status") != "completed":
@@ -194,30 +194,34 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                        metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
 
 
-def after_hang(hang: Hang, hangs: list[Hang], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
+def after_hang(hang: Hang, faults: list[Fault], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
     """Reported; the cluster the job is submitted to again, without the node that hung."""
-    counted(hang, hangs, run_dir, Quarantine.of(cluster))
+    counted(hang, faults, run_dir, Quarantine.of(cluster))
     cluster, where = without_node(cluster, hang.node)
     run_logger().warning("resubmitting the job to resume from the newest checkpoint%s", where)
     return cluster
 
 
-def counted(hang: Hang, hangs: list[Hang], run_dir: Path, quarantine: Quarantine | None) -> Hang:
-    """A hang reported, its node quarantined where the operator keeps a quarantine, and the hang
-    added to the stage's: the same hang twice, or MAX_HANGS hangs, end the stage (HungTwice), as
-    starting the job again would loop."""
-    events.report(hang.incident(), run_dir.name)
-    if hang.node and quarantine is not None:
-        quarantine.verdict(hang.node, "hang", hang.line(), run=run_dir.name, job=hang.job_id, evidence=hang.folder)
-    if any(h.iteration == hang.iteration for h in hangs):
-        raise HungTwice(f"{hang.line()}. It hung at iteration {hang.iteration} before as well: not "
-                        "resubmitted again; see the stacks, fix what holds it, and run again") from None
-    if len(hangs) + 1 >= MAX_HANGS:
-        raise HungTwice(f"{hang.line()}. The run hung {MAX_HANGS} times (at iterations "
-                        f"{', '.join(str(h.iteration) for h in [*hangs, hang])}): not resubmitted again; "
-                        "see the stacks in each job's folder") from None
-    hangs.append(hang)
-    return hang
+def counted(fault: Fault, faults: list[Fault], run_dir: Path, quarantine: Quarantine | None) -> Fault:
+    """A hang or a lost rank reported, its node quarantined where the operator keeps a quarantine, and
+    the fault added to the stage's: two at one iteration, or MAX_FAULTS, end the stage (FaultedTwice),
+    as starting the job again would loop."""
+    events.report(fault.incident(), run_dir.name)
+    hung = isinstance(fault, Hang)
+    evidence = fault.folder if hung else str(run_dir / JOBS_FOLDER / f"{fault.job_id}_0_log.err")
+    if fault.node and quarantine is not None:
+        quarantine.verdict(fault.node, "hang" if hung else "rank lost", fault.line(), run=run_dir.name,
+                           job=fault.job_id, evidence=evidence)
+    if fault.iteration is not None and any(f.iteration == fault.iteration for f in faults):
+        raise FaultedTwice(f"{fault.line()}. It {'hung' if hung else 'lost a rank'} at iteration {fault.iteration} "
+                           f"before as well: not started again; see {evidence}, fix what stops it, and run "
+                           "again") from None
+    if len(faults) + 1 >= MAX_FAULTS:
+        raise FaultedTwice(f"{fault.line()}. The run hung or lost a rank {MAX_FAULTS} times (at iterations "
+                           f"{', '.join(str(f.iteration) for f in [*faults, fault])}): not started again; "
+                           "see the stacks and logs in each job's folder") from None
+    faults.append(fault)
+    return fault
 
 
 def after_spike(found: Spike, config: Config, run_dir: Path, watch: TrainingWatch) -> Config:
@@ -244,8 +248,9 @@ def stopped_without_requeue(summary: dict[str, Any], cluster: ClusterConfig, run
     return job is not None and job.get("final") != "CANCELLED"
 
 
-class HungTwice(JobError):
-    """The run hung twice at one iteration, or MAX_HANGS times: resubmitting again would loop."""
+class FaultedTwice(JobError):
+    """The run hung or lost a rank twice at one iteration, or MAX_FAULTS times: starting it again would
+    loop."""
     transient = False
 
 

@@ -4,6 +4,7 @@ per logged iteration, each complete save announced as an event (pinned first whe
 evaluates it), the run's evaluations to its trackers, and the loss spikes it rolls back."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -15,8 +16,10 @@ from gpt.files import NotReplaceable
 from gpt.metrics import saved_line, train_line, valid_line
 from tasks import events
 from tasks.cluster.config import ClusterConfig
-from tasks.cluster.hang import Hang, HangWatch, Stragglers
+from tasks.cluster.hang import HangWatch, Stragglers
+from tasks.cluster.jobs import Fault
 from tasks.cluster.quarantine import Quarantine
+from tasks.cluster.spares import RankLost
 from tasks.common.progress import Progress, human_duration
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, pins, tracker_items, unevaluated
@@ -86,7 +89,8 @@ class TrainingWatch:
         self.first_record: float | None = None      # when this stage saw the job train (the cost clock starts)
         self.hang_watch: HangWatch | None = None
         self.quarantine, self.quarantined = Quarantine.of(cluster), set()     # nodes this run put there
-        self.restart: tuple[float, Hang] | None = None   # the hang whose job restarts in its allocation
+        self.restart: tuple[float, Fault] | None = None   # the fault whose job restarts in its allocation
+        self.trained = 0                            # the newest iteration the records show
         newest = newest_intact(run_dir / "checkpoints")[0]
         self.announced = iteration_of(newest) if newest else 0   # the newest save a checkpoint event was sent for
         self.spikes = SpikeWatch(config, since=self.announced)
@@ -110,15 +114,21 @@ class TrainingWatch:
         self.hang_watch = HangWatch(self.run_dir, job_id, self.cluster.world_size, self.config.hang_timeout_s)
         return self.hang_watch
 
-    def restarting(self, hang: Hang) -> None:
-        """The job restarts its ranks inside its allocation after ``hang``: its first iteration past
+    def placed(self, fault: Fault) -> Fault:
+        """A lost rank at the newest iteration the run trained (its records say; a killed rank's
+        heartbeat, written every few seconds, may be behind)."""
+        return dataclasses.replace(fault, iteration=self.trained) if isinstance(fault, RankLost) else fault
+
+    def restarting(self, fault: Fault) -> Fault:
+        """The job restarts its ranks inside its allocation after ``fault``: its first iteration past
         where it was says where, and how long it took."""
-        self.restart = (time.monotonic(), hang)
+        self.restart = (time.monotonic(), fault)
+        return fault
 
     def rewind(self, iteration: int, config: Config) -> None:
         """The run went back to ``iteration`` (a rollback), to go on with ``config``: its records and
         saves from there are new."""
-        self.config = config
+        self.config, self.trained = config, iteration
         self.records.rewind(iteration)
         self.spikes.rewind(iteration)
         self.announced = iteration
@@ -150,6 +160,7 @@ class TrainingWatch:
 
     def _train(self, r: dict[str, Any]) -> None:
         c, total = self.config, self.config.total_iters
+        self.trained = r["iteration"]
         if self.restart is not None:
             self._restarted(r["iteration"])
         if self.first_record is None:
@@ -171,15 +182,16 @@ class TrainingWatch:
 
     def _restarted(self, iteration: int) -> None:
         """Said once the restarted ranks train past where the hung ones were."""
-        (at, hang), self.restart = self.restart, None
+        (at, fault), self.restart = self.restart, None
         nodes = sorted({b["node"] for b in self.hang_watch.beats()}) if self.hang_watch is not None else []
         back_s = time.monotonic() - at
-        line = (f"restarted in the allocation{f' without node {hang.node}' if hang.node else ''}, on "
+        noticed = fault.noticed()
+        line = (f"restarted in the allocation{f' without node {fault.node}' if fault.node else ''}, on "
                 f"{','.join(nodes) or 'its nodes'}: training again at iteration {iteration}, {back_s:.0f} s after "
-                f"the hang was found ({hang.stalled_s:.0f} s to find it)")
+                f"{noticed}")
         events.report(events.Incident("gpt.training.restarted", "training-restart", line,
-                                      {"job_id": hang.job_id, "node": hang.node, "nodes": nodes, "iteration": iteration,
-                                       "back_s": round(back_s, 1), "found_s": round(hang.stalled_s, 1)},
+                                      {"job_id": fault.job_id, "node": fault.node, "nodes": nodes,
+                                       "iteration": iteration, "back_s": round(back_s, 1), "after": noticed},
                                       f"restarted in the allocation at iteration {iteration}", f"**{line}**\n"),
                       self.run_dir.name)
 
