@@ -32,10 +32,10 @@ def slurm_cluster() -> dict:
     return {"partition": partition, "nodes": [f"node{i}" for i in range(1, count + 1)], "preset": "slurm-local"}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def three_node_cluster(slurm_cluster: dict) -> Iterator[dict]:
-    """The local cluster with a third node, for a test whose job needs a node beside its batch
-    script's and a spare; the session's cluster again afterwards (the SLURM tests run one at a time)."""
+    """The local cluster with a third node, for the tests of a module whose jobs need two nodes and a
+    spare; the session's cluster again after them (the SLURM tests run one at a time)."""
     def start(count: int) -> None:
         result = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True, timeout=300,
                                 env={**os.environ, "LOCAL_SLURM_NODES": str(count)})

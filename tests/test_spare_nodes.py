@@ -22,26 +22,25 @@ from tests.uninterrupted import assert_weights_equal_an_uninterrupted_run
 
 @pytest.mark.slurm
 @pytest.mark.timeout(600)
-def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, tmp_path, monkeypatch, caplog):
+def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(three_node_cluster, tmp_path, monkeypatch, caplog):
+    """Two ranks on two nodes and a spare: rank 1 held before a collective on node2."""
     caplog.set_level("WARNING")
-    cluster = load_cluster(slurm_cluster["preset"], nodes=1, tasks_per_node=2, spare_nodes=1)
+    cluster = load_cluster(three_node_cluster["preset"], nodes=2, tasks_per_node=1, spare_nodes=1)
     once = tmp_path / "fired"
     result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=7,phase=sync,seconds=900,once={once}", cluster)
     run_dir = Path(result.run_dir)
     assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
     (report,) = _hang_reports(run_dir)
-    faulty = report["node"]
-    assert (report["rank"], report["phase"], report["iteration"]) == (1, "sync", 7) and faulty in slurm_cluster["nodes"]
+    assert (report["rank"], report["node"], report["phase"], report["iteration"]) == (1, "node2", "sync", 7)
     (job,) = job_records(run_dir)                                    # one job: no resubmission, no requeue
     assert job["final"] == "COMPLETED"
     assert [s["state"] for s in job["states"]][-4:] == ["RUNNING", "RESTARTING", "RUNNING", "COMPLETED"]
-    assert left_out(run_dir / "jobs", job["job_id"]) == [faulty]
-    spare = next(n for n in slurm_cluster["nodes"] if n != faulty)
+    assert left_out(run_dir / "jobs", job["job_id"]) == ["node2"]
     restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
-    assert len(restarted) == 1 and f"without node {faulty}, on {spare}: training again at iteration" in restarted[0]
+    assert len(restarted) == 1 and "without node node2, on node1,node3: training again at iteration" in restarted[0]
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
     (leg,) = json.loads((run_dir / GOODPUT).read_text())["legs"]        # the spare's node-hours counted too
-    assert leg["jobs"][0]["nodes"] == 2 and sum(leg["node_seconds"].values()) == pytest.approx(leg["held_node_seconds"])
+    assert leg["jobs"][0]["nodes"] == 3 and sum(leg["node_seconds"].values()) == pytest.approx(leg["held_node_seconds"])
     assert all(leg["node_seconds"][cause] > 0 for cause in ("start", "restart", "hang", "lost", "productive"))
     assert_weights_equal_an_uninterrupted_run(run_dir)
     assert HANG_S <= report["stalled_s"] <= HANG_S + 10
@@ -49,12 +48,13 @@ def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, t
 
 @pytest.mark.slurm
 @pytest.mark.timeout(600)
-def test_a_rank_killed_by_its_node_restarts_on_the_spare_node_in_the_same_job(slurm_cluster, tmp_path, monkeypatch,
-                                                                            caplog, operator_preset):
+def test_a_rank_killed_by_its_node_restarts_on_the_spare_node_in_the_same_job(three_node_cluster, tmp_path,
+                                                                            monkeypatch, caplog, operator_preset):
+    """Two ranks on two nodes and a spare: rank 1 killed on node2 (SIGKILL, as the OOM killer does)."""
     caplog.set_level("WARNING")
     quarantine = tmp_path / "ops" / "quarantine.json"
-    cluster = load_cluster(operator_preset(slurm_cluster["preset"], quarantine=str(quarantine)), nodes=1,
-                           tasks_per_node=2, spare_nodes=1)
+    cluster = load_cluster(operator_preset(three_node_cluster["preset"], quarantine=str(quarantine)), nodes=2,
+                           tasks_per_node=1, spare_nodes=1)
     result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=7,phase=sync,kill=1,once={tmp_path / 'fired'}", cluster)
     run_dir = Path(result.run_dir)
     assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
@@ -62,13 +62,12 @@ def test_a_rank_killed_by_its_node_restarts_on_the_spare_node_in_the_same_job(sl
     (job,) = job_records(run_dir)
     assert [s["state"] for s in job["states"]][-4:] == ["RUNNING", "RESTARTING", "RUNNING", "COMPLETED"]
     restarting = next(s for s in job["states"] if s["state"] == "RESTARTING")
-    assert "rank 1 was killed on node" in restarting["reason"] and "after iteration 6 (srun: error: " in restarting["reason"]
-    (faulty,) = left_out(run_dir / "jobs", job["job_id"])
-    spare = next(n for n in slurm_cluster["nodes"] if n != faulty)
+    assert "rank 1 was killed on node2 after iteration 6 (srun: error: node2: task 1: Killed)" in restarting["reason"]
+    assert left_out(run_dir / "jobs", job["job_id"]) == ["node2"]
     restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
-    assert len(restarted) == 1 and f"without node {faulty}, on {spare}: " in restarted[0]
-    assert f"after rank 1 was killed on {faulty}" in restarted[0]
-    (verdict,) = Quarantine(quarantine).nodes()[faulty]                # kept out of later runs, with srun's words
+    assert len(restarted) == 1 and "without node node2, on node1,node3: " in restarted[0]
+    assert "after rank 1 was killed on node2" in restarted[0]
+    (verdict,) = Quarantine(quarantine).nodes()["node2"]                # kept out of later runs, with srun's words
     assert verdict["kind"] == "rank lost" and verdict["evidence"].endswith(f"{job['job_id']}_0_log.err")
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
     (leg,) = json.loads((run_dir / GOODPUT).read_text())["legs"]
