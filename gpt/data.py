@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpt.files import process_alive
+from gpt.token_stats import record, recorded
 
 MAGIC = b"MMIDIDX\x00\x00"
 COPY_BLOCK = 16 << 20     # bytes per read when a .bin is copied into another
@@ -123,7 +125,11 @@ class MMapIndexedDataset:
                                    f"sequence {bad if n > 1 else 0}): the index is corrupt; tokenize the data again")
         if d > 1 and bool(np.any(np.diff(self.document_indices) < 0)):
             raise IndexFormatError(f"{self.idx_path}: document indices go backwards: the index is corrupt")
-        self._bin = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
+
+    @functools.cached_property
+    def _bin(self) -> np.ndarray:
+        """The ``.bin``, mapped on first use: building indices reads only the ``.idx``."""
+        return np.memmap(self.bin_path, dtype=np.uint8, mode="r") if self.num_tokens else np.empty(0, np.uint8)
 
     @property
     def num_tokens(self) -> int:
@@ -217,6 +223,7 @@ class IndexedDatasetWriter:
         self._doc_ends: list[np.ndarray] = []  # sequence count after each document
         self._sequences = 0
         self._tokens = 0
+        self._max_token_id = -1
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
         """Append one document made of one sequence."""
@@ -229,10 +236,12 @@ class IndexedDatasetWriter:
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != tokens.size:
             raise ValueError(f"lengths add up to {int(lengths.sum())} but {tokens.size} tokens were given")
+        hi = int(tokens.max()) if tokens.size else -1
+        self._max_token_id = max(self._max_token_id, hi)
         if tokens.dtype != self.dtype:
             if tokens.size and self.dtype.kind in "iu":
                 info = np.iinfo(self.dtype)
-                lo, hi = int(tokens.min()), int(tokens.max())
+                lo = int(tokens.min())
                 if lo < info.min or hi > info.max:
                     raise ValueError(f"{self.prefix}: token ids [{lo}, {hi}] do not fit {self.dtype}; choose a wider dtype")
             tokens = tokens.astype(self.dtype)
@@ -250,18 +259,23 @@ class IndexedDatasetWriter:
             raise ValueError(f"{other.idx_path} holds {other.dtype} tokens; this output holds {self.dtype}")
         with open(other.bin_path, "rb") as f:
             _append_file(f, self._bin)
+        seen = recorded(other.prefix)
+        self._max_token_id = max(self._max_token_id, seen["max_token_id"] if seen else other.max_token_id())
         self._sizes.append(np.array(other.sizes, dtype=np.int32))
         self._doc_ends.append(self._sequences + np.asarray(other.document_indices[1:], dtype=np.int64))
         self._sequences += len(other.sizes)
         self._tokens += other.num_tokens
 
     def finalize(self) -> None:
-        """Write the ``.idx`` and move both files to their final names."""
+        """Write the ``.idx``, move both files to their final names, and record what was written
+        beside them (gpt.token_stats)."""
         self._bin.close()
         sizes = np.concatenate(self._sizes) if self._sizes else np.empty(0, np.int32)
         doc_idx = np.concatenate([np.zeros(1, np.int64), *self._doc_ends])
         write_index(self._idx_tmp, sizes, doc_idx, self.dtype)
-        os.replace(self._bin_tmp, self.prefix + ".bin")
+        record(self.prefix, self._bin_tmp, self._idx_tmp, documents=self.num_documents, tokens=self._tokens,
+               max_token_id=self._max_token_id)
+        os.replace(self._bin_tmp, self.prefix + ".bin")     # a rename keeps the inode and times recorded
         os.replace(self._idx_tmp, self.prefix + ".idx")
 
     def abort(self) -> None:

@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict
 
 from gpt.data import Blend, DataIndex, IndexedPart, IndexedSplit, MMapIndexedDataset
 from gpt.files import replaced, write_atomic, writing
+from gpt.token_stats import fingerprint as content_fingerprint
+from gpt.token_stats import recorded
 from native.index import build_blending_indices, build_sample_idx
 from tasks.common.cache import StageCache, cached
 from tasks.common.digest import Digest, digest, file_digest
@@ -130,17 +132,11 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def _fingerprint(data: MMapIndexedDataset, blocks: int = 64, block_bytes: int = 1 << 16) -> list:
-    """Identity of a .bin/.idx pair by content, not by file times (tokenizing the same text again
-    gives the same identity): the sizes, the whole .idx (small: 12 bytes a document) and ``blocks``
-    blocks spread evenly over the .bin (hashing gigabytes would dominate)."""
-    content = Digest().add_bytes(np.asarray(data.idx_bytes).data)
-    size = os.path.getsize(data.bin_path)
-    with open(data.bin_path, "rb") as f:
-        for i in range(blocks if size else 0):
-            f.seek(size * i // blocks)
-            content.add_bytes(f.read(block_bytes))
-    return [os.path.getsize(data.idx_path), size, content.hex()]
+def _fingerprint(data: MMapIndexedDataset) -> list:
+    """A pair's identity by content: its writer's record where it was written here (its ``.bin`` not
+    opened), else from its files."""
+    seen = recorded(data.prefix)
+    return seen["fingerprint"] if seen else content_fingerprint(data.prefix)
 
 
 def whole(path: Path) -> bool:
@@ -423,8 +419,11 @@ def _built_with(entries: list[tuple[float | None, str]], **arguments: Any) -> di
 
 
 def _max_token_id(data: MMapIndexedDataset, fingerprint: list, out_dir: Path) -> int:
-    """The largest token id in a prefix's .bin, read once per content (by its fingerprint) and kept
-    beside the indices: a corpus of 1T tokens is 2 TB to read."""
+    """The largest token id in a prefix's .bin: its writer's record where it was written here (the
+    tokenize stage saw every token), else read once per content (by its fingerprint) and kept beside
+    the indices: a corpus of 1T tokens is 2 TB to read."""
+    if (seen := recorded(data.prefix)) is not None:
+        return int(seen["max_token_id"])
     stat = os.stat(data.bin_path)   # with the sampled fingerprint: a .bin rewritten in place is read again
     key = json.dumps([fingerprint, stat.st_ino, stat.st_mtime_ns])
     path = out_dir / f"{digest(key, length=32)}-max-token-id.json"

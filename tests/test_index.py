@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from gpt import token_stats
 from gpt.data import GPTDataset, IndexedDatasetWriter, MMapIndexedDataset
 from native._index import build_sample_idx_int64
 from native.index import build_blending_indices, build_sample_idx, sample_idx_dtype
@@ -236,6 +237,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path,
     with IndexedDatasetWriter(prefix, np.uint16) as w:
         for i in range(40):
             w.add_document(np.arange(i, i + 30) * 100)         # ids up to 6,800
+    os.remove(prefix + token_stats.SUFFIX)                     # a pair tokenized elsewhere: its ids are read
     reads = []
     monkeypatch.setattr(MMapIndexedDataset, "max_token_id", lambda self: reads.append(self.prefix) or 6800)
     index = build_indices([prefix], seq_length=8, seed=1, num_samples={"train": 10}, out_dir=str(tmp_path / "i"))
@@ -252,3 +254,46 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_both_files(tmp_path,
     assert e.value.errors == [f"data: {prefix}.bin holds token id 6800, but the vocabulary /data/gpt2/vocab.json has "
                               "only 4096 entries: the data was tokenized with another vocabulary; give that vocabulary "
                               "or tokenize again"]
+
+
+def test_the_index_stage_takes_a_pair_tokenized_here_from_its_writers_record_without_opening_its_bin(
+        tmp_path, bpe_vocab):
+    from tasks.tokenize.stage import tokenize
+
+    vocab, merges = map(str, bpe_vocab)
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} of the corpus, " * (i % 7 + 1)}) + "\n"
+                              for i in range(300)))
+    tokenized = tokenize([str(source)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, append_eod=True)
+    prefix = tokenized.prefixes["text"]
+    seen = token_stats.recorded(prefix)
+    data = MMapIndexedDataset(prefix)
+    assert seen["max_token_id"] == data.max_token_id() and seen["tokens"] == data.num_tokens == tokenized.tokens
+    assert seen["documents"] == data.num_documents == 300 and seen["fingerprint"] == token_stats.fingerprint(prefix)
+    opened = _opened_during(lambda: build_indices([prefix], seq_length=16, seed=1, num_samples={"train": 50},
+                                                  out_dir=str(tmp_path / "idx")), prefix + ".bin")
+    index, bins = opened
+    assert bins == [] and index.max_token_ids == {prefix: seen["max_token_id"]}
+    # The same pair rewritten in place by another tool: the record no longer holds, the .bin is read.
+    tokens = np.fromfile(prefix + ".bin", dtype=data.dtype)
+    tokens[0] = 50_000
+    tokens.tofile(prefix + ".bin")
+    assert token_stats.recorded(prefix) is None
+    index, bins = _opened_during(lambda: build_indices([prefix], seq_length=16, seed=1, num_samples={"train": 50},
+                                                       out_dir=str(tmp_path / "idx")), prefix + ".bin")
+    assert bins and index.max_token_ids == {prefix: 50_000}
+
+
+def _opened_during(call, path: str) -> tuple:
+    """What ``call`` returns, and each time it opened ``path`` (Python's audit events: open, mmap)."""
+    opened: list[str] = []
+    watching = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if watching[0] and event in ("open", "mmap.__new__") and args and str(args[0]) == path:
+            opened.append(event)
+    sys.addaudithook(hook)
+    try:
+        return call(), opened
+    finally:
+        watching[0] = False
