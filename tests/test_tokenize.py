@@ -111,6 +111,28 @@ def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, caplog):
     assert not list(tmp_path.glob("strict*"))
 
 
+def test_json_the_parser_reads_as_pythons_json_does_or_refuses_by_name(tmp_path, bpe_vocab, caplog):
+    """The JSONL parser (orjson) against Python's ``json``: escapes, surrogate pairs and duplicate
+    keys give the text ``json`` gives; a lone surrogate, which ``json`` reads into a string no
+    tokenizer can take, is refused with its line; a line that is not an object has no text."""
+    caplog.set_level("INFO", logger="tasks")
+    vocab, merges = map(str, bpe_vocab)
+    lines = [rb'{"text": "caf\u00e9 \"quoted\" \\ back\/slash \t tab \ud83d\ude00 pair"}',
+             rb'{"text": "first", "text": "the last one wins"}',
+             rb'{"text": "lone \ud800 surrogate"}',
+             rb'["text", "an array"]',
+             rb'{"text": 1e3}']
+    src = tmp_path / "escapes.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    m = tokenize([str(src)], str(tmp_path / "out"), vocab_file=vocab, merge_file=merges, append_eod=False, workers=1)
+    ref = byte_level_bpe(vocab, merges)
+    assert read_docs(m.prefixes["text"]) == [ref.encode(json.loads(raw)["text"]).ids for raw in lines[:2]]
+    assert m.skipped["malformed_json"] == 1 and m.skipped["missing_key"] == 2
+    assert f"{src}:3: skipped: malformed JSON (no matched low surrogate" in caplog.text
+    for line in (4, 5):
+        assert f"{src}:{line}: skipped: no string field 'text'" in caplog.text
+
+
 def test_empty_and_missing_inputs(tmp_path, bpe_vocab):
     vocab, merges = map(str, bpe_vocab)
     empty = tmp_path / "empty.jsonl"
