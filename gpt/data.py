@@ -128,7 +128,10 @@ class MMapIndexedDataset:
 
     @functools.cached_property
     def _bin(self) -> np.ndarray:
-        """The ``.bin``, mapped on first use: building indices reads only the ``.idx``."""
+        """The ``.bin``, mapped on first use (building indices reads only the ``.idx``), while it is
+        still the size the ``.idx`` was checked against."""
+        if os.path.getsize(self.bin_path) != self.num_tokens * self.dtype.itemsize:
+            raise IndexFormatError(f"{self.bin_path} changed size since {self.idx_path} was read: read the pair again")
         return np.memmap(self.bin_path, dtype=np.uint8, mode="r") if self.num_tokens else np.empty(0, np.uint8)
 
     @property
@@ -273,10 +276,9 @@ class IndexedDatasetWriter:
         sizes = np.concatenate(self._sizes) if self._sizes else np.empty(0, np.int32)
         doc_idx = np.concatenate([np.zeros(1, np.int64), *self._doc_ends])
         write_index(self._idx_tmp, sizes, doc_idx, self.dtype)
-        record(self.prefix, self._bin_tmp, self._idx_tmp, documents=self.num_documents, tokens=self._tokens,
-               max_token_id=self._max_token_id)
-        os.replace(self._bin_tmp, self.prefix + ".bin")     # a rename keeps the inode and times recorded
+        os.replace(self._bin_tmp, self.prefix + ".bin")
         os.replace(self._idx_tmp, self.prefix + ".idx")
+        record(self.prefix, documents=self.num_documents, tokens=self._tokens, max_token_id=self._max_token_id)
 
     def abort(self) -> None:
         """Drop the temporary files."""

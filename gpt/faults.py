@@ -11,7 +11,8 @@ variable each hook returns at once.
   asynchronous checkpoint write of that iteration ends that much later (its folder not yet marked
   complete), while training goes on. ``stop=1``: the rank stops
   itself (SIGSTOP) there instead: a process that cannot answer any signal but SIGKILL. ``kill=1``:
-  the rank is killed there (SIGKILL), as the kernel's OOM killer or a failing node kills it.
+  the rank is killed there (SIGKILL), as the kernel's OOM killer or a failing node kills it, after
+  holding ``seconds`` (its peers waiting in a collective meanwhile).
 - ``sample=X,factor=F``: the loss of the iteration that trains on sample X (its id: its position in
   the train order before any rollback) is multiplied by F on every rank: a loss spike caused by
   the data, which the run rolls back around (tasks/train/spikes.py). With pipeline stages only the
@@ -72,6 +73,7 @@ class Fault:
         if self.stop or self.kill:
             print(f"fault injected: rank {os.environ.get('RANK', '0')} {'stops' if self.stop else 'is killed'} in "
                   f"{phase} at iteration {iteration}", flush=True)
+            time.sleep(self.seconds if self.kill else 0.0)
             os.kill(os.getpid(), signal.SIGSTOP if self.stop else signal.SIGKILL)
             return
         print(f"fault injected: rank {os.environ.get('RANK', '0')} sleeps {self.seconds:g} s in {phase} at "

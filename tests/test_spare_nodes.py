@@ -12,7 +12,16 @@ import pytest
 
 from tasks.cluster.config import ClusterConfig, load_cluster
 from tasks.cluster.quarantine import Quarantine
-from tasks.cluster.spares import NONE, RankLost, ask_restart, end_steps, left_out, spares_left, unanswered
+from tasks.cluster.spares import (
+    NONE,
+    RankLost,
+    ask_restart,
+    end_steps,
+    left_out,
+    restarts_file,
+    spares_left,
+    unanswered,
+)
 from tasks.train.goodput import GOODPUT
 from tests.fixtures_gpt import read_metrics
 from tests.run_folder import job_records
@@ -50,19 +59,20 @@ def test_a_hung_rank_restarts_on_the_spare_node_in_the_same_job(three_node_clust
 @pytest.mark.timeout(600)
 def test_a_rank_killed_by_its_node_restarts_on_the_spare_node_in_the_same_job(three_node_cluster, tmp_path,
                                                                             monkeypatch, caplog, operator_preset):
-    """Two ranks on two nodes and a spare: rank 1 killed on node2 (SIGKILL, as the OOM killer does)."""
+    """Two ranks on two nodes and a spare: rank 1 killed on node2 (SIGKILL, as the OOM killer does)
+    once it has held 2 s before a collective (the save at iteration 4 is complete by then)."""
     caplog.set_level("WARNING")
     quarantine = tmp_path / "ops" / "quarantine.json"
     cluster = load_cluster(operator_preset(three_node_cluster["preset"], quarantine=str(quarantine)), nodes=2,
                            tasks_per_node=1, spare_nodes=1)
-    result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=7,phase=sync,kill=1,once={tmp_path / 'fired'}", cluster)
+    result, _ = _run(tmp_path, monkeypatch, f"rank=1,iteration=7,phase=sync,kill=1,seconds=2,once={tmp_path / 'fired'}", cluster)
     run_dir = Path(result.run_dir)
     assert result.summary["status"] == "completed" and result.summary["iteration"] == 16
     assert _hang_reports(run_dir) == []                                # no hang: srun said which node
     (job,) = job_records(run_dir)
     assert [s["state"] for s in job["states"]][-4:] == ["RUNNING", "RESTARTING", "RUNNING", "COMPLETED"]
     restarting = next(s for s in job["states"] if s["state"] == "RESTARTING")
-    assert "rank 1 was killed on node2 after iteration 6 (srun: error: node2: task 1: Killed)" in restarting["reason"]
+    assert "rank 1 was killed on node2 at iteration 7 (srun: error: node2: task 1: Killed)" in restarting["reason"]
     assert left_out(run_dir / "jobs", job["job_id"]) == ["node2"]
     restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
     assert len(restarted) == 1 and "without node node2, on node1,node3: " in restarted[0]
@@ -93,7 +103,7 @@ def test_a_node_set_down_leaves_the_allocation_and_its_ranks_restart_on_the_spar
     (job,) = job_records(run_dir)
     assert left_out(run_dir / "jobs", job["job_id"]) == ["node2"]
     restarting = next(s for s in job["states"] if s["state"] == "RESTARTING")
-    assert "node node2 failed after iteration 6 (srun: error: Node failure on node2)" in restarting["reason"]
+    assert "node node2 failed at iteration 7 (srun: error: Node failure on node2)" in restarting["reason"]
     restarted = [r.getMessage() for r in caplog.records if "restarted in the allocation" in r.getMessage()]
     assert len(restarted) == 1 and "without node node2, on node1,node3: " in restarted[0], restarted
     assert [r["iteration"] for r in read_metrics(run_dir)] == list(range(1, 17))
@@ -217,3 +227,50 @@ def test_a_start_the_follower_ended_is_not_watched_again(tmp_path: Path) -> None
     assert watch.beats() == [] and watch.check("RUNNING") is None          # the old step's beats: gone from view
     beat(0, "9.0.1", 1)
     assert [b["job"] for b in watch.beats()] == ["9.0.1"]
+
+
+class _EndedStep:
+    """A job whose step failed, as the follower sees it: RUNNING until it is cancelled."""
+    job_id, kind = "42", "slurm"
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self, sig=None) -> None:
+        self.cancelled = True
+
+    def state(self, nodes: str) -> tuple[str, str, str]:
+        return ("CANCELLED" if self.cancelled else "RUNNING"), "", nodes
+
+
+@pytest.mark.parametrize("line, spare_nodes, answer", [
+    ("srun: error: node2: task 1: Killed", 1, "node2"),                    # restarted on the spare
+    ("srun: error: node2: task 1: Killed", 0, "end"),                      # none left: NodeLost, resubmitted
+    ("srun: error: node1: task 0: Exited with exit code 1", 1, "end"),     # the rank's own error: retried
+])
+def test_a_failed_step_is_answered_by_what_srun_says_and_the_spares_left(tmp_path, line, spare_nodes, answer):
+    from tasks.cluster.hang import HangWatch
+    from tasks.cluster.jobs import JOBS_FOLDER, NodeLost, _ranks_checked
+    from tasks.cluster.record import JobRecord
+
+    folder = tmp_path / JOBS_FOLDER
+    folder.mkdir()
+    (folder / "42_steps").write_text(f"137 {line}\n")
+    record = JobRecord(tmp_path)
+    record.add("42", "slurm", "train-tiny", None)
+    noted = []
+    cluster = load_cluster("slurm-local", nodes=1, tasks_per_node=2, spare_nodes=max(spare_nodes, 1))
+    if spare_nodes == 0:                                       # its one spare taken by an earlier restart
+        ask_restart(folder, "42", "node3")
+        (folder / "42_steps").write_text(f"137 srun: error: node3: task 0: Killed\n137 {line}\n")
+    check = lambda: _ranks_checked(_EndedStep(), HangWatch(tmp_path, "42", 2, 6.0), "RUNNING", cluster, tmp_path,  # noqa: E731
+                                   record, "node[1-2]", lambda fault: noted.append(fault) or fault)
+    if answer == "end" and spare_nodes == 0:
+        with pytest.raises(NodeLost, match="rank 1 was killed on node2"):
+            check()
+        assert [j["final"] for j in job_records(tmp_path)] == ["FAILED"]
+    else:
+        assert check() is (answer != "end")
+    assert restarts_file(folder, "42").read_text().splitlines()[-1] == answer
+    assert [f.node for f in noted] == (["node2"] if answer == "node2" else [])
+    assert unanswered(folder, "42") is None

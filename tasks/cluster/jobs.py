@@ -80,6 +80,15 @@ class SubmitterExiting(JobError):
     transient = False
 
 
+class NodeLost(JobError):
+    """A node killed a rank of the job, or failed, and the job had no spare node left: it ended with
+    its step."""
+
+    def __init__(self, lost: RankLost) -> None:
+        super().__init__(lost.line())
+        self.lost = lost
+
+
 class JobHung(JobError):
     """The job stopped advancing (tasks.cluster.hang); its stacks were saved and it has been cancelled."""
 
@@ -375,7 +384,7 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
     A job with spare nodes whose step ended by itself is restarted where its node was at fault."""
     if watch is None:
         return False
-    if cluster.spare_nodes and (why := unanswered(run_dir / JOBS_FOLDER, running.job_id)) is not None:
+    if cluster.spare_nodes and state == "RUNNING" and (why := unanswered(run_dir / JOBS_FOLDER, running.job_id)) is not None:
         return _step_ended(running, RankLost.of(running.job_id, why), watch, cluster, run_dir, record, nodes, restart)
     hang = watch.check(state)
     if hang is not None:
@@ -397,12 +406,17 @@ def _ranks_checked(running: RunningJob, watch: HangWatch | None, state: str, clu
 def _step_ended(running: RunningJob, lost: RankLost | None, watch: HangWatch, cluster: ClusterConfig, run_dir: Path,
                 record: JobRecord, nodes: str, restart: Callable[[Fault], Fault] | None) -> bool:
     """The answer to a step that failed by itself: restarted without the node that lost its rank, once
-    ``restart(lost)`` has taken note (True); else the job ends with the step, to be retried as any
-    failed job is."""
+    ``restart(lost)`` has taken note (True); with no spare left, the job ended (NodeLost: submitted
+    again without the node); else the job ends with the step, to be retried as any failed job is."""
     folder = run_dir / JOBS_FOLDER
-    if lost is None or restart is None or spares_left(folder, running.job_id, cluster.spare_nodes) <= 0:
+    if lost is None or restart is None:
         end_steps(folder, running.job_id)
         return False
+    if spares_left(folder, running.job_id, cluster.spare_nodes) <= 0:
+        end_steps(folder, running.job_id)
+        _kill(running, nodes)
+        record.state(running.job_id, "FAILED", f"{lost.line()}; no spare node left", nodes)
+        raise NodeLost(lost)
     try:
         lost = restart(lost)
     except BaseException:

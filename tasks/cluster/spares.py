@@ -46,7 +46,7 @@ class RankLost:
     node: str
     rank: int | None        # the rank killed; None where the node itself failed
     why: str                # srun's line
-    iteration: int | None = None    # the newest iteration trained before, once the run's records say
+    iteration: int | None = None    # the iteration it was lost in, once the run's records say
 
     @classmethod
     def of(cls, job_id: str, why: str) -> "RankLost | None":
@@ -61,8 +61,8 @@ class RankLost:
         return f"rank {self.rank} was killed on {self.node}" if self.rank is not None else f"node {self.node} failed"
 
     def line(self) -> str:
-        after = f" after iteration {self.iteration}" if self.iteration is not None else ""
-        return f"job {self.job_id}: {self.noticed()}{after} ({self.why})"
+        at = f" at iteration {self.iteration}" if self.iteration is not None else ""
+        return f"job {self.job_id}: {self.noticed()}{at} ({self.why})"
 
     def incident(self) -> Incident:
         return Incident("gpt.training.rank-lost", "training-rank-lost", self.line(),
@@ -80,7 +80,7 @@ def steps_file(folder: Path, job_id: str) -> Path:
 
 def _lines(path: Path) -> list[str]:
     try:
-        return path.read_text().splitlines()
+        return path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return []
 
@@ -92,8 +92,9 @@ def left_out(folder: Path, job_id: str) -> list[str]:
 
 def unanswered(folder: Path, job_id: str) -> str | None:
     """srun's first error line ("" for none) for a step that failed, which the follower has not
-    answered yet."""
-    ended, answered = _lines(steps_file(folder, job_id)), len(_lines(restarts_file(folder, job_id)))
+    answered yet. The answers are read first: a new allocation empties the steps first."""
+    answered = len(_lines(restarts_file(folder, job_id)))
+    ended = _lines(steps_file(folder, job_id))
     return ended[answered].partition(" ")[2] if len(ended) > answered else None
 
 
@@ -135,7 +136,7 @@ def step_loop(script: str, nodes: int, tasks_per_node: int, spare_nodes: int, fo
     loop = [
         "set +e +o pipefail",
         f'restarts={job}_restarts" steps={job}_steps" srun_errors={job}_srun.err"',
-        ': > "$restarts"; : > "$steps"',
+        ': > "$steps"; : > "$restarts"',
         "step=0",
         "while true; do",
         f'    excluded=$(grep -v -e "^{NONE}$" -e "^{END}$" "$restarts" | sort -u | paste -sd, -)',

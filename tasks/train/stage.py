@@ -18,7 +18,7 @@ from gpt.files import write_json
 from tasks import events
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.hang import Hang
-from tasks.cluster.jobs import JOBS_FOLDER, Fault, JobError, JobHung, submit
+from tasks.cluster.jobs import JOBS_FOLDER, Fault, JobError, JobHung, NodeLost, submit
 from tasks.cluster.launch import DistributedTask, job_launch
 from tasks.cluster.quarantine import Quarantine
 from tasks.cluster.record import JobRecord
@@ -182,7 +182,9 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                                  "submitting it again to resume (%d of max_requeues %d)", job_id, resubmitted,
                                  cluster.max_requeues)
         except JobHung as e:
-            cluster = after_hang(e.hang, faults, cluster, run_dir)
+            cluster = after_fault(e.hang, faults, cluster, run_dir)
+        except NodeLost as e:
+            cluster = after_fault(watch.placed(e.lost), faults, cluster, run_dir)
         except SpikeFound as e:
             config = after_spike(e.spike, config, run_dir, watch)
     if summary.get("status") != "completed":
@@ -194,10 +196,10 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
                        metrics_path=str(run_dir / "metrics.jsonl"), executor=cluster.kind, nodelist=nodes or None)
 
 
-def after_hang(hang: Hang, faults: list[Fault], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
-    """Reported; the cluster the job is submitted to again, without the node that hung."""
-    counted(hang, faults, run_dir, Quarantine.of(cluster))
-    cluster, where = without_node(cluster, hang.node)
+def after_fault(fault: Fault, faults: list[Fault], cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
+    """Reported; the cluster the job is submitted to again, without the node at fault."""
+    counted(fault, faults, run_dir, Quarantine.of(cluster))
+    cluster, where = without_node(cluster, fault.node)
     run_logger().warning("resubmitting the job to resume from the newest checkpoint%s", where)
     return cluster
 

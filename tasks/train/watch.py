@@ -115,9 +115,10 @@ class TrainingWatch:
         return self.hang_watch
 
     def placed(self, fault: Fault) -> Fault:
-        """A lost rank at the newest iteration the run trained (its records say; a killed rank's
-        heartbeat, written every few seconds, may be behind)."""
-        return dataclasses.replace(fault, iteration=self.trained) if isinstance(fault, RankLost) else fault
+        """A lost rank at the iteration it was lost in, the one after the newest the records show (a
+        killed rank's heartbeat, written every few seconds, may be behind), as a hang is at the
+        iteration it stopped in."""
+        return dataclasses.replace(fault, iteration=self.trained + 1) if isinstance(fault, RankLost) else fault
 
     def restarting(self, fault: Fault) -> Fault:
         """The job restarts its ranks inside its allocation after ``fault``: its first iteration past
