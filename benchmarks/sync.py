@@ -42,7 +42,7 @@ MIB = 1 << 20
 
 
 @contextlib.contextmanager
-def _server(endpoint_url: str | None, workdir: Path) -> Iterator[tuple[str, int | None]]:
+def s3_endpoint(endpoint_url: str | None, workdir: Path) -> Iterator[tuple[str, int | None]]:
     """The endpoint, and the process group of the server when it is started here."""
     if endpoint_url:
         yield endpoint_url, None
@@ -159,7 +159,7 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                                "repeats": repeats, "cpus": os.cpu_count(),
                                "load_average_1min": round(os.getloadavg()[0], 2), **_md5_speeds()}
     try:
-        with _server(endpoint_url, root) as (endpoint, server_group):
+        with s3_endpoint(endpoint_url, root) as (endpoint, server_group):
             client = boto3.Session().client("s3", endpoint_url=endpoint)
             bucket = f"bench-{os.getpid()}"
             client.create_bucket(Bucket=bucket)

@@ -49,6 +49,7 @@ from tasks.precompile import PrecompileManifest, precompile_task
 from tasks.sync import upload_task
 from tasks.trackers import Trackers
 from tasks.train import phases as run_phases
+from tasks.train.remote_checkpoints import CHECKPOINTS
 from tasks.train.stage import TrainResult, progress_of_owner, train_task
 
 
@@ -127,7 +128,7 @@ def _pretrain(plan: Plan) -> dict:
     )
     if plan.output.uri:  # after the report, so the upload holds the loss plot and the export too
         stages.run("upload", upload_task, result.run_dir, plan.output.uri, remote=plan.output.remote,
-                   exclude=EVALUATION_IN_PROGRESS)
+                   exclude=(*EVALUATION_IN_PROGRESS, *CHECKPOINTS))     # the train stage copied each save
     evaluated = results(Path(result.run_dir))
     if job.trackers and outlook.kind != "trained":     # last: evaluations written until now go with it
         Trackers(job.trackers, job.tracker_project, Path(result.run_dir), job.config.to_dict()).finish(
@@ -181,7 +182,7 @@ def train_in_phases(plan: Plan, job: TrainJob, dataset: data_stages.Dataset, com
             stages.skip(stage, f"the run is past this phase's end (iteration {config.total_iters}) already")
             return None
         return stages.run(stage, train_task, config, job.cluster, precompiled=compiled, trackers=job.trackers,
-                          tracker_project=job.tracker_project)
+                          tracker_project=job.tracker_project, tier=job.tier)
 
     config = run_phases.first_phase(job.config, [run_phases.Phase(p.start) for p in plan.phases])
     result = train("train", config, not plan.phases)

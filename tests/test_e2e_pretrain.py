@@ -171,7 +171,9 @@ def test_pretrain_deployment_runs_every_stage_then_skips_data_stages(served):
     uploaded = served.s3.client().list_objects_v2(Bucket=served.bucket, Prefix="runs/e2e-main/")
     keys = {o["Key"] for o in uploaded.get("Contents", [])}
     assert {"runs/e2e-main/metrics.jsonl", "runs/e2e-main/config.json", "runs/e2e-main/loss.png",
-            "runs/e2e-main/hf/model.safetensors", "runs/e2e-main/hf/tokenizer.json"} <= keys, keys
+            "runs/e2e-main/hf/model.safetensors", "runs/e2e-main/hf/tokenizer.json",
+            "runs/e2e-main/checkpoints/iter_0000020/COMPLETE",     # copied by the flow's process as it came
+            "runs/e2e-main/checkpoints/iter_0000020/records/metrics.jsonl"} <= keys, keys
 
     # The flow used the S3 secret (sync and upload); it must be nowhere else: not in the run folder
     # (job scripts, rank logs), the serve log, Prefect's database, result storage or artifacts, nor

@@ -27,7 +27,15 @@ from flows.plan.inputs import DataPlan, check_inputs, container_reads
 from flows.plan.job import FLOW_DECIDED, config_fields, job_config
 from flows.plan.layout import Layout
 from flows.plan.outlook import Outlook, cannot_load, check_phases, outlook
-from flows.plan.output import OutputPlan, check_upload, output_plan, output_root, run_name, tensorboard_copy
+from flows.plan.output import (
+    OutputPlan,
+    check_upload,
+    copy_to_resume,
+    output_plan,
+    output_root,
+    run_name,
+    tensorboard_copy,
+)
 from flows.plan.params import (
     BudgetParams,
     ClusterParams,
@@ -54,6 +62,7 @@ from tasks.index import IndexManifest
 from tasks.precompile import cache_key
 from tasks.trackers import tracker_runs
 from tasks.train import phases as run_phases
+from tasks.train.remote_checkpoints import RemoteTier
 from tasks.train.spikes import rollbacks
 
 
@@ -72,6 +81,7 @@ class TrainJob:
     cluster: ClusterConfig
     trackers: tuple[str, ...] = ()
     tracker_project: str = "gpt-pretrain"
+    tier: RemoteTier | None = None          # where each checkpoint is copied to, and resumed from
 
     @property
     def precompiles(self) -> bool:
@@ -98,6 +108,7 @@ class Plan:
     cluster_set: dict[str, Any] = dataclasses.field(default_factory=dict)    # the cluster fields the run set
     phases: tuple[PhaseParams, ...] = ()    # after the first, each start an iteration (flows.plan.outlook)
     branch_from: Path | None = None         # the checkpoint of another run this new run goes on from
+    resume_copy: int | None = None          # the iteration of the copy in S3 the run resumes from
 
     @property
     def run_dir(self) -> Path:
@@ -113,7 +124,8 @@ class Plan:
 
     def outlook(self) -> Outlook:
         """What training will do in the run folder, as it stands now."""
-        return outlook(self.run_dir, self.config, self.cluster)
+        copy = (self.resume_copy, self.output.tier.at(self.resume_copy)) if self.output.tier and self.resume_copy else None
+        return outlook(self.run_dir, self.config, self.cluster, copy)
 
     def estimate(self, outlook: Outlook) -> Estimate:
         """Time, node-hours and cost of training from where ``outlook`` starts to the run's end."""
@@ -141,7 +153,7 @@ class Plan:
             raise ParameterError(problems)
         cache = str(self.layout.compile_cache(cache_key(config, self.cluster))) if precompiles(config) else None
         return TrainJob(dataclasses.replace(config, compile_cache_dir=cache), self.cluster, self.output.trackers,
-                        self.output.tracker_project)
+                        self.output.tracker_project, self.output.tier)
 
 
 def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training: TrainingParams,
@@ -190,13 +202,15 @@ def make_plan(model: str, data: DataParams, tokenizer: TokenizerParams, training
         problems.not_here(f"output.root: {problem}")
     if not problems:
         problems += run_folder_problems(run_dir, identity, config)
+    output_planned = output_plan(output, root, run_dir, data.profile, config.keep_last)
+    resume_copy = None if problems else copy_to_resume(output_planned.tier, run_dir, identity, problems)
     if problems:
         raise ParameterError(problems)
     capped = with_operator_caps(budget)         # an operator's cap that does not parse: refused now
     evaluated, not_here = check_evaluation(evaluation, root, config.keep_last, boundary, container=where.container,
                                            dry_run=dry_run)
     return Plan(config=config, cluster=where, layout=layout, identity=identity, data=reads,
-                output=output_plan(output, root, run_dir, data.profile), evaluation=evaluated, budget=capped,
+                output=output_planned, evaluation=evaluated, budget=capped, resume_copy=resume_copy,
                 vocabulary=vocabulary, warnings=tuple(problems.warnings + not_here), cluster_preset=cluster.preset, cluster_set=dict(cluster.overrides),
                 phases=planned, branch_from=branch)
 

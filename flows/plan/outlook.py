@@ -35,11 +35,16 @@ class Outlook:
     done: int = 0          # the iteration training starts from
 
 
-def outlook(run_dir: Path, config: Config, cluster: ClusterConfig) -> Outlook:
-    """What training will do in ``run_dir`` with this configuration on this cluster."""
+def outlook(run_dir: Path, config: Config, cluster: ClusterConfig, copy: tuple[int, str] | None = None) -> Outlook:
+    """What training will do in ``run_dir`` with this configuration on this cluster; ``copy``: the
+    iteration and place of the newest checkpoint copied to S3 (flows.plan.output.copy_to_resume)."""
     newest, skipped = newest_intact(run_dir / "checkpoints")
     notes = "".join(f"; {s}, skipped" for s in skipped)
     total = config.total_iters
+    if copy is not None and (newest is None or iteration_of(newest) < copy[0]):
+        held = "no intact checkpoint" if newest is None else f"iteration {iteration_of(newest):,} at newest"
+        return Outlook("resume", f"resumes run {run_dir.name} from iteration {copy[0]:,} of {total:,}, from its "
+                                 f"checkpoint copied to {copy[1]} (the run folder holds {held}){notes}", copy[0])
     if newest is None:
         start = f" from {config.init_from}" if config.init_from else (
             f" from {config.init_from_hf}" if config.init_from_hf else "")

@@ -3,16 +3,20 @@ the run folder's name, the S3 location the run is uploaded to and how it is reac
 experiment trackers it is logged to."""
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from flows.plan import identity as run_identity
 from flows.plan.boundary import Boundary, refused
 from flows.plan.params import OutputParams, Problems
 from flows.plan.sizes import existing_parent
+from gpt.checkpoint import iteration_of, newest_intact
 from tasks.common.uri import is_s3
-from tasks.sync import Remote
+from tasks.sync import Remote, SyncError
+from tasks.train.remote_checkpoints import RemoteTier
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")    # the whole name: fullmatch
 RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.plan.layout)
@@ -26,6 +30,12 @@ class OutputPlan:
     remote: Remote                      # how ``uri`` is reached: its endpoint, the output's profile or the data's
     trackers: tuple[str, ...]
     tracker_project: str
+    keep_last_remote: int = 1           # checkpoints kept under ``uri``
+
+    @property
+    def tier(self) -> RemoteTier | None:
+        """The run's checkpoints under ``uri``, where the run has one."""
+        return RemoteTier(self.uri, self.remote, self.keep_last_remote) if self.uri else None
 
 
 def output_root(output: OutputParams, boundary: Boundary, problems: Problems) -> Path:
@@ -75,7 +85,34 @@ def run_name(output: OutputParams, named: str, problems: Problems) -> str:
     return name
 
 
-def output_plan(output: OutputParams, root: Path, run_dir: Path, data_profile: str | None) -> OutputPlan:
+def output_plan(output: OutputParams, root: Path, run_dir: Path, data_profile: str | None, keep_last: int) -> OutputPlan:
     return OutputPlan(root=root, run_dir=run_dir, uri=output.uri,
                       remote=Remote(output.endpoint_url, False, output.profile or data_profile),
-                      trackers=tuple(output.trackers), tracker_project=output.tracker_project)
+                      trackers=tuple(output.trackers), tracker_project=output.tracker_project,
+                      keep_last_remote=output.keep_last_remote or keep_last)
+
+
+def copy_to_resume(tier: RemoteTier | None, run_dir: Path, identity: dict, problems: Problems) -> int | None:
+    """The iteration of the newest complete checkpoint copied under ``output.uri``, where the run
+    folder has no intact checkpoint as new (the train stage brings it back before the job) and the
+    copy is this run's; None otherwise. S3 out of reach now is a warning: the run goes on from the
+    run folder."""
+    if tier is None:
+        return None
+    newest, _ = newest_intact(run_dir / "checkpoints")
+    try:
+        newer = [it for it in tier.complete() if newest is None or it > iteration_of(newest)]
+        recorded = tier.record(newer[-1], run_identity.RECORD) if newer else None
+    except SyncError as e:
+        problems.warnings.append(f"output.uri: the checkpoints copied to {tier.uri} cannot be listed now ({e}): "
+                                 "the run goes on from the run folder's")
+        return None
+    if not newer:
+        return None
+    before = json.loads(recorded).get("identity") if recorded else None
+    if before is not None and before != identity:
+        problems.append(f"output.uri: {tier.at(newer[-1])} is a checkpoint of another run "
+                        f"({'; '.join(run_identity.differences(before, identity))}): give this run an output.uri "
+                        "of its own")
+        return None
+    return newer[-1]

@@ -245,7 +245,13 @@ class OutputParams(_Params):
                                           "data, indices and compile caches in its data/ folder")
     run_name: str | None = Field(None, description="Run folder name (empty: model and a hash of the "
                                                     "parameters, so the same parameters resume the same run)")
-    uri: str | None = Field(None, description="s3://bucket/prefix to upload the run folder to after training")
+    uri: str | None = Field(None, description="s3://bucket/prefix of the run: each checkpoint is copied there as it "
+                                              "completes (by this process, never by the ranks), the run folder "
+                                              "after training; a run folder without its checkpoints resumes "
+                                              "from there")
+    keep_last_remote: int | None = Field(None, ge=1, description="Checkpoints kept under `uri` (empty: "
+                                                                 "training's keep_last); a save pinned for its "
+                                                                 "evaluation is kept until it is evaluated")
     tensorboard_dir: str | None = Field(None, description="Folder every node sees where TensorBoard's events are "
                                                           "written too, as they are written (Megatron's "
                                                           "--tensorboard-dir); the run folder keeps its own")

@@ -28,8 +28,10 @@ from tasks.common.cache import StageCache
 from tasks.common.progress import Progress
 from tasks.common.retry import worth_retrying
 from tasks.common.run_context import run_logger
+from tasks.sync import SyncError, TransientSyncError
 from tasks.trackers import Trackers
 from tasks.train.goodput import account_leg
+from tasks.train.remote_checkpoints import CheckpointCopies, RemoteTier
 from tasks.train.spikes import CannotRollBack, Spike, SpikeFound, roll_back, skipped_samples, skipping
 from tasks.train.watch import MetricsTail, TrainingWatch
 
@@ -106,16 +108,21 @@ def trained_summary(run_dir: Path, total_iters: int, newest: Path | None) -> dic
 
 
 def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileManifest | None" = None,
-          trackers: tuple[str, ...] = (), tracker_project: str = "gpt-pretrain") -> TrainResult:
+          trackers: tuple[str, ...] = (), tracker_project: str = "gpt-pretrain",
+          tier: RemoteTier | None = None) -> TrainResult:
     """Run (or resume, or extend) training in ``config.run_dir`` on the cluster; a second call
     resumes from the last checkpoint there, and a run trained to this length already submits
-    nothing. The run folder has one owner while this runs (tasks.cluster.run_owner.RunOwner)."""
+    nothing. The run folder has one owner while this runs (tasks.cluster.run_owner.RunOwner).
+    ``tier``: where each complete save is copied as it comes, and where a run folder without a
+    checkpoint as new gets the newest copy back from first."""
     run_dir = Path(config.run_dir)
     if not run_dir.is_absolute():
         raise ValueError(f"run_dir={config.run_dir!r}: give an absolute path on storage every node sees")
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = on_compiled_nodes(cluster, precompiled)
     with RunOwner(run_dir):
+        if tier is not None:
+            restore(tier, run_dir)
         config = skipping(config, skipped_samples(run_dir, config.data_offset))   # what earlier rollbacks left out
         refuse_other_data(run_dir, config)
         summary = trained_summary(run_dir, config.total_iters, newest_intact(run_dir / "checkpoints")[0])
@@ -127,16 +134,38 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
         write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
         tracked = Trackers(trackers, tracker_project, run_dir, config.to_dict())
         before = set(JobRecord(run_dir).ids())
+        copies = CheckpointCopies(tier, run_dir) if tier is not None else None
         try:
-            result = _train_owned(config, cluster, run_dir, precompiled, tracked)
+            result = _train_owned(config, cluster, run_dir, precompiled, tracked, copies)
         except BaseException:
             account_leg(run_dir, before)
             tracked.close(finished=False)
+            if copies is not None:
+                copies.finish()
             raise
-        result = result.model_copy(update={"summary": {**result.summary, **account_leg(run_dir, before)}})
+        missing = {"checkpoint_copies_missing": copies.missing} if copies is not None and copies.missing else {}
+        result = result.model_copy(update={"summary": {**result.summary, **account_leg(run_dir, before), **missing}})
         tracked.close(finished=True)
         write_json(run_dir / SUMMARY, result.summary)
         return result
+
+
+def restore(tier: RemoteTier, run_dir: Path) -> None:
+    """The newest checkpoint copied to S3 brought back, where the run folder has none as new. S3 out
+    of reach is a warning where the folder has a checkpoint or never trained; a folder that trained
+    and lost its checkpoints waits for S3 (the stage fails, to be retried), rather than start over."""
+    try:
+        restored = tier.restore(run_dir)
+    except SyncError as e:
+        if newest_intact(run_dir / "checkpoints")[0] is None and (run_dir / "metrics.jsonl").exists():
+            raise TransientSyncError(f"run {run_dir.name} has no intact checkpoint and its copies under {tier.uri} cannot be "
+                            f"read ({e}): run it again once S3 answers") from None
+        run_logger().warning("warning: the checkpoints copied to %s cannot be listed (%s): training goes on from the "
+                             "run folder's", tier.uri, e)
+        return
+    if restored is not None:
+        run_logger().info("checkpoint iteration %d brought back from %s (verified): the run folder had none as new",
+                          restored, tier.at(restored))
 
 
 def progress_of_owner(run_dir: Path, total_iters: int) -> Callable[[str], None]:
@@ -160,11 +189,11 @@ def progress_of_owner(run_dir: Path, total_iters: int) -> Callable[[str], None]:
     return show
 
 
-def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
-                 precompiled: "PrecompileManifest | None", tracked: Trackers) -> TrainResult:
+def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path, precompiled: "PrecompileManifest | None",
+                 tracked: Trackers, copies: CheckpointCopies | None) -> TrainResult:
     """The job submitted and followed until it completes; submitted again to resume after a hang
     (without the node that hung), a loss spike (rolled back), or a stop that did not requeue."""
-    watch = TrainingWatch(config, cluster, run_dir, tracked)
+    watch = TrainingWatch(config, cluster, run_dir, tracked, copies)
     faults: list[Fault] = []
     resubmitted = 0
     while True:
@@ -189,7 +218,7 @@ def _train_owned(config: Config, cluster: ClusterConfig, run_dir: Path,
             config = after_spike(e.spike, config, run_dir, watch)
     if summary.get("status") != "completed":
         raise JobError(f"job {job_id} returned status {summary.get('status')!r}: {summary}")
-    watch.finish()
+    watch.finish()      # the last copies made first
     run_logger().info("training finished: iteration %s, train loss %s, time to first iteration %.2fs",
                       summary.get("iteration"), summary.get("train_loss"), summary.get("time_to_first_iteration_s") or 0)
     return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,

@@ -24,6 +24,7 @@ from tasks.common.progress import Progress, human_duration
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, pins, tracker_items, unevaluated
 from tasks.trackers import Trackers
+from tasks.train.remote_checkpoints import CheckpointCopies
 from tasks.train.spikes import SpikeFound, SpikeWatch
 
 
@@ -76,16 +77,19 @@ def eta_and_cost(iterations_left: int, step_ms: float, elapsed_s: float, cluster
 
 class TrainingWatch:
     """Follows one run's training jobs: ``on_poll`` reads what the job wrote since the last poll
-    (raising SpikeFound on a loss spike to roll back); ``rewind`` goes back with a rollback."""
+    (raising SpikeFound on a loss spike to roll back); ``rewind`` goes back with a rollback. Each
+    complete save is handed to ``copies`` (the S3 tier) where the run has one."""
 
-    def __init__(self, config: Config, cluster: ClusterConfig, run_dir: Path, tracked: Trackers) -> None:
+    def __init__(self, config: Config, cluster: ClusterConfig, run_dir: Path, tracked: Trackers,
+                 copies: CheckpointCopies | None = None) -> None:
         self.config, self.cluster, self.run_dir, self.tracked = config, cluster, run_dir, tracked
+        self.copies = copies
         self.log = run_logger()
         self.progress = Progress(f"{model_name(config)} on {cluster.name}", "iterations", items=config.total_iters,
                                  artifact_key="training-progress", log_every_s=None)
         self.records = MetricsTail(run_dir / "metrics.jsonl")
         self.stragglers = Stragglers()
-        self.notes = {"eta": "", "stragglers": "", "save": ""}
+        self.notes = {"eta": "", "stragglers": "", "save": "", "copies": ""}
         self.first_record: float | None = None      # when this stage saw the job train (the cost clock starts)
         self.hang_watch: HangWatch | None = None
         self.quarantine, self.quarantined = Quarantine.of(cluster), set()     # nodes this run put there
@@ -133,8 +137,14 @@ class TrainingWatch:
         self.records.rewind(iteration)
         self.spikes.rewind(iteration)
         self.announced = iteration
+        if self.copies is not None:
+            self.copies.rolled_back(iteration)
 
     def finish(self) -> None:
+        if self.copies is not None:
+            self.copies.finish()
+            self.notes["copies"] = self.copies.note()
+            self.progress.note = "; ".join(n for n in self.notes.values() if n)
         self.progress.set(self.config.total_iters)
         self.progress.show(final=True)
 
@@ -157,6 +167,8 @@ class TrainingWatch:
         self.notes["save"] = line.strip(" |")
         if r["iteration"] > self.announced:        # not a save of an earlier leg, read again
             self.announced = r["iteration"]
+            if self.copies is not None:
+                self.copies.saved(r["iteration"])
             events.checkpoint_saved(self.run_dir, r["iteration"], self._to_evaluate(r["iteration"]))
 
     def _train(self, r: dict[str, Any]) -> None:
@@ -168,6 +180,7 @@ class TrainingWatch:
             self.first_record = time.monotonic()
         self.notes["eta"] = eta_and_cost(total - r["iteration"], r["elapsed_ms"], time.monotonic() - self.first_record,
                                          self.cluster)
+        self.notes["copies"] = self.copies.note() if self.copies is not None else ""
         self.progress.note = "; ".join(n for n in self.notes.values() if n)
         self.progress.set(r["iteration"])
         self.progress.show()
