@@ -16,8 +16,9 @@ from gpt.checkpoint import MARKER
 from tasks.cluster.config import ClusterConfig
 from tasks.cluster.jobs import JobError
 from tasks.sync import Remote
-from tasks.train import remote_checkpoints
-from tasks.train.remote_checkpoints import RECORDS, CheckpointCopies, RemoteTier
+from tasks.train import copies as copying
+from tasks.train.copies import CheckpointCopies
+from tasks.train.remote_checkpoints import RECORDS, RemoteTier
 from tasks.train.stage import train
 from tests.fixtures_gpt import slow_iterations
 from tests.run_folder import wait_until
@@ -101,7 +102,7 @@ def test_a_run_folder_that_lost_its_checkpoints_or_itself_resumes_from_s3_to_the
 @pytest.mark.timeout(400)
 def test_an_s3_server_killed_mid_run_delays_the_copies_never_training(index, tmp_path, own_s3_server,  # noqa: F811
                                                                      monkeypatch):
-    monkeypatch.setattr(remote_checkpoints, "RETRY_S", (0.5,))
+    monkeypatch.setattr(copying, "RETRY_S", (0.5,))
     tier = _tier(own_s3_server, monkeypatch, keep_last=5)
     run_dir = tmp_path / "run"
     own_s3_server.stop()                                 # down before the first save
@@ -120,7 +121,7 @@ def test_an_s3_server_killed_mid_run_delays_the_copies_never_training(index, tmp
     assert tier.complete() == [4, 6, 8, 10, 12]
 
     # A store that never answers: the end of the stage names the saves it could not copy.
-    monkeypatch.setattr(remote_checkpoints, "FINAL_WAIT_S", 3.0)
+    monkeypatch.setattr(copying, "FINAL_WAIT_S", 3.0)
     monkeypatch.delenv("GPT_FAULT")
     unreachable = RemoteTier("s3://nowhere/run", Remote("http://127.0.0.1:9"), 2)
     result = train(_config(index, tmp_path / "other", train_iters=4, save_interval=2), _cluster(1), tier=unreachable)
@@ -159,6 +160,11 @@ def test_a_rollback_removes_its_saves_copies_and_a_pinned_saves_copy_waits_for_i
     assert copies.finish() == []
     assert tier.complete() == [10, 30]                   # 20 past keep_last_remote; 10 pinned
     assert copies.note() == "S3 holds saves 10, 30"
+    # A rollback to 20 whose removal of copy 30 never happened (the flow died first): no resume picks 30.
+    rollback = {"kind": "loss spike", "iterations": [25], "losses": [1e4], "median": 1.0, "samples": [1],
+                "documents": [], "resumed_from": 20}
+    (run_dir / "skipped.json").write_text(json.dumps({"rollbacks": [rollback]}))
+    assert tier.to_resume(run_dir) == 10
 
     shutil.rmtree(pinned.parent.parent)                   # evaluated: its pin let go
     config = tiny(run_dir=str(run_dir), train_iters=40)

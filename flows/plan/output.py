@@ -13,10 +13,9 @@ from flows.plan import identity as run_identity
 from flows.plan.boundary import Boundary, refused
 from flows.plan.params import OutputParams, Problems
 from flows.plan.sizes import existing_parent
-from gpt.checkpoint import iteration_of, newest_intact
 from tasks.common.uri import is_s3
-from tasks.sync import Remote, SyncError
-from tasks.train.remote_checkpoints import RemoteTier
+from tasks.sync import Remote
+from tasks.train.remote_checkpoints import S3_ERRORS, RemoteTier
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")    # the whole name: fullmatch
 RESERVED_NAMES = frozenset({"data"})       # the root's own folder for what runs share (flows.plan.layout)
@@ -97,22 +96,19 @@ def copy_to_resume(tier: RemoteTier | None, run_dir: Path, identity: dict, probl
     folder has no intact checkpoint as new (the train stage brings it back before the job) and the
     copy is this run's; None otherwise. S3 out of reach now is a warning: the run goes on from the
     run folder."""
-    if tier is None:
+    if tier is None or problems.dry_run:        # a dry run reaches no store
         return None
-    newest, _ = newest_intact(run_dir / "checkpoints")
     try:
-        newer = [it for it in tier.complete() if newest is None or it > iteration_of(newest)]
-        recorded = tier.record(newer[-1], run_identity.RECORD) if newer else None
-    except SyncError as e:
+        iteration = tier.to_resume(run_dir)
+        recorded = tier.record(iteration, run_identity.RECORD) if iteration is not None else None
+    except S3_ERRORS as e:
         problems.warnings.append(f"output.uri: the checkpoints copied to {tier.uri} cannot be listed now ({e}): "
                                  "the run goes on from the run folder's")
         return None
-    if not newer:
-        return None
     before = json.loads(recorded).get("identity") if recorded else None
-    if before is not None and before != identity:
-        problems.append(f"output.uri: {tier.at(newer[-1])} is a checkpoint of another run "
+    if iteration is not None and before is not None and before != identity:
+        problems.append(f"output.uri: {tier.at(iteration)} is a checkpoint of another run "
                         f"({'; '.join(run_identity.differences(before, identity))}): give this run an output.uri "
                         "of its own")
         return None
-    return newer[-1]
+    return iteration

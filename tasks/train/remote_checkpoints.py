@@ -2,49 +2,52 @@
 under the run's S3 prefix (``output.uri``). The head node makes the copies, never a rank (the
 ranks hold no S3 credential): each complete save's files and the run's records as they were at
 that save, verified object by object by the uploader (tasks.sync), then a ``COMPLETE`` object,
-last, so that a copy without it is not one. ``keep_last_remote`` applies there; a save a rollback
-takes back is removed there too; a save pinned for its evaluation is kept until it is evaluated.
-A run folder whose newest intact checkpoint is older than the newest complete copy (its
-checkpoints wiped or damaged, the run moved to another cluster or root) gets that copy back before
-the job, and with it the records the folder lacks.
+last, so that a copy without it is not one (tasks.train.copies makes them as training goes on).
+``keep_last_remote`` applies there; a save a rollback takes back is removed there too; a save
+pinned for its evaluation keeps its copy until it is evaluated. A run folder whose newest intact
+checkpoint is older than the newest complete copy of this run (its checkpoints wiped or damaged,
+the run moved to another cluster or root) gets that copy back before the job, and with it the
+records the folder lacks.
 
 Under ``output.uri``: ``checkpoints/iter_0000020/`` holds DCP's files, ``records/`` (the run
-folder's records at that save: metrics, skipped samples, phases, jobs, evaluations), the
-uploader's ``.sync-manifest.json`` and ``COMPLETE``.
+folder's records at that save: metrics, skipped samples, phases, goodput, evaluations), the
+uploader's ``.sync-manifest.json`` and ``COMPLETE`` (its ``saved-at`` metadata: the marker's time).
 """
 from __future__ import annotations
 
 import fnmatch
 import functools
+import json
 import os
-import queue
 import re
 import shutil
+import socket
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpt.checkpoint import MARKER, iteration_of, newest_intact
-from tasks.common.run_context import run_logger
-from tasks.evaluate.records import IN_PROGRESS, pins
+from gpt.metrics import truncate_after
+from tasks.evaluate.records import IN_PROGRESS, SPEC, pins
 from tasks.sync import MANIFEST_NAME, PARTIAL_DIR, Remote, SyncError, sync, upload
 from tasks.sync.remote import s3_call, split_s3
+from tasks.train.spikes import SKIPPED, rollbacks
 
 RECORDS = "records"
-# What a copy's records leave out of the run folder (fnmatch, ``*`` also matches ``/``): the
-# checkpoints themselves, the saves a rollback took back, the evaluation's work in progress, and
-# files being written.
 CHECKPOINTS = ("checkpoints/*",)
-NOT_RECORDS = (*CHECKPOINTS, "rolled-back/*", *IN_PROGRESS, ".*", "*/.*")
-RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)      # between tries of a copy while S3 fails, then the last again
-FINAL_WAIT_S = 600.0         # how long the end of a train stage waits for copies still to make
-STAGED = ".copy-"          # saves staged for their copy, in the run's checkpoints folder
+# What a copy's records leave out of the run folder (fnmatch, ``*`` also matches ``/``): the
+# checkpoints, the saves a rollback set aside, the evaluation's work in progress and what this
+# start decides (its spec), the jobs of this cluster (their records, logs and heartbeats: another
+# cluster's job ids mean nothing), the export and TensorBoard's events (the final upload's), and
+# files being written.
+NOT_RECORDS = (*CHECKPOINTS, "rolled-back/*", *IN_PROGRESS, SPEC, "jobs.json", "jobs/*", "heartbeats/*", "hf/*",
+               "tensorboard/*", ".*", "*/.*")
+STAGED = ".copy-"          # saves staged for their copy, in the run's checkpoints folder: .copy-HOST-PID-...
+SAVED_AT = "saved-at"      # the COMPLETE object's metadata: its marker's mtime (tasks.evaluate.records.saved_at)
 _COPY = re.compile(r"iter_(\d{7,})/" + MARKER)
+S3_ERRORS = (SyncError, OSError, BotoCoreError, ClientError, ValueError)   # ValueError: an endpoint boto3 refuses
 
 
 def _name(iteration: int) -> str:
@@ -86,12 +89,16 @@ class RemoteTier:
             raise
 
     def copy(self, staged: Path, iteration: int) -> None:
-        """A save staged for its copy (``staged``) copied, verified, its ``COMPLETE`` last."""
-        upload(str(staged), self.at(iteration), exclude=(MARKER,), **self.remote.options())
+        """A save staged for its copy (``staged_save``) copied, verified, its ``COMPLETE`` last (the
+        one of an earlier copy at this iteration, before a rollback, removed first)."""
         bucket, key = split_s3(f"{self.at(iteration)}/{MARKER}")
         client = self.remote.client()
-        marker = (staged / MARKER).read_bytes()
-        s3_call(lambda: client.put_object(Bucket=bucket, Key=key, Body=marker), self.at(iteration), self.remote)
+        s3_call(lambda: client.delete_object(Bucket=bucket, Key=key), self.at(iteration), self.remote)
+        upload(str(staged), self.at(iteration), exclude=(MARKER,), **self.remote.options())
+        marker = staged / MARKER
+        body, saved_at = marker.read_bytes(), repr(marker.stat().st_mtime)
+        s3_call(lambda: client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={SAVED_AT: saved_at}),
+                self.at(iteration), self.remote)
 
     def remove(self, iteration: int) -> None:
         """The copy at ``iteration`` removed, its ``COMPLETE`` first (a copy half removed is no copy)."""
@@ -116,18 +123,34 @@ class RemoteTier:
             self.remove(it)
         return [it for it in complete if it not in removed]
 
-    def restore(self, run_dir: Path) -> int | None:
-        """The newest complete copy brought back into ``run_dir``, verified, when the run folder has no
-        intact checkpoint as new (and the records it lacks with it); its iteration, or None."""
+    def to_resume(self, run_dir: Path) -> int | None:
+        """The iteration of the newest complete copy newer than the run folder's newest intact
+        checkpoint, but for a copy of a save the run folder's rollbacks took back (a copy the
+        rollback could not remove); None when there is none."""
         newest, _ = newest_intact(run_dir / "checkpoints")
         have = iteration_of(newest) if newest is not None else 0
-        newer = [it for it in self.complete() if it > have]
-        if not newer:
+        done = rollbacks(run_dir)
+        for it in reversed(self.complete()):
+            if it <= have:
+                return None
+            if not done or it <= done[-1]["resumed_from"] or self._knows_rollbacks(it, len(done)):
+                return it
+        return None
+
+    def _knows_rollbacks(self, iteration: int, count: int) -> bool:
+        """Whether the copy at ``iteration`` was made after the run's ``count``-th rollback."""
+        held = self.record(iteration, SKIPPED)
+        return held is not None and len(json.loads(held).get("rollbacks", [])) >= count
+
+    def restore(self, run_dir: Path) -> int | None:
+        """The copy ``to_resume`` names brought back into ``run_dir``, verified, with the records the
+        folder lacks; its iteration, or None."""
+        iteration = self.to_resume(run_dir)
+        if iteration is None:
             return None
-        target = run_dir / "checkpoints" / _name(newer[-1])
+        target = run_dir / "checkpoints" / _name(iteration)
         staged = target.parent / f".restore-{target.name}"
-        shutil.rmtree(staged, ignore_errors=True)
-        sync(self.at(newer[-1]) + "/", str(staged), **self.remote.options())
+        sync(self.at(iteration) + "/", str(staged), **self.remote.options())    # resumes a partial one
         for path in sorted((staged / RECORDS).rglob("*")):
             rel = path.relative_to(staged / RECORDS)
             if path.is_file() and not (run_dir / rel).exists():
@@ -136,19 +159,32 @@ class RemoteTier:
         for leftover in (staged / RECORDS, staged / PARTIAL_DIR):
             shutil.rmtree(leftover, ignore_errors=True)
         (staged / MANIFEST_NAME).unlink(missing_ok=True)
+        self._keep_saved_at(iteration, staged / MARKER)
+        truncate_after(run_dir / "metrics.jsonl", iteration)    # records past it: the iterations to train again
         shutil.rmtree(target, ignore_errors=True)       # damaged: its copy is the one verified
         os.rename(staged, target)
-        return newer[-1]
+        return iteration
+
+    def _keep_saved_at(self, iteration: int, marker: Path) -> None:
+        """The restored marker with the time the save was complete, as evaluations know it."""
+        bucket, key = split_s3(f"{self.at(iteration)}/{MARKER}")
+        client = self.remote.client()
+        head = s3_call(lambda: client.head_object(Bucket=bucket, Key=key), self.at(iteration), self.remote)
+        saved_at = head.get("Metadata", {}).get(SAVED_AT)
+        if saved_at:
+            os.utime(marker, (float(saved_at), float(saved_at)))
 
 
 def staged_save(run_dir: Path, iteration: int) -> Path:
     """The save at ``iteration`` as its copy will hold it, beside it in the run folder: hard links to
     its files (kept whole whatever keep_last or a rollback does meanwhile) and the run's records as
-    they are now, at that save. FileNotFoundError when the save is no longer complete there."""
+    they are now, at that save. OSError when the save is no longer complete there or cannot be
+    staged (nothing is left behind)."""
     source = run_dir / "checkpoints" / _name(iteration)
     if not (source / MARKER).is_file():
         raise FileNotFoundError(source / MARKER)
-    staged = Path(tempfile.mkdtemp(prefix=f"{STAGED}{source.name}-", dir=source.parent))
+    staged = Path(tempfile.mkdtemp(prefix=f"{STAGED}{socket.gethostname()}-{os.getpid()}-{source.name}-",
+                                   dir=source.parent))
     try:
         shutil.copytree(source, staged / "save", copy_function=_link_or_copy)
         _snapshot_records(run_dir, staged / "save" / RECORDS)
@@ -156,6 +192,25 @@ def staged_save(run_dir: Path, iteration: int) -> Path:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return staged / "save"
+
+
+def remove_stale_stagings(run_dir: Path) -> None:
+    """Saves staged by a process of this host that is gone (its copies ended with it)."""
+    host = socket.gethostname()
+    for folder in (run_dir / "checkpoints").glob(f"{STAGED}{host}-*"):
+        pid = folder.name.removeprefix(f"{STAGED}{host}-").split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _link_or_copy(source: str, dest: str) -> None:
@@ -171,129 +226,18 @@ def _snapshot_records(run_dir: Path, dest: Path) -> None:
     """The run folder's records as they are now, but what NOT_RECORDS names; a file that goes away
     meanwhile is left out (a record is written whole under another name, then renamed)."""
     for folder, dirs, files in os.walk(run_dir):
-        dirs.sort()
+        rel_folder = Path(folder).relative_to(run_dir).as_posix()
+        dirs[:] = sorted(d for d in dirs if not _left_out(f"{d}/x" if rel_folder == "." else f"{rel_folder}/{d}/x"))
         for name in sorted(files):
-            path = Path(folder) / name
-            rel = path.relative_to(run_dir).as_posix()
-            if any(fnmatch.fnmatchcase(rel, pattern) for pattern in NOT_RECORDS):
+            rel = name if rel_folder == "." else f"{rel_folder}/{name}"
+            if _left_out(rel):
                 continue
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             try:
-                shutil.copy2(path, dest / rel)
+                shutil.copy2(Path(folder) / name, dest / rel)
             except FileNotFoundError:
                 continue
 
 
-class CheckpointCopies:
-    """The copies of one train stage's saves, made one at a time in a thread of their own so that
-    training never waits on S3; a copy that fails is tried again (RETRY_S) until it succeeds or
-    the stage ends. ``note`` says where each stands for the progress artifact; ``finish`` waits
-    for those still to make and names those it could not."""
-
-    def __init__(self, tier: RemoteTier, run_dir: Path) -> None:
-        self.tier, self.run_dir, self.log = tier, run_dir, run_logger()
-        self.todo: queue.Queue[tuple[str, int, Path | None] | None] = queue.Queue()  # (copy|drop|prune, iteration, staged)
-        for left in (run_dir / "checkpoints").glob(f"{STAGED}*"):
-            shutil.rmtree(left, ignore_errors=True)         # staged by a stage that ended before its copies
-        self.asked: list[int] = []          # saves to copy, in the order they came
-        self.copied: dict[int, float] = {}  # iteration -> seconds from the save seen to its copy complete
-        self.held: list[int] = []           # the iterations of the copies S3 holds, as last listed
-        self.seen: dict[int, float] = {}    # iteration -> when its save was seen complete
-        self.gone: dict[int, str] = {}      # saves not copied, and why
-        self.failing = ""                   # S3's last error while a copy waits
-        self.ending = threading.Event()
-        self.deadline = float("inf")
-        self.missing: list[str] | None = None   # once finished: a line per save left without a copy
-        self.thread = threading.Thread(target=self._work, name="checkpoint-copies", daemon=True)
-        self.thread.start()
-
-    def saved(self, iteration: int) -> None:
-        """A complete save, staged for its copy at once (hard links: a moment), copied in the thread."""
-        self.asked.append(iteration)
-        self.seen[iteration] = time.monotonic()
-        self.gone.pop(iteration, None)          # saved again after a rollback
-        try:
-            self.todo.put(("copy", iteration, staged_save(self.run_dir, iteration)))
-        except FileNotFoundError:
-            self.gone[iteration] = "the save left the run folder before it could be staged for its copy"
-            self.log.warning("warning: checkpoint iteration %d: %s (keep_last, or a rollback)", iteration,
-                             self.gone[iteration])
-
-    def rolled_back(self, iteration: int) -> None:
-        """The run went back to ``iteration``: the copies of later saves are removed."""
-        self.todo.put(("drop", iteration, None))
-
-    def note(self) -> str:
-        """The S3 tier for the progress artifact: what is copied, what waits."""
-        waiting = [it for it in self.asked if it not in self.copied and it not in self.gone]
-        held = f"S3 holds saves {', '.join(map(str, self.held))}" if self.held else "S3 holds no save yet"
-        if not waiting:
-            return held
-        return f"{held}; {', '.join(map(str, waiting))} copying" + (f" ({self.failing}; retrying)" if self.failing else "")
-
-    def finish(self, wait_s: float | None = None) -> list[str]:
-        """Waits up to ``wait_s`` (FINAL_WAIT_S) for the copies still to make, then removes the copies past
-        keep_last_remote that pins kept; one line per save left without a copy (once; a second call
-        returns them)."""
-        if self.missing is not None:
-            return self.missing
-        wait_s = FINAL_WAIT_S if wait_s is None else wait_s
-        self.deadline = time.monotonic() + wait_s
-        self.todo.put(("prune", 0, None))
-        self.todo.put(None)
-        self.thread.join(wait_s + 30)
-        self.ending.set()
-        self.missing = missing = [f"checkpoint iteration {it} has no complete copy under {self.tier.at(it)}: "
-                   f"{self.gone.get(it) or self.failing or 'its copy did not end in time'}"
-                   for it in sorted(set(self.asked)) if it not in self.copied and "rolled back" not in self.gone.get(it, "")]
-        for line in missing:
-            self.log.warning("warning: %s", line)
-        return missing
-
-    def _work(self) -> None:
-        while (item := self.todo.get()) is not None:
-            self._do(*item)
-
-    def _do(self, action: str, iteration: int, staged: Path | None) -> None:
-        if action == "drop":
-            self._tried(lambda: self._drop(iteration), f"removing the copies after iteration {iteration}")
-            return
-        if staged is not None:
-            try:
-                if not self._tried(lambda: self.tier.copy(staged, iteration), f"copying iteration {iteration}"):
-                    return
-            finally:
-                shutil.rmtree(staged.parent, ignore_errors=True)
-            self.copied[iteration] = time.monotonic() - self.seen[iteration]
-            self.log.info("checkpoint iteration %d copied to %s (verified, %.1f s after its save)", iteration,
-                          self.tier.at(iteration), self.copied[iteration])
-        self._tried(self._prune, "removing copies past keep_last_remote")
-
-    def _prune(self) -> None:
-        self.held = self.tier.prune(self.run_dir)
-
-    def _drop(self, iteration: int) -> None:
-        for it in self.tier.complete():
-            if it > iteration:
-                self.tier.remove(it)
-        self.held = [it for it in self.held if it <= iteration]
-        for it in self.asked:
-            if it > iteration and it not in self.copied:
-                self.gone[it] = f"rolled back to iteration {iteration} before it was copied"
-        self.copied = {it: s for it, s in self.copied.items() if it <= iteration}
-
-    def _tried(self, work: Any, what: str) -> bool:
-        """``work`` done, tried again while S3 fails and the stage has not ended; whether it was done."""
-        for attempt in range(10**6):
-            try:
-                work()
-                self.failing = ""
-                return True
-            except (SyncError, OSError, BotoCoreError, ClientError) as e:
-                self.failing = str(e)
-                wait = RETRY_S[min(attempt, len(RETRY_S) - 1)]
-                self.log.warning("warning: S3 tier: %s failed (%s); trying again in %.0f s, training goes on",
-                                 what, e, wait)
-                if time.monotonic() + wait > self.deadline or self.ending.wait(wait):
-                    return False
-        return False
+def _left_out(rel: str) -> bool:
+    return any(fnmatch.fnmatchcase(rel, pattern) for pattern in NOT_RECORDS)

@@ -28,10 +28,11 @@ from tasks.common.cache import StageCache
 from tasks.common.progress import Progress
 from tasks.common.retry import worth_retrying
 from tasks.common.run_context import run_logger
-from tasks.sync import SyncError, TransientSyncError
+from tasks.sync import TransientSyncError
 from tasks.trackers import Trackers
+from tasks.train.copies import CheckpointCopies
 from tasks.train.goodput import account_leg
-from tasks.train.remote_checkpoints import CheckpointCopies, RemoteTier
+from tasks.train.remote_checkpoints import S3_ERRORS, RemoteTier
 from tasks.train.spikes import CannotRollBack, Spike, SpikeFound, roll_back, skipped_samples, skipping
 from tasks.train.watch import MetricsTail, TrainingWatch
 
@@ -121,12 +122,13 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = on_compiled_nodes(cluster, precompiled)
     with RunOwner(run_dir):
-        if tier is not None:
-            restore(tier, run_dir)
+        copies = copying(tier, run_dir) if tier is not None else None
         config = skipping(config, skipped_samples(run_dir, config.data_offset))   # what earlier rollbacks left out
         refuse_other_data(run_dir, config)
         summary = trained_summary(run_dir, config.total_iters, newest_intact(run_dir / "checkpoints")[0])
         if summary is not None:
+            if copies is not None:
+                copies.finish()
             run_logger().info("run %s is trained to iteration %s already: nothing to submit", run_dir.name,
                               summary["iteration"])
             return TrainResult(run_dir=str(run_dir), job_ids=JobRecord(run_dir).ids(), summary=summary,
@@ -134,14 +136,13 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
         write_json(run_dir / "cluster.json", {**cluster.model_dump(), "resolved_executor": cluster.kind})
         tracked = Trackers(trackers, tracker_project, run_dir, config.to_dict())
         before = set(JobRecord(run_dir).ids())
-        copies = CheckpointCopies(tier, run_dir) if tier is not None else None
         try:
             result = _train_owned(config, cluster, run_dir, precompiled, tracked, copies)
-        except BaseException:
+        except BaseException as e:
             account_leg(run_dir, before)
             tracked.close(finished=False)
-            if copies is not None:
-                copies.finish()
+            if copies is not None:      # the saves so far copied, unless the process is stopping
+                copies.finish(None if isinstance(e, Exception) else 0)
             raise
         missing = {"checkpoint_copies_missing": copies.missing} if copies is not None and copies.missing else {}
         result = result.model_copy(update={"summary": {**result.summary, **account_leg(run_dir, before), **missing}})
@@ -150,13 +151,24 @@ def train(config: Config, cluster: ClusterConfig, *, precompiled: "PrecompileMan
         return result
 
 
+def copying(tier: RemoteTier, run_dir: Path) -> CheckpointCopies:
+    """The run folder's newest checkpoint first brought back from S3 where S3 holds a newer one (or
+    copied there where it is missing); the copies of this stage's saves, to make as they come."""
+    restore(tier, run_dir)
+    copies = CheckpointCopies(tier, run_dir)
+    newest, _ = newest_intact(run_dir / "checkpoints")
+    if newest is not None:
+        copies.catch_up(iteration_of(newest))
+    return copies
+
+
 def restore(tier: RemoteTier, run_dir: Path) -> None:
     """The newest checkpoint copied to S3 brought back, where the run folder has none as new. S3 out
     of reach is a warning where the folder has a checkpoint or never trained; a folder that trained
     and lost its checkpoints waits for S3 (the stage fails, to be retried), rather than start over."""
     try:
         restored = tier.restore(run_dir)
-    except SyncError as e:
+    except S3_ERRORS as e:
         if newest_intact(run_dir / "checkpoints")[0] is None and (run_dir / "metrics.jsonl").exists():
             raise TransientSyncError(f"run {run_dir.name} has no intact checkpoint and its copies under {tier.uri} cannot be "
                             f"read ({e}): run it again once S3 answers") from None

@@ -24,7 +24,7 @@ from tasks.common.progress import Progress, human_duration
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import EvaluationSpec, ResultsTail, pin, pins, tracker_items, unevaluated
 from tasks.trackers import Trackers
-from tasks.train.remote_checkpoints import CheckpointCopies
+from tasks.train.copies import CheckpointCopies
 from tasks.train.spikes import SpikeFound, SpikeWatch
 
 
