@@ -75,7 +75,7 @@ def write_synthetic_dataset(prefix: str, sizes: np.ndarray) -> None:
     tokens = int(sizes.sum(dtype=np.int64))
     with open(prefix + ".bin", "wb") as f:
         f.truncate(tokens * 2)
-    token_stats.record(prefix, prefix + ".bin", prefix + ".idx", documents=len(sizes), tokens=tokens, max_token_id=0)
+    token_stats.record(prefix, documents=len(sizes), tokens=tokens, max_token_id=0)
 
 
 def _best_of(fn, repeats: int) -> tuple[float, object]:
