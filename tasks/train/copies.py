@@ -8,6 +8,7 @@ for the progress artifact; ``finish`` waits for those still to make and names th
 without one."""
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import threading
@@ -23,6 +24,17 @@ from tasks.train.remote_checkpoints import S3_ERRORS, RemoteTier, remove_stale_s
 RETRY_S = (2.0, 5.0, 15.0, 30.0, 60.0)      # between tries while S3 fails, then the last again
 FINAL_WAIT_S = 600.0         # how long the end of a train stage waits for copies still to make
 NOT_MISSING = ("rolled back", "superseded")     # saves not copied that S3 would not keep anyway
+COPY_NICE = 19
+
+
+def _yield_to_training() -> None:
+    """This thread, and the s5cmd processes and hashing threads it starts, at the lowest CPU
+    priority: where the ranks share this machine's cores (the local executor; a head node that also
+    trains), the copies take what training leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COPY_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 class CheckpointCopies:
@@ -118,6 +130,7 @@ class CheckpointCopies:
             self.log.warning("warning: checkpoint iteration %d is not copied to S3: %s", iteration, why)
 
     def _work(self) -> None:
+        _yield_to_training()
         while (item := self.todo.get()) is not None:
             if self.ending.is_set():
                 continue
