@@ -5,9 +5,11 @@ import gzip
 import json
 import lzma
 import os
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import zstandard
 
@@ -112,8 +114,8 @@ def test_bad_lines_are_reported_and_counted(tmp_path, bpe_vocab, caplog):
 
 
 def test_json_the_parser_reads_as_pythons_json_does_or_refuses_by_name(tmp_path, bpe_vocab, caplog):
-    """The JSONL parser (orjson) against Python's ``json``: escapes, surrogate pairs and duplicate
-    keys give the text ``json`` gives; a lone surrogate, which ``json`` reads into a string no
+    """The JSONL parsers (the native reader, and orjson for the lines it leaves) against Python's
+    ``json``: escapes, surrogate pairs and duplicate keys give the text ``json`` gives; a lone surrogate, which ``json`` reads into a string no
     tokenizer can take, is refused with its line; a line that is not an object has no text."""
     caplog.set_level("INFO", logger="tasks")
     vocab, merges = map(str, bpe_vocab)
@@ -131,6 +133,57 @@ def test_json_the_parser_reads_as_pythons_json_does_or_refuses_by_name(tmp_path,
     assert f"{src}:3: skipped: malformed JSON (no matched low surrogate" in caplog.text
     for line in (4, 5):
         assert f"{src}:{line}: skipped: no string field 'text'" in caplog.text
+
+
+JSON_LINES = [
+    rb'{"text": "caf\u00e9 \"q\" \\ b\/s \t \ud83d\ude00 pair", "id": 12, "m": {"a": [1, 2.5e-3, true, null, "x"]}}',
+    b'{"id": -0.5E+10, "text": "h\xc3\xa9llo \xe2\x82\xac \xf0\x9f\x98\x80", "title": "T"}',
+    rb'{"text": "first", "text": "last"}', rb'{"te\u0078t": "escaped key", "title": "t"}', rb'[1]', rb'null',
+    rb'{"text": 5}', b'  {"text" : "spaces", "title": "t" }  \r', rb'{}', rb'{"text": "", "title": "t"}',
+    rb'{"title": "only"}', rb'{"text": "x", "n": 1e999}', rb'{"text": "x", "n": 123456789012345678901234567890}',
+]
+MUTATIONS = b'{}[]":,\\ueE+-.0123456789abcdeftnrlsux \t\r\x00\x1f\x7f\x80\xbf\xc0\xc3\xa9\xe2\xed\xa0\xf0\xf4\xf5\x0b\x0c'
+
+
+@pytest.mark.parametrize("keys", [("text",), ("text", "title")])
+def test_the_native_reader_reads_every_line_as_the_line_by_line_parser(bpe_vocab, keys):
+    """Chunks of JSON lines, most of them damaged at random (bytes dropped, put in or changed, JSON's
+    own and UTF-8's among them): the native reader's chunk gives the documents, ids and problems
+    the line-by-line parser gives; it leaves it the lines it is not sure of (a duplicate key, an
+    escaped key, a number that overflows, malformed lines) and reads most of the sound ones itself."""
+    from native import jsonl
+    from tasks.tokenize.bpe import gpt2_bpe
+    from tasks.tokenize.encode import ChunkEncoder, GigatokenEngine
+
+    rng = random.Random(0)
+    vocab, merges = map(str, bpe_vocab)
+    bpe = gpt2_bpe(vocab, merges)
+    encoder = ChunkEncoder(lambda: GigatokenEngine(bpe), keys, True, 0, np.dtype(np.uint16))
+
+    def damaged(line: bytes) -> bytes:
+        line = bytearray(line)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randint(0, len(line))
+            roll = rng.random()
+            if roll < 0.4 and line:
+                del line[min(at, len(line) - 1)]
+            elif roll < 0.8:
+                line.insert(at, rng.choice(MUTATIONS))
+            elif line:
+                line[min(at, len(line) - 1)] = rng.choice(MUTATIONS)
+        return bytes(line).replace(b"\n", b" ")
+
+    native = 0
+    for _ in range(1500):
+        lines = [rng.choice(JSON_LINES) if rng.random() < 0.4 else damaged(rng.choice(JSON_LINES)) for _ in range(12)]
+        data = b"\n".join(lines) + rng.choice([b"", b"\n"])
+        ours, theirs = encoder.chunk(data), encoder.lines(data)
+        for key in keys:    # (ids, lengths)
+            assert all(map(np.array_equal, ours["encoded"][key], theirs["encoded"][key])), data
+        del ours["encoded"], theirs["encoded"]
+        assert ours == theirs, data
+        native += int((jsonl.read(data, list(keys))[0] == jsonl.DOCUMENT).sum())
+    assert native > 1000
 
 
 def test_empty_and_missing_inputs(tmp_path, bpe_vocab):

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from gpt.files import WriteError, as_os_error, writing
 from gpt.tokenizer import EOD, GPT2_VOCAB_SIZE, TokenizerFileError, byte_level_bpe
@@ -27,12 +27,11 @@ def tokenizer_files_read() -> Iterator[None]:
         raise TokenizeError(str(e)) from e
 
 
-def build_encoder(vocab_file: str, merge_file: str):
-    """The fast GPT-2 encoder of the stage (gigatoken) over the pair's byte-level BPE."""
-    import gigatoken
-
+def gpt2_bpe(vocab_file: str, merge_file: str) -> Any:
+    """GPT-2's pair read as a byte-level BPE (what the stage's engines are built from); a file that
+    cannot be read is a TokenizeError."""
     with tokenizer_files_read():
-        return gigatoken.Tokenizer(byte_level_bpe(vocab_file, merge_file))
+        return byte_level_bpe(vocab_file, merge_file)
 
 
 def train_bpe(texts: Iterator[str], out_dir: str, vocab_size: int = GPT2_VOCAB_SIZE) -> tuple[str, str]:

@@ -8,19 +8,22 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
+import awkward as ak
 import numpy as np
 import orjson
 
 from gpt.data import IndexedDatasetWriter, best_dtype
 from gpt.tokenizer import Tokenizer
+from native import jsonl
 from tasks.common.progress import Progress
 from tasks.common.run_context import run_logger
-from tasks.tokenize.bpe import TokenizeError, build_encoder
+from tasks.tokenize.bpe import TokenizeError, gpt2_bpe
 from tasks.tokenize.hf_encoder import HFEncoder
 from tasks.tokenize.inputs import BadLine, Piece, read_pieces
 from tasks.tokenize.outputs import no_document
@@ -54,14 +57,30 @@ def _release_free_memory() -> None:
         pass
 
 
-Engine = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]   # documents -> flat ids, lengths
+Engine = Callable[[list[str] | ak.Array], tuple[np.ndarray, np.ndarray]]   # documents -> flat ids, lengths
 
 
-class _Gigatoken:
-    """GPT-2's vocab.json and merges.txt on the gigatoken engine."""
+class Problem(NamedTuple):
+    """Why a line or row is skipped: its kind (one of SKIP_KINDS) and the detail its message gives."""
+    kind: str
+    detail: str
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
-        self.engine = build_encoder(vocab_file, merge_file)
+
+def _strings(text: np.ndarray, offsets: np.ndarray) -> ak.Array:
+    """Documents as the engine takes them whole: their UTF-8 bytes in one buffer, and offsets."""
+    chars = ak.contents.NumpyArray(text, parameters={"__array__": "char"})
+    return ak.Array(ak.contents.ListOffsetArray(ak.index.Index64(offsets), chars, parameters={"__array__": "string"}))
+
+
+class GigatokenEngine:
+    """GPT-2's byte-level BPE (vocab.json and merges.txt, as gpt2_bpe reads them) on the gigatoken engine."""
+
+    takes_buffers = True        # documents as one UTF-8 buffer and offsets (an awkward array of strings)
+
+    def __init__(self, bpe: Any) -> None:
+        import gigatoken
+
+        self.engine = gigatoken.Tokenizer(bpe)
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         layout = self.engine.encode_batch(texts, parallel=False).layout
@@ -69,24 +88,46 @@ class _Gigatoken:
         return np.asarray(layout.content.data)[offsets[0]:offsets[-1]], np.diff(offsets)
 
 
-class _Encoder:
-    """The engine and what to encode, shared by the encoding threads."""
+class ChunkEncoder:
+    """What to encode and how, shared by the encoding threads; each thread encodes on an engine of
+    its own: an engine's cache of pretokens has one lock, so threads sharing one wait on each other
+    (two threads on one engine encode no faster than one)."""
 
     def __init__(self, new_engine: Callable[[], Engine], keys: tuple[str, ...], append_eod: bool,
                  eod_id: int, dtype: np.dtype, name: str = "tokenizer", bos_ids: tuple[int, ...] = ()) -> None:
         self.new_engine, self.name = new_engine, name
         self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, dtype
         self.bos_ids = np.asarray(bos_ids, dtype=dtype)
-        self.engine = new_engine()
-        self.base_rss = _rss_bytes()
+        self.generation = 0                 # engines of an earlier one are renewed before their next chunk
+        self.held: dict[int, int] = {}      # the generation of each thread's engine
+        self.local, self.lock, self.building = threading.local(), threading.Lock(), threading.Lock()
+        self.base_rss: int | None = None    # taken once the threads hold this generation's engines
+
+    @property
+    def engine(self) -> Engine:
+        """This thread's engine, built on its first chunk and again once renewed."""
+        local = self.local
+        if getattr(local, "generation", None) != self.generation:
+            generation, local.engine = self.generation, None       # the old engine's caches go first
+            with self.building:     # a build holds the GIL: one at a time, the first thread encodes sooner
+                local.engine, local.generation = self.new_engine(), generation
+            with self.lock:
+                self.held[threading.get_ident()] = generation
+        return local.engine
 
     def renew_if_grown(self) -> None:
-        """A fresh engine once the caches have grown past ENCODER_CACHE_BYTES (chunks in flight
-        finish on the engine they started with)."""
-        if _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
-            self.engine = self.new_engine()
-            _release_free_memory()          # what the old engine's caches held, once its chunks finish
+        """Fresh engines once the caches have grown past ENCODER_CACHE_BYTES since the threads took
+        theirs (chunks in flight finish on the engines they started with)."""
+        with self.lock:
+            renewing = any(generation != self.generation for generation in self.held.values())
+        if renewing:
+            return
+        if self.base_rss is None:
+            _release_free_memory()          # what the earlier engines' caches held
             self.base_rss = _rss_bytes()
+        elif _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
+            self.generation += 1
+            self.base_rss = None
 
     def encode_keys(self, texts: dict[str, list[str]]) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
                                                                dict[int, str]]:
@@ -139,47 +180,71 @@ class _Encoder:
 
     def chunk(self, data) -> dict:
         """Parse and encode one chunk (bytes of JSONL lines, or a batch of Parquet rows); problems are
-        reported by line or row (0-based within the chunk)."""
+        reported by line or row (0-based within the chunk). The native reader takes the lines it is
+        sure of with the GIL released, and hands the engine their texts as one buffer per key; the
+        lines it leaves are read here, and a chunk where one of those is a document is read here whole."""
         if not isinstance(data, bytes):
             return self.rows(data)
-        keys = self.keys
-        texts: dict[str, list[str]] = {k: [] for k in keys}
+        status, starts, fields = jsonl.read(data, list(self.keys))
+        problems: list[tuple[int, str, str]] = []
+        for i in np.flatnonzero(status != jsonl.DOCUMENT).tolist():
+            if status[i] == jsonl.BLANK:
+                problems.append((i, "blank_line", "blank line"))
+                continue
+            read = self.line(data[starts[i]:starts[i + 1]].removesuffix(b"\n"))
+            if not isinstance(read, Problem):
+                return self.lines(data)
+            problems.append((i, *read))
+        texts = {k: _strings(*field) if self.engine.takes_buffers else _strings(*field).to_list()
+                 for k, field in zip(self.keys, fields)}
+        return self.encoded(texts, np.flatnonzero(status == jsonl.DOCUMENT).tolist(), problems, len(data), len(status))
+
+    def lines(self, data: bytes) -> dict:
+        """A chunk read line by line here."""
+        texts: dict[str, list[str]] = {k: [] for k in self.keys}
         document_lines: list[int] = []
         problems: list[tuple[int, str, str]] = []
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
         for i, raw in enumerate(lines):
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                if not raw.strip():
-                    problems.append((i, "blank_line", "blank line"))
-                    continue
-                try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError as u:
-                    problems.append((i, "invalid_utf8", f"invalid UTF-8 at byte {u.start}"))
-                    continue
-                problems.append((i, "malformed_json", f"malformed JSON ({e})"))
+            read = self.line(raw)
+            if isinstance(read, Problem):
+                problems.append((i, *read))
                 continue
-            values = []
-            for k in keys:
-                v = obj.get(k) if isinstance(obj, dict) else None
-                if not isinstance(v, str):
-                    problems.append((i, "missing_key", f"no string field {k!r}"))
-                    break
-                if not v:
-                    problems.append((i, "empty_document", f"field {k!r} is empty"))
-                    break
-                values.append(v)
-            else:
-                for k, v in zip(keys, values):
-                    texts[k].append(v)
-                document_lines.append(i)
+            for k, v in zip(self.keys, read):
+                texts[k].append(v)
+            document_lines.append(i)
+        return self.encoded(texts, document_lines, problems, len(data), len(lines))
+
+    def line(self, raw: bytes) -> list[str] | Problem:
+        """One JSON line's texts, one per key, or what is wrong with it."""
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            if not raw.strip():
+                return Problem("blank_line", "blank line")
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as u:
+                return Problem("invalid_utf8", f"invalid UTF-8 at byte {u.start}")
+            return Problem("malformed_json", f"malformed JSON ({e})")
+        values = []
+        for k in self.keys:
+            v = obj.get(k) if isinstance(obj, dict) else None
+            if not isinstance(v, str):
+                return Problem("missing_key", f"no string field {k!r}")
+            if not v:
+                return Problem("empty_document", f"field {k!r} is empty")
+            values.append(v)
+        return values
+
+    def encoded(self, texts: dict, document_lines: list[int], problems: list[tuple[int, str, str]], size: int,
+                lines: int) -> dict:
+        """A chunk's documents encoded, with its problems and the documents the tokenizer fails on."""
         encoded, failed = self.encode_keys(texts)
         problems = sorted(problems + [(document_lines[d], "tokenizer_failed", why) for d, why in failed.items()])
-        return {"documents": len(document_lines) - len(failed), "bytes": len(data), "lines": len(lines),
+        return {"documents": len(document_lines) - len(failed), "bytes": size, "lines": lines,
                 "encoded": encoded, "problems": problems}
 
     def rows(self, batch) -> dict:
@@ -196,13 +261,11 @@ class _Encoder:
                 problems.append((i, "missing_key", f"column {bad[0]!r} is null"))
             else:
                 problems.append((i, "empty_document", f"column {bad[0]!r} is empty"))
-        encoded, failed = self.encode_keys({k: [column[i] for i in keep] for k, column in zip(self.keys, columns)})
-        problems = sorted(problems + [(keep[d], "tokenizer_failed", why) for d, why in failed.items()])
-        return {"documents": len(keep) - len(failed), "bytes": batch.nbytes, "lines": batch.num_rows,
-                "encoded": encoded, "problems": problems}
+        texts = {k: [column[i] for i in keep] for k, column in zip(self.keys, columns)}
+        return self.encoded(texts, keep, problems, batch.nbytes, batch.num_rows)
 
 
-def _encoded_chunks(encoder: _Encoder, items: Iterator[tuple[int, bytes]], workers: int,
+def _encoded_chunks(encoder: ChunkEncoder, items: Iterator[tuple[int, bytes]], workers: int,
                     timeout_s: float) -> Iterator[dict]:
     """Results of ``(file index, chunk)`` items in input order.
 
@@ -252,8 +315,8 @@ def engine_factory(tokenizer: Tokenizer) -> tuple[Callable[[], Engine], bool]:
     if tokenizer.tokenizer_file:
         hf = HFEncoder(tokenizer)
         return (lambda: hf), True
-    vocab_file, merge_file = tokenizer.vocab_file, tokenizer.merge_file
-    return (lambda: _Gigatoken(vocab_file, merge_file)), False  # type: ignore[arg-type]
+    bpe = gpt2_bpe(tokenizer.vocab_file, tokenizer.merge_file)   # type: ignore[arg-type] -- read once, for every engine
+    return (lambda: GigatokenEngine(bpe)), False
 
 
 @dataclass
@@ -281,7 +344,7 @@ def encode(pieces: list[Piece], prefixes: dict[str, str], tokenizer: Tokenizer, 
     progress = Progress("tokenize", "documents", log_every_s=2.0)
     try:
         items = ((i, chunk) for i, piece in enumerate(pieces) for chunk in read_pieces(piece, json_keys))
-        encoder = _Encoder(new_engine, json_keys, append_eod, tokenizer.eod_id, best_dtype(tokenizer.vocab_size),
+        encoder = ChunkEncoder(new_engine, json_keys, append_eod, tokenizer.eod_id, best_dtype(tokenizer.vocab_size),
                            tokenizer.tokenizer_file or "GPT-2 BPE", bos_ids(tokenizer) if add_bos_token else ())
         for result in _encoded_chunks(encoder, items, workers, CHUNK_TIMEOUT_S):
             encoder.renew_if_grown()

@@ -30,6 +30,8 @@ def json_tokenizer(model: str) -> Tokenizer:
 class HFEncoder:
     """Encodes batches of documents with a tokenizer.json."""
 
+    takes_buffers = False       # documents as a list of str only
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer.load()
 
