@@ -26,8 +26,9 @@ namespace jsonl {
 
 enum Status : uint8_t { kDocument = 0, kBlank = 1, kDefer = 2 };
 constexpr int kMaxDepth = 128;
-constexpr size_t kMaxIntegerDigits = 300;   // fewer digits before any exponent: finite as a double
-constexpr size_t kMaxExponentDigits = 2;    // an exponent below 100 keeps such a number finite
+// A number below 10^308 is finite as a double (its largest is about 1.8e308): one with at most this many
+// integer digits plus its positive exponent is. A negative exponent only takes it towards 0.
+constexpr size_t kMaxDecimalPlaces = 308;
 
 struct Field {   // one key's texts, in a buffer as large as the data (no text is longer), left uninitialised
   explicit Field(size_t capacity) : text(new uint8_t[capacity]), capacity(capacity) {}
@@ -156,20 +157,24 @@ class Line {
     if (*p_ == '0') {
       ++p_;
       integer = 1;
-    } else if ((integer = digits()) == 0 || integer > kMaxIntegerDigits) {
+    } else if ((integer = digits()) == 0) {
       return false;
     }
     if (p_ < end_ && *p_ == '.') {
       ++p_;
       if (digits() == 0) return false;
     }
+    size_t exponent = 0;
     if (p_ < end_ && (*p_ == 'e' || *p_ == 'E')) {
       ++p_;
+      bool negative = p_ < end_ && *p_ == '-';
       if (p_ < end_ && (*p_ == '+' || *p_ == '-')) ++p_;
-      size_t n = digits();
-      if (n == 0 || n > kMaxExponentDigits) return false;
+      const uint8_t* start = p_;
+      if (digits() == 0) return false;
+      for (const uint8_t* d = start; d < p_ && !negative && exponent <= kMaxDecimalPlaces; ++d)
+        exponent = exponent * 10 + static_cast<size_t>(*d - '0');
     }
-    return true;
+    return integer + exponent <= kMaxDecimalPlaces;
   }
 
   static int hex(uint8_t c) {

@@ -141,6 +141,7 @@ JSON_LINES = [
     rb'{"text": "first", "text": "last"}', rb'{"te\u0078t": "escaped key", "title": "t"}', rb'[1]', rb'null',
     rb'{"text": 5}', b'  {"text" : "spaces", "title": "t" }  \r', rb'{}', rb'{"text": "", "title": "t"}',
     rb'{"title": "only"}', rb'{"text": "x", "n": 1e999}', rb'{"text": "x", "n": 123456789012345678901234567890}',
+    b'{"text": "x", "n": 2' + b'0' * 299 + b'e9}', b'{"text": "x", "n": 1' + b'0' * 299 + b'e8, "m": 1e-400}',
 ]
 MUTATIONS = b'{}[]":,\\ueE+-.0123456789abcdeftnrlsux \t\r\x00\x1f\x7f\x80\xbf\xc0\xc3\xa9\xe2\xed\xa0\xf0\xf4\xf5\x0b\x0c'
 

@@ -30,9 +30,10 @@ from tasks.tokenize.outputs import no_document
 
 # The engine caches every distinct pretoken it meets, so on text whose words never stop varying it
 # grows without bound (about 7 MB per MB of random words, on each encoding thread). Once this
-# process has grown by more than this since its engine was built, a fresh engine takes over. On
-# varied real text the cache earns its memory (a fresh engine encodes at half speed until it is
-# warm again), so it may grow this far while the process stays under 1 GiB.
+# process has grown by more than this since its last engine was built, each thread takes a fresh
+# one. On varied real text the caches earn their memory (a fresh engine encodes at half speed until
+# it is warm again), so they may grow this far, all threads together; each engine itself is about
+# 34 MB (GPT-2's vocabulary), one per encoding thread.
 ENCODER_CACHE_BYTES = 256 << 20
 # A 4 MiB chunk encodes in well under a second; a chunk not done after this long means a stuck engine.
 CHUNK_TIMEOUT_S = 600.0
@@ -105,7 +106,7 @@ class ChunkEncoder:
 
     @property
     def engine(self) -> Engine:
-        """This thread's engine, built on its first chunk and again once renewed."""
+        """This thread's engine, built on its first use and again at its first use once renewed."""
         local = self.local
         if getattr(local, "generation", None) != self.generation:
             generation, local.engine = self.generation, None       # the old engine's caches go first
@@ -113,11 +114,12 @@ class ChunkEncoder:
                 local.engine, local.generation = self.new_engine(), generation
             with self.lock:
                 self.held[threading.get_ident()] = generation
+                self.base_rss = None        # an engine built is not cache grown: measured again
         return local.engine
 
     def renew_if_grown(self) -> None:
-        """Fresh engines once the caches have grown past ENCODER_CACHE_BYTES since the threads took
-        theirs (chunks in flight finish on the engines they started with)."""
+        """Fresh engines once the caches have grown past ENCODER_CACHE_BYTES since the last engine
+        was built: each thread takes one at its next use."""
         with self.lock:
             renewing = any(generation != self.generation for generation in self.held.values())
         if renewing:
