@@ -67,6 +67,9 @@ class Problem(NamedTuple):
     detail: str
 
 
+BLANK_LINE = Problem("blank_line", "blank line")
+
+
 def _strings(text: np.ndarray, offsets: np.ndarray) -> ak.Array:
     """Documents as the engine takes them whole: their UTF-8 bytes in one buffer, and offsets."""
     chars = ak.contents.NumpyArray(text, parameters={"__array__": "char"})
@@ -99,10 +102,9 @@ class ChunkEncoder:
         self.new_engine, self.name = new_engine, name
         self.keys, self.append_eod, self.eod_id, self.dtype = keys, append_eod, eod_id, dtype
         self.bos_ids = np.asarray(bos_ids, dtype=dtype)
-        self.generation = 0                 # engines of an earlier one are renewed before their next chunk
-        self.held: dict[int, int] = {}      # the generation of each thread's engine
-        self.local, self.lock, self.building = threading.local(), threading.Lock(), threading.Lock()
-        self.base_rss: int | None = None    # taken once the threads hold this generation's engines
+        self.generation = 0                 # engines of an earlier one are renewed at their next use
+        self.local, self.building = threading.local(), threading.Lock()
+        self.base_rss: int | None = None    # taken after the last engine built
 
     @property
     def engine(self) -> Engine:
@@ -112,18 +114,12 @@ class ChunkEncoder:
             generation, local.engine = self.generation, None       # the old engine's caches go first
             with self.building:     # a build holds the GIL: one at a time, the first thread encodes sooner
                 local.engine, local.generation = self.new_engine(), generation
-            with self.lock:
-                self.held[threading.get_ident()] = generation
                 self.base_rss = None        # an engine built is not cache grown: measured again
         return local.engine
 
     def renew_if_grown(self) -> None:
         """Fresh engines once the caches have grown past ENCODER_CACHE_BYTES since the last engine
         was built: each thread takes one at its next use."""
-        with self.lock:
-            renewing = any(generation != self.generation for generation in self.held.values())
-        if renewing:
-            return
         if self.base_rss is None:
             _release_free_memory()          # what the earlier engines' caches held
             self.base_rss = _rss_bytes()
@@ -190,10 +186,7 @@ class ChunkEncoder:
         status, starts, fields = jsonl.read(data, list(self.keys))
         problems: list[tuple[int, str, str]] = []
         for i in np.flatnonzero(status != jsonl.DOCUMENT).tolist():
-            if status[i] == jsonl.BLANK:
-                problems.append((i, "blank_line", "blank line"))
-                continue
-            read = self.line(data[starts[i]:starts[i + 1]].removesuffix(b"\n"))
+            read = BLANK_LINE if status[i] == jsonl.BLANK else self.line(data[starts[i]:starts[i + 1]].removesuffix(b"\n"))
             if not isinstance(read, Problem):
                 return self.lines(data)
             problems.append((i, *read))
@@ -225,7 +218,7 @@ class ChunkEncoder:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             if not raw.strip():
-                return Problem("blank_line", "blank line")
+                return BLANK_LINE
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as u:
