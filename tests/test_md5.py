@@ -5,12 +5,14 @@ import concurrent.futures as cf
 import hashlib
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
 
 from native.md5 import md5_lanes, md5_ranges
 from tasks.sync import HASHER, md5_check, multipart_etag
+from tasks.sync.integrity import Hasher
 
 WIDTHS = [w for w in (1, 8, 16, 32) if w <= md5_lanes()]
 
@@ -69,6 +71,28 @@ def test_hasher_batches_concurrent_callers(tmp_path: Path) -> None:
     parts = [hashlib.md5(files[big][i:i + 50_000]).digest() for i in range(0, size, 50_000)]
     assert multipart_etag(big, 50_000) == f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
     assert HASHER.digests(big, [(size, 1)]) == [None]
+
+
+def test_the_checks_run_their_conclusion_in_the_hashing_thread_at_a_lower_priority(tmp_path: Path) -> None:
+    """A check's `then` runs where the digest is known, in one of the hashing threads, which run
+    below the priority of the thread that started them: the transfer they verify goes first."""
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    ran: list[tuple[str, int]] = []
+
+    def then(check):
+        ran.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        if check is None:
+            raise ValueError("not the file")
+        return check.upper()
+
+    assert md5_check(path, 3, hashlib.md5(b"abc").hexdigest(), then=then).result() == "MD5"
+    with pytest.raises(ValueError, match="not the file"):
+        md5_check(path, 3, "0" * 32, then=then).result()
+    with pytest.raises(ValueError, match="not the file"):       # no hashing: the size differs
+        md5_check(path, 4, hashlib.md5(b"abc").hexdigest(), then=then).result()
+    assert [name for name, _ in ran] == ["md5", "md5", "MainThread"]
+    assert all(nice >= Hasher.NICE for name, nice in ran if name == "md5")
 
 
 def test_the_portable_build_for_cpus_without_x86_simd(tmp_path, data_file) -> None:

@@ -19,7 +19,6 @@ from tasks.common.uri import is_s3
 from tasks.sync import content
 from tasks.sync.integrity import (
     Check,
-    chained,
     expected_check,
     md5_check,
     server_checksum,
@@ -68,7 +67,7 @@ def transfer_progress(label: str, todo: list[Source], artifact_key: str) -> Prog
 def await_verifications(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
             remote: Remote, mismatch: str) -> None:
     """Wait for the verifications still running, then raise the transfer's first error, if any."""
-    for fut in cf.as_completed(futures):
+    for fut in futures:                 # in the order the files were done: about the order they finish
         fut.result()
         progress.show()
     if errors:
@@ -192,15 +191,19 @@ class Download:
         self.part_hasher: PartHasher | None = None
         self.progress: Progress | None = None
         self.fetching: dict[str, Source] = {}
+        self.made: set[str] = set()         # folders under `folder` known to exist
 
     def ask_checksums(self, objs: list[Source]) -> None:
         """The store's CRC of every large object that has one (one HEAD each, side by side)."""
         found = self.pool.map(lambda o: server_checksum(o, self.client), objs)
         self.checksums = {o.uri: c for o, c in zip(objs, found) if c is not None}
 
-    def promote(self, o: Source, staged: Path) -> None:
-        final = self.folder / o.rel
-        final.parent.mkdir(parents=True, exist_ok=True)
+    def promote(self, o: Source, staged: str | Path) -> None:
+        final = os.path.join(self.folder, o.rel)
+        parent = os.path.dirname(final)
+        if parent not in self.made:
+            os.makedirs(parent, exist_ok=True)
+            self.made.add(parent)
         if o.etag is not None:
             os.chmod(staged, self.s3_mode)          # s5cmd writes 0644 whatever the umask
         os.replace(staged, final)
@@ -299,25 +302,25 @@ class Download:
     def downloaded(self, uri: str) -> None:
         """s5cmd reports `uri` complete: verify it without holding s5cmd up."""
         o = self.fetching[uri]
-        staged = self.partial / o.rel
+        staged = os.path.join(self.partial, o.rel)
         if expected_check(o.etag) == "md5" and o.uri not in self.checksums:     # no thread waits on the hashing
-            self.futures.append(chained(md5_check(staged, o.size, o.etag), lambda check: self.conclude(o, staged, check)))
+            self.futures.append(md5_check(staged, o.size, o.etag, then=lambda check: self.conclude(o, staged, check)))
         else:
             self.futures.append(self.pool.submit(self.finish, o, staged))
         self.progress.show()  # type: ignore[union-attr]
 
-    def finish(self, o: Source, staged: Path) -> None:
+    def finish(self, o: Source, staged: str | Path) -> None:
         if o.etag is None:
-            check: Check | None = "size" if staged.stat().st_size == o.size else None
+            check: Check | None = "size" if os.stat(staged).st_size == o.size else None
         elif self.part_hasher is not None and self.part_hasher.etag(o.uri) == o.etag:
             check = "multipart-etag"    # hashed while it was written; the size was compared too
         else:
             check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
         self.conclude(o, staged, check)
 
-    def conclude(self, o: Source, staged: Path, check: Check | None) -> None:
+    def conclude(self, o: Source, staged: str | Path, check: Check | None) -> None:
         if check is None:
-            staged.unlink(missing_ok=True)
+            Path(staged).unlink(missing_ok=True)
             self.failures.append(o.uri)
             return
         self.promote(o, staged)

@@ -16,6 +16,7 @@ import botocore.exceptions as bexc
 
 from native.md5 import md5_lanes, md5_ranges
 from tasks.common import crc
+from tasks.common.priority import lower_priority
 from tasks.common.uri import is_s3
 from tasks.sync.listing import Source
 from tasks.sync.remote import split_s3
@@ -41,20 +42,26 @@ class Hasher:
     Requests are hashed together in one native call, which hashes many ranges side by side in
     SIMD lanes (`native.md5_ranges`): many small files, or the parts of a large one, verify
     several times faster than one after another. A thread that finds fewer ranges queued than
-    fill half the lanes waits up to WAIT_S for more, and hands the longest ranges out first, so
-    that the lanes stay busy. A range the file ends before gets None.
+    fill the lanes gathers more while they keep coming (a pause of GAP_S ends it) for up to
+    GATHER_S, and hands the longest ranges out first, so that the lanes stay busy. A range the
+    file ends before gets None. The threads run at nice NICE: where the cores are busy, the
+    transfers whose files they verify go first and the hashing takes the cycles they leave, so
+    that a download is not held up by the checks of what it already fetched.
     """
 
     BATCH = 128         # ranges per native call at most
-    WAIT_S = 0.02
+    GAP_S = 0.02
+    GATHER_S = 0.1
+    NICE = 10
 
     def __init__(self) -> None:
         self._lock, self._collect = threading.Lock(), threading.Lock()
         self._pid = -1
 
-    def submit(self, ranges: list[tuple]) -> cf.Future:
+    def submit(self, ranges: list[tuple], then: Callable[[list[bytes | None]], Any] | None = None) -> cf.Future:
         """Future of the digests of `ranges`, as `native.md5_ranges` takes them: (fd, offset, length),
-        or (fd, offset, length, state, prior, final) for a piece of a message. Keep the files open
+        or (fd, offset, length, state, prior, final) for a piece of a message; with `then`, of
+        `then(digests)`, run in the hashing thread before the future is done. Keep the files open
         until it is done."""
         fut: cf.Future = cf.Future()
         with self._lock:
@@ -62,7 +69,7 @@ class Hasher:
                 self._pid, self._queue = os.getpid(), queue.SimpleQueue()
                 for _ in range(len(os.sched_getaffinity(0))):
                     threading.Thread(target=self._work, args=(self._queue,), daemon=True, name="md5").start()
-            self._queue.put((ranges, fut))
+            self._queue.put((ranges, then, fut))
         return fut
 
     def digests(self, path: str | os.PathLike, ranges: list[tuple[int, int]]) -> list[bytes | None]:
@@ -73,67 +80,63 @@ class Hasher:
             os.close(fd)
 
     def _work(self, q: queue.SimpleQueue) -> None:
-        enough = md5_lanes() // 2 + 1
+        lower_priority(self.NICE)
+        lanes = md5_lanes()
         while True:
             with self._collect:                     # one thread collects a batch at a time
                 batch = [q.get()]
-                count, deadline = len(batch[0][0]), time.monotonic() + self.WAIT_S
+                count, deadline = len(batch[0][0]), time.monotonic() + self.GATHER_S
                 while count < self.BATCH:
-                    wait = deadline - time.monotonic() if count < enough else 0
+                    wait = min(self.GAP_S, deadline - time.monotonic()) if count < lanes else 0
                     try:
                         batch.append(q.get(timeout=wait) if wait > 0 else q.get_nowait())
                     except queue.Empty:
                         break
                     count += len(batch[-1][0])
-            ranges = [r for rs, _ in batch for r in rs]
+            ranges = [r for rs, _, _ in batch for r in rs]
             order = sorted(range(len(ranges)), key=lambda k: -ranges[k][2])
             try:
                 digests: list[bytes | None] = [None] * len(ranges)
                 for k, digest in zip(order, md5_ranges([ranges[k] for k in order])):
                     digests[k] = digest
             except BaseException as e:  # noqa: BLE001 - handed to the callers
-                for _, fut in batch:
+                for _, _, fut in batch:
                     fut.set_exception(e)
                 continue
-            for rs, fut in batch:
-                fut.set_result(digests[:len(rs)])
-                digests = digests[len(rs):]
+            for rs, then, fut in batch:
+                mine, digests = digests[:len(rs)], digests[len(rs):]
+                try:
+                    fut.set_result(mine if then is None else then(mine))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `fut`
+                    fut.set_exception(e)
 
 
 HASHER = Hasher()
 
 
-def chained(fut: cf.Future, fn: Callable[[Any], Any]) -> cf.Future:
-    """A future of `fn(fut.result())`, which runs in the thread that completes `fut`."""
-    out: cf.Future = cf.Future()
-
-    def run(done: cf.Future) -> None:
-        try:
-            out.set_result(fn(done.result()))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
-            out.set_exception(e)
-
-    fut.add_done_callback(run)
-    return out
-
-
-def md5_check(path: str | os.PathLike, size: int, etag: str) -> cf.Future:
-    """Future of "md5" when the file has `size` bytes and MD5 `etag`, else of None. The hashing is
-    batched with other callers' by HASHER; nothing waits on it in the meantime."""
+def md5_check(path: str | os.PathLike, size: int, etag: str,
+              then: Callable[[Check | None], Any] = lambda check: check) -> cf.Future:
+    """Future of `then("md5")` when the file has `size` bytes and MD5 `etag`, else of `then(None)`.
+    The hashing is batched with other callers' by HASHER, and `then` runs in its thread: nothing
+    waits on it in the meantime."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         fd = -1
     if fd < 0 or os.fstat(fd).st_size != size:
         if fd >= 0:
             os.close(fd)
         done: cf.Future = cf.Future()
-        done.set_result(None)
+        try:
+            done.set_result(then(None))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `done`
+            done.set_exception(e)
         return done
 
-    hashed = HASHER.submit([(fd, 0, size)])
+    hashed = HASHER.submit([(fd, 0, size)], then=lambda digests: then(
+        "md5" if digests[0] is not None and digests[0].hex() == etag else None))
     hashed.add_done_callback(lambda _: os.close(fd))
-    return chained(hashed, lambda digests: "md5" if digests[0] is not None and digests[0].hex() == etag else None)
+    return hashed
 
 
 def multipart_etag(path: str | os.PathLike, parts: int | list[int]) -> str:

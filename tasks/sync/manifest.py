@@ -84,7 +84,7 @@ def stamp_fields(st: LocalStat | None) -> dict[str, int]:
 
 def file_entry(o: Source, folder: Path, check: Check) -> FileEntry:
     return FileEntry(key=o.uri, path=o.rel, size=o.size, etag=o.etag, content=o.content, **stamp_fields(o.stat),
-                     mtime_ns=os.stat(folder / o.rel).st_mtime_ns, verified=True, check=check)
+                     mtime_ns=os.stat(os.path.join(folder, o.rel)).st_mtime_ns, verified=True, check=check)
 
 
 def copy_intact(o: Source, old: FileEntry | None, path: Path) -> bool:

