@@ -114,8 +114,8 @@ def test_multipart_download_is_hashed_while_it_is_written(s3: S3Server, monkeypa
     assert s3.put(bucket, "copy.bin", data, part_size=part) == etag
     submitted: list[tuple[float, int]] = []        # (when, pieces) of each hand-over to the hasher
     submit = sync_module.HASHER.submit
-    monkeypatch.setattr(sync_module.HASHER, "submit", lambda ranges: submitted.append((time.monotonic(), len(ranges)))
-                        or submit(ranges))
+    monkeypatch.setattr(sync_module.HASHER, "submit", lambda ranges, then=None: submitted.append(
+        (time.monotonic(), len(ranges))) or submit(ranges, then))
     big = Source(f"s3://{bucket}/big.bin", "big.bin", len(data), etag)
     copy = Source(f"s3://{bucket}/copy.bin", "copy.bin", len(data), etag)
     hasher = PartHasher([(big, tmp_path / "big.bin"), (copy, tmp_path / "copy.bin")], s3.client())

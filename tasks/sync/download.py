@@ -67,7 +67,7 @@ def transfer_progress(label: str, todo: list[Source], artifact_key: str) -> Prog
 def await_verifications(futures: list[cf.Future], progress: "Progress", errors: list[str], failures: list[str],
             remote: Remote, mismatch: str) -> None:
     """Wait for the verifications still running, then raise the transfer's first error, if any."""
-    for fut in futures:                 # in the order the files were done: about the order they finish
+    for fut in futures:                 # about the order they finish: that of the files copied
         fut.result()
         progress.show()
     if errors:

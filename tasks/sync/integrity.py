@@ -44,9 +44,11 @@ class Hasher:
     several times faster than one after another. A thread that finds fewer ranges queued than
     fill the lanes gathers more while they keep coming (a pause of GAP_S ends it) for up to
     GATHER_S, and hands the longest ranges out first, so that the lanes stay busy. A range the
-    file ends before gets None. The threads run at nice NICE: where the cores are busy, the
-    transfers whose files they verify go first and the hashing takes the cycles they leave, so
-    that a download is not held up by the checks of what it already fetched.
+    file ends before gets None. The threads run at nice NICE or lower priority (that of the
+    thread that started them, when lower): where the cores are busy, the transfers whose files
+    they verify go first and the hashing takes the cycles they leave, so that a download is not
+    held up by the checks of what it already fetched. Files checked before any transfer starts
+    (a sync that finds copies already there) are hashed at that priority too.
     """
 
     BATCH = 128         # ranges per native call at most
@@ -105,38 +107,60 @@ class Hasher:
                 continue
             for rs, then, fut in batch:
                 mine, digests = digests[:len(rs)], digests[len(rs):]
-                try:
-                    fut.set_result(mine if then is None else then(mine))
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `fut`
-                    fut.set_exception(e)
+                _complete(fut, then or _unchanged, mine)
 
 
 HASHER = Hasher()
 
 
+def _unchanged(value: Any) -> Any:
+    return value
+
+
+def _complete(fut: cf.Future, fn: Callable[[Any], Any], arg: Any) -> None:
+    """Complete `fut` with `fn(arg)`, or with what it raises."""
+    try:
+        result = fn(arg)
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `fut`
+        fut.set_exception(e)
+    else:
+        fut.set_result(result)
+
+
 def md5_check(path: str | os.PathLike, size: int, etag: str,
-              then: Callable[[Check | None], Any] = lambda check: check) -> cf.Future:
+              then: Callable[[Check | None], Any] = _unchanged) -> cf.Future:
     """Future of `then("md5")` when the file has `size` bytes and MD5 `etag`, else of `then(None)`.
-    The hashing is batched with other callers' by HASHER, and `then` runs in its thread: nothing
-    waits on it in the meantime."""
+    The hashing is batched with other callers' by HASHER and `then` runs in a hashing thread (at
+    once in the caller's when the file is missing or has another size): nothing waits meanwhile."""
+    fd = _open_sized(path, size)
+    if fd is None:
+        done: cf.Future = cf.Future()
+        _complete(done, then, None)
+        return done
+    try:
+        hashed = HASHER.submit([(fd, 0, size)], then=lambda digests: then(
+            "md5" if digests[0] is not None and digests[0].hex() == etag else None))
+    except BaseException:
+        os.close(fd)
+        raise
+    hashed.add_done_callback(lambda _: os.close(fd))
+    return hashed
+
+
+def _open_sized(path: str | os.PathLike, size: int) -> int | None:
+    """The file opened for reading when it is there with `size` bytes, else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        fd = -1
-    if fd < 0 or os.fstat(fd).st_size != size:
-        if fd >= 0:
-            os.close(fd)
-        done: cf.Future = cf.Future()
-        try:
-            done.set_result(then(None))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `done`
-            done.set_exception(e)
-        return done
-
-    hashed = HASHER.submit([(fd, 0, size)], then=lambda digests: then(
-        "md5" if digests[0] is not None and digests[0].hex() == etag else None))
-    hashed.add_done_callback(lambda _: os.close(fd))
-    return hashed
+        return None
+    try:
+        if os.fstat(fd).st_size == size:
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
 
 
 def multipart_etag(path: str | os.PathLike, parts: int | list[int]) -> str:
