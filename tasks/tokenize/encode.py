@@ -120,10 +120,11 @@ class ChunkEncoder:
     def renew_if_grown(self) -> None:
         """Fresh engines once the caches have grown past ENCODER_CACHE_BYTES since the last engine
         was built: each thread takes one at its next use."""
-        if self.base_rss is None:
+        base = self.base_rss                # read once: a thread that builds an engine resets it
+        if base is None:
             _release_free_memory()          # what the earlier engines' caches held
             self.base_rss = _rss_bytes()
-        elif _rss_bytes() - self.base_rss > ENCODER_CACHE_BYTES:
+        elif _rss_bytes() - base > ENCODER_CACHE_BYTES:
             self.generation += 1
             self.base_rss = None
 
