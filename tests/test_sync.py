@@ -93,6 +93,26 @@ def test_full_sync_verifies_and_writes_manifest(s3: S3Server, corpus, tmp_path: 
     assert SECRET_KEY not in (dest / MANIFEST_NAME).read_text()
 
 
+@pytest.mark.parametrize("text", ["2026-12-07T17:56:10.000Z", "2026-12-07T17:56:10.123456789Z", "2026-12-07T17:56:10+02:00",
+                                  "Mon, 07 Dec 2026 17:56:10 GMT", "1733594170", "2026-12-07T17:56:10"])
+def test_a_responses_timestamps_read_as_botocore_reads_them(text: str) -> None:
+    """The clients read timestamps without dateutil where `datetime` can (a listing's): the same value."""
+    import botocore.utils
+
+    from tasks.sync.remote import parse_timestamp
+    assert parse_timestamp(text) == botocore.utils.parse_timestamp(text)
+
+
+def test_a_listing_reads_each_objects_time_with_the_fast_parser(s3: S3Server, corpus, monkeypatch) -> None:
+    import tasks.sync.remote as remote_module
+    bucket, files = corpus
+    read = []
+    monkeypatch.setattr(remote_module, "parse_timestamp", lambda text: read.append(text) or remote_module.datetime.now())
+    client = remote_module.Remote.make(s3.endpoint_url, False, None).client()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix="data/")["Contents"]
+    assert len(read) == len(listed) > 0
+
+
 def test_multipart_object_with_unequal_parts(s3: S3Server, tmp_path: Path) -> None:
     bucket, client = s3.new_bucket(), s3.client()
     parts = [blob(6 * MIB, 1), blob(5 * MIB, 2), blob(1234, 3)]
@@ -230,6 +250,36 @@ def test_large_objects_are_verified_with_the_stores_crc(s3: S3Server, monkeypatc
     (dest / MANIFEST_NAME).unlink()
     again = sync([f"s3://{bucket}/d/"], str(dest), endpoint_url=s3.endpoint_url)
     assert again.transferred_files == 2 and read_tree(dest) == files
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_stores_crc_is_checked_alike_read_or_mapped(private: bool, tmp_path: Path) -> None:
+    """A staged file (private) is read mapped, any other with reads: the same answers, a damaged,
+    short or empty file included."""
+    import base64
+
+    from awscrt import checksums
+
+    from tasks.common.crc import ServerChecksum, matches
+
+    data, sizes = blob(3 * MIB + 5, 7), [MIB, MIB, MIB + 5]
+    whole = ServerChecksum("CRC64NVME", base64.b64encode(checksums.crc64nvme(data).to_bytes(8, "big")).decode())
+    parts, at = b"", 0
+    for size in sizes:
+        parts += checksums.crc32c(data[at:at + size]).to_bytes(4, "big")
+        at += size
+    composite = ServerChecksum("CRC32C", base64.b64encode(checksums.crc32c(parts).to_bytes(4, "big")).decode() + "-3")
+    path = tmp_path / "obj.bin"
+    path.write_bytes(data)
+    assert matches(path, whole, private=private) and matches(path, composite, sizes, private=private)
+    assert not matches(path, composite, [MIB, 2 * MIB + 5], private=private)     # other part sizes
+    path.write_bytes(data[:MIB] + b"\0" + data[MIB + 1:])
+    assert not matches(path, whole, private=private) and not matches(path, composite, sizes, private=private)
+    path.write_bytes(data[:-1])
+    assert not matches(path, whole, private=private) and not matches(path, composite, sizes, private=private)
+    path.write_bytes(b"")
+    empty = ServerChecksum("CRC64NVME", base64.b64encode(bytes(8)).decode())
+    assert matches(path, empty, private=private) and not matches(path, whole, private=private)
 
 
 def _children(pid: int) -> list[int]:

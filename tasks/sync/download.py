@@ -7,6 +7,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from tasks.common.uri import is_s3
 from tasks.sync import content
 from tasks.sync.integrity import (
     Check,
+    checked_by_crc,
     expected_check,
     md5_check,
     server_checksum,
@@ -195,6 +197,7 @@ class Download:
 
     def ask_checksums(self, objs: list[Source]) -> None:
         """The store's CRC of every large object that has one (one HEAD each, side by side)."""
+        objs = [o for o in objs if checked_by_crc(o, self.client)]
         found = self.pool.map(lambda o: server_checksum(o, self.client), objs)
         self.checksums = {o.uri: c for o, c in zip(objs, found) if c is not None}
 
@@ -210,8 +213,9 @@ class Download:
 
     def check_existing(self, item: tuple[Source, Path]) -> tuple[Source, Check | None]:
         o, path = item
-        check = verify(path, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
-        if path.is_relative_to(self.partial):
+        staged = path.is_relative_to(self.partial)
+        check = verify(path, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri), private=staged)
+        if staged:
             if check is not None:
                 self.promote(o, path)
         elif check == "size":
@@ -315,7 +319,7 @@ class Download:
         elif self.part_hasher is not None and self.part_hasher.etag(o.uri) == o.etag:
             check = "multipart-etag"    # hashed while it was written; the size was compared too
         else:
-            check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
+            check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri), private=True)
         self.conclude(o, staged, check)
 
     def conclude(self, o: Source, staged: str | Path, check: Check | None) -> None:
@@ -391,9 +395,10 @@ def _sync_locked(sources: list[str], objs: Listing, folder: Path, partial: Path,
 
 def _has_size(path: Path, size: int) -> bool:
     try:
-        return path.is_file() and path.stat().st_size == size
+        st = os.stat(path)
     except OSError:
         return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size
 
 
 def _empty(folder: Path) -> None:

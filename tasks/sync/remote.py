@@ -3,18 +3,30 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable
 
 import boto3
 import botocore.exceptions as bexc
 import botocore.loaders
 import botocore.session
+import botocore.utils
 from botocore import UNSIGNED
 from botocore.config import Config as BotoConfig
 
 from tasks.common.uri import bucket_and_key, is_s3
 
 _LOADER = botocore.loaders.create_loader()
+
+
+def parse_timestamp(text: str) -> datetime:
+    """A timestamp of a response. botocore's own parser (dateutil) takes most of a listing's time,
+    one per object, for the ISO 8601 form that `datetime` reads directly; other forms go to it."""
+    try:
+        parsed = datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        parsed = None
+    return parsed if parsed is not None and parsed.tzinfo is not None else botocore.utils.parse_timestamp(text)
 
 
 class SyncError(RuntimeError):
@@ -48,6 +60,7 @@ class Remote:
     def client(self) -> Any:
         core = botocore.session.Session(profile=self.profile)
         core.register_component("data_loader", _LOADER)   # parse botocore's model files once
+        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
         try:
             core.get_scoped_config()    # raises when the profile does not exist
         except bexc.ProfileNotFound:
