@@ -9,12 +9,10 @@ checking a large file with them costs a fraction of hashing it with MD5.
 from __future__ import annotations
 
 import base64
-import contextlib
-import mmap
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 from awscrt import checksums
 
@@ -55,17 +53,9 @@ def from_head(response: dict) -> ServerChecksum | None:
     return None
 
 
-def _crc(fd: int, offset: int, length: int, algorithm: str, mapping: memoryview | None = None) -> int | None:
-    """The CRC of ``length`` bytes at ``offset``, read from ``mapping`` (the file mapped) when
-    given; None if the file ends before them."""
+def _crc(fd: int, offset: int, length: int, algorithm: str) -> int | None:
+    """The CRC of ``length`` bytes at ``offset``; None if the file ends before them."""
     _, fn, _ = ALGORITHMS[algorithm]
-    if mapping is not None:
-        if offset + length > len(mapping):
-            return None
-        crc = 0
-        for start in range(offset, offset + length, BLOCK):
-            crc = fn(mapping[start:min(start + BLOCK, offset + length)], crc)
-        return crc
     crc, buf = 0, bytearray(min(BLOCK, max(length, 1)))
     view = memoryview(buf)
     done = 0
@@ -82,51 +72,27 @@ def _encode(crc: int, algorithm: str) -> str:
     return base64.b64encode(crc.to_bytes(ALGORITHMS[algorithm][2], "big")).decode()
 
 
-@contextlib.contextmanager
-def _mapped(fd: int, size: int) -> Iterator[memoryview | None]:
-    """The file mapped read-only (None when empty): its bytes are read without copying them."""
-    if size == 0:
-        yield None
-        return
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapping:
-        view = memoryview(mapping)
-        try:
-            yield view
-        finally:
-            view.release()
-
-
-def matches(path: str | os.PathLike, expected: ServerChecksum, part_sizes: list[int] | None = None,
-            private: bool = False) -> bool:
+def matches(path: str | os.PathLike, expected: ServerChecksum, part_sizes: list[int] | None = None) -> bool:
     """Whether the file at ``path`` has the checksum ``expected``. A composite checksum needs the
-    sizes of the parts the object was uploaded in. A `private` file, one no other process writes
-    meanwhile, is read mapped, without copying it (a file cut short under a mapping would stop
-    this process)."""
+    sizes of the parts the object was uploaded in."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        with _mapped(fd, size) if private else contextlib.nullcontext() as mapping:
-            return _matches(fd, size, expected, part_sizes, mapping)
+        if expected.parts is None:
+            crc = _crc(fd, 0, os.fstat(fd).st_size, expected.algorithm)
+            return crc is not None and _encode(crc, expected.algorithm) == expected.value
+        if part_sizes is None or len(part_sizes) != expected.parts:
+            return False
+        width = ALGORITHMS[expected.algorithm][2]
+        joined, offset = b"", 0
+        for size in part_sizes:
+            crc = _crc(fd, offset, size, expected.algorithm)
+            if crc is None:
+                return False
+            joined += crc.to_bytes(width, "big")
+            offset += size
+        if offset != os.fstat(fd).st_size:
+            return False
+        _, fn, _ = ALGORITHMS[expected.algorithm]
+        return f"{_encode(fn(joined, 0), expected.algorithm)}-{expected.parts}" == expected.value
     finally:
         os.close(fd)
-
-
-def _matches(fd: int, file_size: int, expected: ServerChecksum, part_sizes: list[int] | None,
-             mapping: memoryview | None) -> bool:
-    if expected.parts is None:
-        crc = _crc(fd, 0, file_size, expected.algorithm, mapping)
-        return crc is not None and _encode(crc, expected.algorithm) == expected.value
-    if part_sizes is None or len(part_sizes) != expected.parts:
-        return False
-    width = ALGORITHMS[expected.algorithm][2]
-    joined, offset = b"", 0
-    for size in part_sizes:
-        crc = _crc(fd, offset, size, expected.algorithm, mapping)
-        if crc is None:
-            return False
-        joined += crc.to_bytes(width, "big")
-        offset += size
-    if offset != file_size:
-        return False
-    _, fn, _ = ALGORITHMS[expected.algorithm]
-    return f"{_encode(fn(joined, 0), expected.algorithm)}-{expected.parts}" == expected.value

@@ -213,9 +213,8 @@ class Download:
 
     def check_existing(self, item: tuple[Source, Path]) -> tuple[Source, Check | None]:
         o, path = item
-        staged = path.is_relative_to(self.partial)
-        check = verify(path, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri), private=staged)
-        if staged:
+        check = verify(path, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
+        if path.is_relative_to(self.partial):
             if check is not None:
                 self.promote(o, path)
         elif check == "size":
@@ -319,7 +318,7 @@ class Download:
         elif self.part_hasher is not None and self.part_hasher.etag(o.uri) == o.etag:
             check = "multipart-etag"    # hashed while it was written; the size was compared too
         else:
-            check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri), private=True)
+            check = verify(staged, o.size, o.etag, o.uri, self.client, self.checksums.get(o.uri))
         self.conclude(o, staged, check)
 
     def conclude(self, o: Source, staged: str | Path, check: Check | None) -> None:

@@ -239,12 +239,11 @@ def _part_sizes(uri: str, size: int, count: int, client: Any) -> list[int] | Non
 
 
 def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, client: Any,
-           checksum: crc.ServerChecksum | None = None, private: bool = False) -> Check | None:
+           checksum: crc.ServerChecksum | None = None) -> Check | None:
     """The check that passed for the file at `path`, or None when it does not match.
 
     A store's `checksum` is used when given (a composite one needs the part sizes from the
-    server; without them the ETag is checked instead), reading a `private` file (one only this
-    process writes) mapped. A multipart ETag is recomputed with the part size the server gives for part 1 (every part
+    server; without them the ETag is checked instead). A multipart ETag is recomputed with the part size the server gives for part 1 (every part
     asked for when parts differ in size); a server that will not say gets the common part sizes
     tried, and only the size checked if none of them gives the ETag.
     """
@@ -253,7 +252,7 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
     if checksum is not None:
         parts = None if checksum.parts is None else _part_sizes(uri, size, checksum.parts, client)
         if checksum.parts is None or parts is not None:
-            return checksum.name if crc.matches(path, checksum, parts, private) else None  # type: ignore[return-value]
+            return checksum.name if crc.matches(path, checksum, parts) else None  # type: ignore[return-value]
     check = expected_check(etag)
     if check == "md5":
         return md5_check(path, size, etag).result()  # type: ignore[arg-type]
