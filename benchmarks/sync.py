@@ -1,6 +1,7 @@
 """Sync throughput against a loopback S3 server: tasks.sync vs raw `s5cmd sync` vs a boto3 loop.
 
-Two sets of objects, each fetched by the three methods in turn, `--repeats` times, in the same
+Two sets of objects, each fetched by the three methods in turn (the order rotated each repeat,
+the disk's write-back of the last fetch finished before the next starts), `--repeats` times, in the same
 run: many small objects and a few large (multipart) ones; each method's median time is reported.
 The small objects are uploaded with s5cmd (the store keeps only their MD5 ETags); the large ones
 with a whole-object CRC64NVME, as S3 keeps for every new object. Our sync lists, downloads with
@@ -139,6 +140,13 @@ def _fetch_once(method: str, fetch: Callable[[Path], None], out: Path, total: in
     return {"seconds": seconds, "client_cpu_s": cpu, "server_cpu_s": server_cpu}
 
 
+def _turn(methods: list[str], rep: int) -> list[str]:
+    """The order of the methods in repeat `rep`: each starts a turn as often as the others, so that
+    none always follows the same one (the page cache and the disk carry one fetch into the next)."""
+    first = rep % len(methods)
+    return methods[first:] + methods[:first]
+
+
 def _upload(client: Any, endpoint: str, src: Path, bucket: str, name: str, with_crc: bool) -> None:
     if not with_crc:
         subprocess.run([s5cmd_binary(), "--endpoint-url", endpoint, "cp", f"{src}/*", f"s3://{bucket}/{name}/"],
@@ -180,8 +188,9 @@ def run(small_count: int = 2000, small_mb: float = 1, large_count: int = 4, larg
                 }
                 runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
                 for rep in range(repeats):
-                    for method, fetch in methods.items():
-                        out = root / "out" / method
+                    for method in _turn(list(methods), rep):
+                        fetch, out = methods[method], root / "out" / method
+                        os.sync()       # the last fetch's writes reach the disk before this one starts
                         runs[method].append(_fetch_once(method, fetch, out, total, name, server_group))
                         if method == "tasks_sync" and rep == 0:
                             start = time.perf_counter()
