@@ -61,6 +61,7 @@ def served(prefect_server, s3_server, slurm_cluster, tmp_path_factory) -> Iterat
     env.update({k: v for k, v in s3_server.env.items() if k.startswith("AWS_")})
     env[S3_ENDPOINTS] = s3_server.endpoint_url          # the operator lets runs use the S3 server
     env["PYTHONPATH"] = str(ROOT)
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "2"          # a run the UI or an automation schedules starts within 2 s
     log = work / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(ROOT / "deployments" / "serve.py"), "--history",
