@@ -1,8 +1,8 @@
 """Sync throughput against a loopback S3 server: tasks.sync vs raw `s5cmd sync` vs a boto3 loop.
 
 Two sets of objects, each fetched by the three methods in turn (the order rotated each repeat,
-the disk's write-back of the last fetch finished before the next starts), `--repeats` times, in the same
-run: many small objects and a few large (multipart) ones; each method's median time is reported.
+the disk's write-back of the last fetch finished before the next starts), `--repeats` times, in
+the same run: many small objects and a few large (multipart) ones; each method's median time is reported.
 The small objects are uploaded with s5cmd (the store keeps only their MD5 ETags); the large ones
 with a whole-object CRC64NVME, as S3 keeps for every new object. Our sync lists, downloads with
 s5cmd, verifies every file (the store's CRC for large objects, else the MD5 or multipart ETag;

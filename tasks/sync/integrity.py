@@ -241,9 +241,10 @@ def verify(path: str | os.PathLike, size: int, etag: str | None, uri: str, clien
     """The check that passed for the file at `path`, or None when it does not match.
 
     A store's `checksum` is used when given (a composite one needs the part sizes from the
-    server; without them the ETag is checked instead). A multipart ETag is recomputed with the part size the server gives for part 1 (every part
-    asked for when parts differ in size); a server that will not say gets the common part sizes
-    tried, and only the size checked if none of them gives the ETag.
+    server; without them the ETag is checked instead). A multipart ETag is recomputed with the
+    part size the server gives for part 1 (every part asked for when parts differ in size); a
+    server that will not say gets the common part sizes tried, and only the size checked if none
+    of them gives the ETag.
     """
     if os.path.getsize(path) != size:
         return None
